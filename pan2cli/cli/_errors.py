@@ -1,0 +1,48 @@
+"""Map known failures to one `Error: ...` line (plus `Hint: ...`) and an exit code; keep tracebacks for the unexpected."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import click
+import torch
+
+from pan2cli.errors import EXIT_INTERRUPTED, OutOfMemoryError, Pan2Error
+
+
+def debug_enabled() -> bool:
+    """Tracebacks for known errors too: `--debug` or `PAN2_DEBUG=1`."""
+    return os.environ.get("PAN2_DEBUG", "") not in ("", "0")
+
+
+def _report(error: Pan2Error) -> int:
+    if debug_enabled():
+        traceback.print_exc(file=sys.stderr)
+    click.echo(f"Error: {error}", err=True)
+    if error.hint:
+        click.echo(f"Hint: {error.hint}", err=True)
+    return error.exit_code
+
+
+class Pan2Group(click.Group):
+    """A click group whose `main` turns our typed errors into exit codes (CliRunner sees the same)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.Exit as exc:
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:  # usage errors: exit 2, with click's usage line
+            exc.show()
+            sys.exit(exc.exit_code)
+        except (KeyboardInterrupt, click.exceptions.Abort):
+            click.echo("Interrupted.", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        except Pan2Error as exc:
+            sys.exit(_report(exc))
+        except torch.OutOfMemoryError as exc:
+            first_line = str(exc).splitlines()[0] if str(exc) else "out of memory"
+            sys.exit(_report(OutOfMemoryError(first_line, hint="pass a smaller --chunk-latent-frames, or free the GPU")))
+        sys.exit(result if isinstance(result, int) else 0)

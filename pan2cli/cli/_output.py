@@ -1,0 +1,65 @@
+"""Where output goes: results (paths) on stdout; progress, summaries, warnings and errors on stderr."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+# Rich writes to stderr only; stdout stays clean for paths and --json.
+stderr = Console(stderr=True, highlight=False)
+
+
+def result(line: str) -> None:
+    """One result line on stdout (a path written, a JSON document)."""
+    click.echo(line)
+
+
+def info(line: str, quiet: bool = False) -> None:
+    """One human line on stderr, silenced by --quiet."""
+    if not quiet:
+        stderr.print(line, markup=False)
+
+
+def warn(line: str) -> None:
+    click.echo(f"Warning: {line}", err=True)
+
+
+@contextmanager
+def progress_bar(description: str, total: int, unit: str, quiet: bool = False) -> Iterator:
+    """A rich progress bar on stderr; off under --quiet or when stderr is not a terminal.
+
+    Yields a callable `advance(n)`.
+    """
+    if quiet or not sys.stderr.isatty():
+        yield lambda n=1: None
+        return
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(unit),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=stderr, transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n=1: bar.advance(task, n)
+
+
+@contextmanager
+def status(message: str, quiet: bool = False) -> Iterator[None]:
+    """A spinner on stderr while something without a known length runs (loading a model)."""
+    if quiet or not sys.stderr.isatty():
+        yield
+        return
+    with stderr.status(message):
+        yield
+
+
+def gib(n_bytes: int) -> str:
+    return f"{n_bytes / 2**30:.2f} GiB"

@@ -1,0 +1,186 @@
+"""`pan2 decode`: Wan2.2 VAE latents → MP4 (or PNG frames, or a uint8 tensor).
+
+Usage: pan2 decode LATENTS... [-o OUT] [--vae PATH|REPO] [--format mp4|png|pt] [...]
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import torch
+
+from pan2cli.cli._options import device_option, dtype_option, quiet_option, resolve_device, resolve_dtype
+from pan2cli.cli._output import gib, info, progress_bar, result, status
+from pan2cli.decode import decode_latents
+from pan2cli.errors import InputError
+from pan2cli.latents import LatentInput, load_latents
+from pan2cli.vae.checkpoint import DEFAULT_VAE_REPO, load_vae_decoder
+from pan2cli.video import DEFAULT_CRF, OUTPUT_FORMATS, check_output_path, default_output_path, open_video_writer
+
+DEFAULT_FPS = 24.0
+_SUFFIX_FORMATS = {".mp4": "mp4", ".pt": "pt"}
+
+
+@dataclass(frozen=True)
+class DecodeJob:
+    """One video to write: batch item `index` of `source`, to `output`."""
+
+    source: LatentInput
+    index: int
+    output: Path
+
+
+def _resolve_format(fmt: str | None, output: Path | None) -> str:
+    suffix_fmt = _SUFFIX_FORMATS.get(output.suffix.lower()) if output is not None and not output.is_dir() else None
+    if fmt and suffix_fmt and fmt != suffix_fmt:
+        raise InputError(f"-o {output} ends in {output.suffix} but --format is {fmt}", hint="make them agree")
+    return fmt or suffix_fmt or "mp4"
+
+
+def _numbered(path: Path, index: int) -> Path:
+    return path.with_name(f"{path.stem}_{index}{path.suffix}")
+
+
+def plan_outputs(sources: list[LatentInput], output: Path | None, fmt: str) -> list[DecodeJob]:
+    """One job per video (batch item) with its output path; several videos need `-o` to be a folder.
+
+    Raises:
+        InputError: `-o` is a file but there are several videos, or two videos would share a name.
+    """
+    n_videos = sum(s.latents.shape[0] for s in sources)
+    to_folder = output is not None and output.is_dir()
+    if n_videos > 1 and output is not None and not to_folder:
+        raise InputError(
+            f"-o {output} names one file, but there are {n_videos} videos to write",
+            hint="pass an existing folder as -o, or leave it out to write next to each input",
+        )
+    jobs = []
+    for source in sources:
+        batch = source.latents.shape[0]
+        for index in range(batch):
+            if output is not None and not to_folder:
+                path = output
+            else:
+                path = default_output_path(source.path, fmt)
+                if to_folder:
+                    path = output / path.name
+                if batch > 1:
+                    path = _numbered(path, index)
+            jobs.append(DecodeJob(source, index, path))
+    seen: dict[Path, DecodeJob] = {}
+    for job in jobs:
+        key = job.output.resolve()
+        if key in seen:
+            raise InputError(
+                f"{seen[key].source.path} and {job.source.path} would both be written to {job.output}",
+                hint="decode them into different folders with -o",
+            )
+        seen[key] = job
+    return jobs
+
+
+@click.command("decode")
+@click.argument("latents", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Output file (or folder of PNG frames); with several inputs, an existing folder.  "
+    "[default: next to each input, same stem]",
+)
+@click.option(
+    "--vae",
+    default=None,
+    metavar="PATH|REPO",
+    help=f"VAE checkpoint: Wan2.2_VAE.pth, a .safetensors file, a diffusers folder, or a Hugging Face repo id.  "
+    f"[default: {DEFAULT_VAE_REPO}]",
+)
+@click.option("--revision", default=None, help="Branch, tag or commit of the Hugging Face repo given by --vae.")
+@dtype_option
+@device_option
+@click.option(
+    "--chunk-latent-frames",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Latent frames per decoder pass after the first (4 video frames each); smaller uses less memory, "
+    "the output is the same.",
+)
+@click.option(
+    "--fps",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help=f"Frame rate of the video.  [default: the latents file's `fps`, else {DEFAULT_FPS:g}]",
+)
+@click.option(
+    "--crf",
+    type=click.IntRange(0, 51),
+    default=DEFAULT_CRF,
+    show_default=True,
+    help="H.264 quality for MP4 (0 lossless, 51 worst; 17 is visually lossless).",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(OUTPUT_FORMATS),
+    default=None,
+    help="mp4 (H.264, yuv420p), png (a folder of frames) or pt (a uint8 tensor [F,H,W,3]).  "
+    "[default: from the -o suffix, else mp4]",
+)
+@click.option(
+    "--raw-latents",
+    is_flag=True,
+    help="The latents are raw VAE latents: skip the un-normalisation (z·std + mean) applied to the DiT's output.",
+)
+@click.option("--overwrite", is_flag=True, help="Replace existing outputs (otherwise they are an error).")
+@quiet_option
+def decode_command(latents, output, vae, revision, dtype, device, chunk_latent_frames, fps, crf, fmt, raw_latents, overwrite, quiet):
+    """Decode Wan2.2 VAE latents (PAN 2 DiT output) into video.
+
+    LATENTS are `.pt` files holding a tensor [48,T,H,W] or [B,48,T,H,W] (or a dict with `latents`
+    and optional `fps`), or `.safetensors` files with a `latents` tensor. T latent frames give
+    1 + 4·(T−1) video frames of 16H x 16W pixels. The model is loaded once for all inputs.
+    The paths written are printed on stdout; progress and a summary go to stderr.
+
+    \b
+    Examples:
+      pan2 decode latents.pt -o video.mp4
+      pan2 decode run1.pt run2.pt -o videos/ --vae ./Wan2.2_VAE.pth
+      pan2 decode latents.pt --format png --device cpu --dtype fp32
+    """
+    # 1. Check every input and output before any model loads.
+    fmt = _resolve_format(fmt, output)
+    sources = [load_latents(path) for path in latents]
+    jobs = plan_outputs(sources, output, fmt)
+    for job in jobs:
+        check_output_path(job.output, overwrite)
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+
+    # 2. Load the decoder once.
+    start = time.perf_counter()
+    with status("Loading the VAE decoder…", quiet):
+        decoder = load_vae_decoder(
+            vae, revision, dtype=torch_dtype, device=device, chunk_latent_frames=chunk_latent_frames
+        )
+    info(f"Loaded the VAE decoder in {time.perf_counter() - start:.1f} s ({device}, {str(torch_dtype).removeprefix('torch.')}).", quiet)
+
+    # 3. Decode each video, writing it chunk by chunk.
+    for job in jobs:
+        z = job.source.latents[job.index]
+        frame_rate = fps or job.source.fps or DEFAULT_FPS
+        with open_video_writer(job.output, fmt, frame_rate, crf=crf, overwrite=overwrite) as writer:
+            with progress_bar(f"Decoding {job.source.path.name}", total=z.shape[1], unit="latent frames", quiet=quiet) as advance:
+                stats = decode_latents(decoder, z, writer, normalized=not raw_latents, on_chunk=advance)
+        result(str(job.output))
+        summary = (
+            f"{job.output}: {stats.frames} frames, {stats.width}x{stats.height}, {frame_rate:g} fps; "
+            f"decode {stats.seconds:.2f} s"
+        )
+        if stats.peak_allocated is not None:
+            summary += f"; peak GPU memory {gib(stats.peak_allocated)} allocated, {gib(stats.peak_reserved)} reserved"
+        info(summary, quiet)

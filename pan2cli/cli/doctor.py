@@ -1,0 +1,81 @@
+"""`pan2 doctor`: what this machine offers pan2 (Python, torch, CUDA, GPUs, caches, decode path)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+
+import click
+import torch
+
+import pan2cli
+from pan2cli.cli._options import resolve_dtype
+from pan2cli.cli._output import result
+from pan2cli.paths import cache_dir
+
+
+def _ffmpeg() -> str:
+    try:
+        import imageio_ffmpeg
+
+        return imageio_ffmpeg.get_ffmpeg_exe()
+    except Exception as exc:  # a missing binary is a finding, not a crash
+        return f"not found ({exc})"
+
+
+def _hf_cache() -> str:
+    from huggingface_hub import constants
+
+    offline = " (offline: HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
+    return f"{constants.HF_HUB_CACHE}{offline}"
+
+
+def collect_report() -> dict:
+    """Everything `pan2 doctor` prints, as a dict (also its --json output)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        gpus.append(
+            {
+                "index": i,
+                "name": props.name,
+                "compute_capability": f"{props.major}.{props.minor}",
+                "memory_gib": round(props.total_memory / 2**30, 1),
+            }
+        )
+    return {
+        "pan2cli": pan2cli.__version__,
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "none (CPU build of torch)",
+        "cuda_available": torch.cuda.is_available(),
+        "gpus": gpus,
+        "ffmpeg": _ffmpeg(),
+        "cache_dir": str(cache_dir()),
+        "hf_cache": _hf_cache(),
+        "decode_default": f"{device}, {str(resolve_dtype(None, device)).removeprefix('torch.')}",
+        # The compiled CUDA decoder is a later issue; until then every decode is the reference.
+        "decode_path": "reference PyTorch decoder (this version has no compiled decode kernel)",
+    }
+
+
+@click.command("doctor")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def doctor_command(as_json):
+    """Report Python, torch, CUDA, GPUs, ffmpeg, cache folders and which decode path would run.
+
+    \b
+    Examples:
+      pan2 doctor
+      pan2 doctor --json
+    """
+    report = collect_report()
+    if as_json:
+        result(json.dumps(report, indent=2))
+        return
+    for key, value in report.items():
+        if key == "gpus":
+            value = "; ".join(f"{g['index']}: {g['name']} (sm {g['compute_capability']}, {g['memory_gib']} GiB)" for g in value) or "none"
+        result(f"{key:<15} {value}")

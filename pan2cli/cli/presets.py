@@ -1,0 +1,57 @@
+"""`pan2 presets list | show NAME`: the shipped generation presets and user preset files."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from pan2cli.cli._output import result
+from pan2cli.presets import DEFAULT_PRESET, list_presets, load_preset, preset_to_dict
+
+
+@click.group("presets")
+def presets_group():
+    """List and show generation presets (frames, size, fps, sampler settings).
+
+    A preset is a TOML file; pass a shipped name or the path of your own file wherever a preset is taken.
+
+    \b
+    Examples:
+      pan2 presets list
+      pan2 presets show pan2-5s
+      pan2 presets show ./my-preset.toml --json
+    """
+
+
+@presets_group.command("list")
+def list_command():
+    """List the shipped presets, one per line: name, frames, size, fps, description."""
+    for preset in list_presets():
+        default = " (default)" if preset.name == DEFAULT_PRESET else ""
+        result(
+            f"{preset.name:<10} {preset.frames:>4} frames  {preset.width}x{preset.height}  {preset.fps} fps  "
+            f"{preset.description}{default}"
+        )
+
+
+@presets_group.command("show")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print the preset as JSON instead of TOML-style lines.")
+def show_command(name, as_json):
+    """Show every setting of preset NAME (a shipped name or a .toml path).
+
+    \b
+    Examples:
+      pan2 presets show pan2-10s
+      pan2 presets show pan2-20s --json
+    """
+    preset = load_preset(name)
+    values = preset_to_dict(preset)
+    values["latent_frames"] = preset.latent_frames
+    values["latent_shape"] = list(preset.latent_shape)
+    if as_json:
+        result(json.dumps(values, indent=2))
+        return
+    for key, value in values.items():
+        result(f"{key} = {json.dumps(value)}")

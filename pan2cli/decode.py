@@ -1,0 +1,93 @@
+"""Decode latents into a frame writer, chunk by chunk: un-normalise, decode, uint8 on the device, one copy to host."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from pan2cli.errors import OutOfMemoryError
+from pan2cli.latents import unnormalize
+from pan2cli.vae.model import WanVAEDecoder
+from pan2cli.video import VideoWriter, copy_to_host, frames_to_uint8
+
+
+@dataclass(frozen=True)
+class DecodeStats:
+    """What one decode did: frames and size written, seconds spent, peak GPU memory (bytes, CUDA only)."""
+
+    frames: int
+    height: int
+    width: int
+    seconds: float
+    peak_allocated: int | None = None
+    peak_reserved: int | None = None
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode_latents(
+    decoder: WanVAEDecoder,
+    latents: torch.Tensor,
+    writer: VideoWriter,
+    *,
+    normalized: bool = True,
+    chunk_latent_frames: int | None = None,
+    on_chunk: Callable[[int], None] | None = None,
+) -> DecodeStats:
+    """Decode one video's latents and hand its frames to `writer`, one host copy per chunk.
+
+    Args:
+        decoder: the Wan2.2 VAE decoder (its device and dtype are used).
+        latents: `(48, T, h, w)` or `(1, 48, T, h, w)` float latents, on any device.
+        writer: receives uint8 `(f, 16h, 16w, 3)` CPU frames chunk by chunk.
+        normalized: the latents are the DiT's normalised ones (un-normalised here with the VAE
+            config's per-channel mean/std: `z·std + mean`); False for raw VAE latents.
+        chunk_latent_frames: latent frames per pass after the first (default: the decoder config's).
+        on_chunk: called with the number of latent frames each finished chunk consumed (progress).
+
+    Returns:
+        `DecodeStats` with the decode seconds (device-synchronised) and, on CUDA, the peak memory.
+
+    Raises:
+        OutOfMemoryError: the GPU ran out of memory (exit 1, with a hint to use smaller chunks).
+    """
+    device = decoder.device
+    z = latents if latents.dim() == 5 else latents.unsqueeze(0)
+    # Un-normalise in fp32 before casting to the decoder dtype: bf16 has 8 bits of mantissa.
+    z = z.to(device=device, dtype=torch.float32)
+    if normalized:
+        z = unnormalize(z, decoder.config.latents_mean, decoder.config.latents_std)
+    chunk = chunk_latent_frames or decoder.config.chunk_latent_frames
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    _synchronize(device)
+    start = time.perf_counter()
+    frames = height = width = 0
+    try:
+        consumed = 0
+        for video in decoder.decode_chunks(z, chunk):
+            # video: (1, 3, f, H, W) in [-1, 1] -> uint8 (f, H, W, 3) on the device, then ONE copy
+            host = copy_to_host(frames_to_uint8(video[0]))
+            writer.write(host)
+            frames += host.shape[0]
+            height, width = host.shape[1], host.shape[2]
+            step = 1 if consumed == 0 else min(chunk, z.shape[2] - consumed)
+            consumed += step
+            if on_chunk is not None:
+                on_chunk(step)
+        _synchronize(device)
+    except torch.OutOfMemoryError as exc:
+        raise OutOfMemoryError(
+            f"the GPU ran out of memory while decoding {tuple(z.shape)} latents "
+            f"with {chunk} latent frames per chunk: {str(exc).splitlines()[0]}",
+            hint="pass a smaller --chunk-latent-frames (1 uses the least memory), or free the GPU",
+        ) from exc
+    seconds = time.perf_counter() - start
+    peak = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else (None, None)
+    return DecodeStats(frames, height, width, seconds, *peak)

@@ -1,0 +1,276 @@
+"""Generation presets: load, validate and list the `.toml` run settings (frames, size, steps, ...)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11; pyproject.toml depends on tomli there
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from pan2cli.errors import InputError
+from pan2cli.resources import presets_dir
+
+DEFAULT_PRESET = "pan2-10s"
+
+SAMPLERS = ("euler",)
+
+# Wan2.2 VAE: 4x temporal compression (plus the first frame), 16x spatial, 48 latent channels.
+_TEMPORAL_FACTOR = 4
+_SPATIAL_FACTOR = 16
+_LATENT_CHANNELS = 48
+# The DiT patchifies the 16x-downsampled latent by 2, so pixel sizes must be multiples of 32.
+_SIZE_MULTIPLE = 32
+# torch.manual_seed accepts seeds up to 2**64 - 1.
+_MAX_SEED = 2**64 - 1
+
+_LIST_HINT = "pass a preset name from `pan2 presets list` or a path to a .toml file"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Preset:
+    """One validated set of generation settings.
+
+    Attributes:
+        name: Preset name: the file name without `.toml`.
+        description: One line for `pan2 presets list`.
+        frames: Video frames; 1 + 4 * (latent frames - 1), as the Wan2.2 VAE requires.
+        height: Video height in pixels, a multiple of 32.
+        width: Video width in pixels, a multiple of 32.
+        fps: Frames per second of the written video.
+        steps: Denoising steps.
+        guidance: Classifier-free guidance scale.
+        flow_shift: Timestep shift of the flow-matching schedule.
+        seed: Random seed, 0 <= seed < 2**64.
+        sampler: Sampler name, one of `SAMPLERS`.
+        negative_prompt: Negative prompt for classifier-free guidance ("" for none).
+        chunk_latent_frames: Latent frames the VAE decoder takes per chunk.
+        source: The `.toml` file the preset was read from.
+
+    Raises:
+        InputError: On construction, when a field has the wrong type or an invalid value; the
+            message names the source file, the field and the value.
+    """
+
+    name: str
+    description: str
+    frames: int
+    height: int
+    width: int
+    fps: int
+    steps: int
+    guidance: float
+    flow_shift: float
+    seed: int
+    sampler: str
+    negative_prompt: str
+    chunk_latent_frames: int
+    source: Path
+
+    def __post_init__(self) -> None:
+        # `source` first: every other message names it. Accept a str so that
+        # `Preset(**preset_to_dict(p))` round-trips.
+        if isinstance(self.source, (str, os.PathLike)):
+            object.__setattr__(self, "source", Path(self.source))
+        else:
+            raise InputError(
+                f"preset source must be a path, got {type(self.source).__name__} {self.source!r}"
+            )
+
+        for name in ("name", "description", "sampler", "negative_prompt"):
+            self._check_type(name, str, "a string")
+        for name in ("frames", "height", "width", "fps", "steps", "seed", "chunk_latent_frames"):
+            # bool is a subclass of int, but `frames = true` is a mistake, not 1.
+            self._check_type(name, int, "an integer")
+        for name in ("guidance", "flow_shift"):
+            self._check_type(name, (int, float), "a number")
+            # Store floats even when the file says `guidance = 3`, so dumps are consistent.
+            object.__setattr__(self, name, float(getattr(self, name)))
+
+        self._check("name", bool(self.name.strip()), "must not be empty")
+        self._check(
+            "frames",
+            self.frames >= 1 and self.frames % _TEMPORAL_FACTOR == 1,
+            "must be 1 + 4*k (e.g. 121, 241, 481): the Wan2.2 VAE decodes 1 + 4*(latent frames - 1) frames",
+        )
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            ok = value > 0 and value % _SIZE_MULTIPLE == 0
+            self._check(name, ok, f"must be a positive multiple of {_SIZE_MULTIPLE}")
+        self._check("fps", self.fps > 0, "must be > 0")
+        self._check("steps", self.steps >= 1, "must be >= 1")
+        for name in ("guidance", "flow_shift"):
+            value = getattr(self, name)
+            self._check(name, math.isfinite(value) and value > 0, "must be a finite number > 0")
+        self._check("seed", 0 <= self.seed <= _MAX_SEED, "must be between 0 and 2**64 - 1")
+        self._check("sampler", self.sampler in SAMPLERS, f"must be one of: {', '.join(SAMPLERS)}")
+        self._check("chunk_latent_frames", self.chunk_latent_frames >= 1, "must be >= 1")
+
+    def _check_type(self, name: str, types: type | tuple[type, ...], what: str) -> None:
+        """Raise InputError unless field `name` is an instance of `types` (bool never counts as a number)."""
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise InputError(
+                f"{self.source}: '{name}' must be {what}, got {type(value).__name__} {value!r}",
+                hint=_fix_hint(self.source),
+            )
+
+    def _check(self, name: str, ok: bool, requirement: str) -> None:
+        """Raise InputError naming field `name` and its value unless `ok`."""
+        if not ok:
+            raise InputError(
+                f"{self.source}: invalid '{name}' = {getattr(self, name)!r}: {requirement}",
+                hint=_fix_hint(self.source),
+            )
+
+    @property
+    def latent_frames(self) -> int:
+        """Latent frames the VAE decodes into `frames` video frames."""
+        return 1 + (self.frames - 1) // _TEMPORAL_FACTOR
+
+    @property
+    def duration_s(self) -> float:
+        """Video length in seconds (`frames / fps`; 121 frames at 24 fps is 5.04 s)."""
+        return self.frames / self.fps
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int, int, int]:
+        """Shape of the Wan2.2 VAE latent (batch, channels, frames, height, width)."""
+        return (
+            1,
+            _LATENT_CHANNELS,
+            self.latent_frames,
+            self.height // _SPATIAL_FACTOR,
+            self.width // _SPATIAL_FACTOR,
+        )
+
+
+# Keys a preset file must contain: every field except those that come from the file itself.
+_FILE_KEYS = tuple(f.name for f in dataclasses.fields(Preset) if f.name not in ("name", "source"))
+
+
+def _fix_hint(source: Path) -> str:
+    return f"fix the value in {source}, or {_LIST_HINT}"
+
+
+def _natural_key(name: str) -> list[Any]:
+    """Sort key that puts `pan2-5s` before `pan2-10s`."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _shipped_files() -> dict[str, Path]:
+    """Map each shipped preset name to its file, in name order."""
+    files = {path.stem: path for path in presets_dir().glob("*.toml") if path.is_file()}
+    return {name: files[name] for name in sorted(files, key=_natural_key)}
+
+
+def _looks_like_path(text: str) -> bool:
+    return text.endswith(".toml") or "/" in text or os.sep in text or Path(text).is_file()
+
+
+def _load_file(path: Path, name: str) -> Preset:
+    """Read and validate one preset file.
+
+    Args:
+        path: The `.toml` file.
+        name: The preset's name.
+
+    Returns:
+        The validated preset.
+
+    Raises:
+        InputError: The file is missing, unreadable, not TOML, has unknown or missing keys, or
+            an invalid value; the message names the file.
+    """
+    if not path.exists():
+        raise InputError(f"preset file {path} not found", hint=_LIST_HINT)
+    if not path.is_file():
+        raise InputError(f"preset file {path} is not a file", hint=_LIST_HINT)
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise InputError(f"{path}: invalid TOML: {e}") from e
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not a UTF-8 text file: {e}") from e
+    except OSError as e:
+        raise InputError(f"cannot read preset file {path}: {e.strerror or e}") from e
+
+    unknown = sorted(set(data) - set(_FILE_KEYS))
+    if unknown:
+        keys = ", ".join(repr(k) for k in unknown)
+        hint = "the preset name is the file name" if "name" in unknown else None
+        plural = "s" if len(unknown) > 1 else ""
+        valid = ", ".join(_FILE_KEYS)
+        raise InputError(f"{path}: unknown key{plural} {keys}; valid keys: {valid}", hint=hint)
+    missing = [k for k in _FILE_KEYS if k not in data]
+    if missing:
+        keys = ", ".join(repr(k) for k in missing)
+        raise InputError(f"{path}: missing key{'s' if len(missing) > 1 else ''} {keys}")
+    return Preset(name=name, source=path, **data)
+
+
+def list_presets() -> list[Preset]:
+    """Load every preset shipped with pan2cli.
+
+    Returns:
+        The shipped presets, sorted by name with numbers in numeric order (pan2-5s, pan2-10s, ...).
+
+    Raises:
+        InputError: A shipped preset file is invalid (a packaging bug).
+        RuntimeError: The presets directory is missing (a broken install).
+    """
+    return [_load_file(path, name) for name, path in _shipped_files().items()]
+
+
+def load_preset(name_or_path: str | os.PathLike[str]) -> Preset:
+    """Load a shipped preset by name, or a user's preset file by path.
+
+    A shipped name wins over a file of the same name in the working directory; anything ending
+    in `.toml`, containing a path separator, or naming an existing file is read as a path.
+
+    Args:
+        name_or_path: A shipped preset name such as `pan2-10s`, or a path to a `.toml` file
+            (its name becomes the preset's name).
+
+    Returns:
+        The validated preset.
+
+    Raises:
+        InputError: Unknown name, missing or unreadable file, invalid TOML, unknown or missing
+            key, or an invalid value.
+        RuntimeError: The presets directory is missing (a broken install).
+    """
+    text = os.fspath(name_or_path)
+    shipped = _shipped_files()
+    if isinstance(name_or_path, str) and text in shipped:
+        return _load_file(shipped[text], text)
+    if not isinstance(name_or_path, str) or _looks_like_path(text):
+        path = Path(text).expanduser().resolve()
+        return _load_file(path, path.stem)
+    raise InputError(
+        f"unknown preset {text!r}: not a preset in {presets_dir()} nor a .toml file; "
+        f"available presets: {', '.join(shipped) or '(none)'}",
+        hint=_LIST_HINT,
+    )
+
+
+def preset_to_dict(preset: Preset) -> dict[str, Any]:
+    """Turn a preset into plain JSON-ready values, for `pan2 presets show` and JSON sidecars.
+
+    Args:
+        preset: The preset.
+
+    Returns:
+        Every field in declaration order, `source` as a string; `Preset(**result)` rebuilds it.
+    """
+    result = {f.name: getattr(preset, f.name) for f in dataclasses.fields(preset)}
+    result["source"] = str(preset.source)
+    return result

@@ -1,0 +1,388 @@
+"""Find, read, check and load Wan2.2 VAE checkpoints into the reference decoder.
+
+Accepted (docs/wan22_vae.md §7):
+* the original `Wan2.2_VAE.pth` (torch pickle of a flat state dict, original key names), read with
+  `weights_only=True`;
+* a single safetensors file with original key names (ComfyUI's `wan2.2_vae.safetensors`) or with
+  diffusers key names;
+* a diffusers folder (`config.json` + `diffusion_pytorch_model.safetensors`), given as the folder or as a
+  repository root holding it in `vae/`;
+* a Hugging Face repo id (default `Wan-AI/Wan2.2-TI2V-5B-Diffusers`, its `vae/` folder), fetched through
+  huggingface_hub's cache (tokens, `HF_HOME`, `HF_HUB_OFFLINE` as usual).
+
+Single files are the TI2V-5B architecture; a diffusers folder's `config.json` is read (widths may differ).
+Every decoder and post-quant key must be present with the right shape; encoder and quant-conv keys are
+accepted (real files hold the whole VAE); any other key is an error that names it.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+
+from pan2cli.errors import CheckpointError, DownloadError, InputError
+from pan2cli.vae.config import WanVAEConfig
+from pan2cli.vae.model import WanVAEDecoder
+
+DEFAULT_VAE_REPO = "Wan-AI/Wan2.2-TI2V-5B-Diffusers"
+DIFFUSERS_CONFIG = "config.json"
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
+_VAE_HINT = "pass --vae with Wan2.2_VAE.pth, wan2.2_vae.safetensors, a diffusers vae/ folder or a Hugging Face repo id"
+
+# Keys the decoder does not use but a whole-VAE file carries (the encoder will use them for image-to-video).
+_ACCEPTED_EXTRA_PREFIXES = ("encoder.", "quant_conv.")
+_DECODER_PREFIXES = ("decoder.", "post_quant_conv.")
+
+
+# -- original → diffusers key names (the one mapping table) ---------------------------------------
+# Top-level structure, first match wins. `{up}` is resolved by `_up_block_part`.
+_ORIGINAL_STRUCTURE = (
+    (re.compile(r"^conv1\."), "quant_conv."),
+    (re.compile(r"^conv2\."), "post_quant_conv."),
+    (re.compile(r"^decoder\.conv1\."), "decoder.conv_in."),
+    (re.compile(r"^decoder\.middle\.0\."), "decoder.mid_block.resnets.0."),
+    (re.compile(r"^decoder\.middle\.1\."), "decoder.mid_block.attentions.0."),
+    (re.compile(r"^decoder\.middle\.2\."), "decoder.mid_block.resnets.1."),
+    (re.compile(r"^decoder\.upsamples\.(\d+)\.upsamples\.(\d+)\."), "{up}"),
+    (re.compile(r"^decoder\.head\.0\."), "decoder.norm_out."),
+    (re.compile(r"^decoder\.head\.2\."), "decoder.conv_out."),
+)
+# Inside a residual block: Sequential indices of `residual` and the shortcut.
+_ORIGINAL_RESBLOCK = (
+    (re.compile(r"\.residual\.0\."), ".norm1."),
+    (re.compile(r"\.residual\.2\."), ".conv1."),
+    (re.compile(r"\.residual\.3\."), ".norm2."),
+    (re.compile(r"\.residual\.6\."), ".conv2."),
+    (re.compile(r"\.shortcut\."), ".conv_shortcut."),
+)
+
+
+def original_to_diffusers_key(key: str, num_res_blocks: int = 2) -> str:
+    """Map one original Wan2.2 VAE key (`Wan2.2_VAE.pth`, ComfyUI) to its diffusers name.
+
+    Encoder keys are returned unchanged (the decoder does not read them). Keys that match no rule are
+    returned unchanged, so that validation reports them as unexpected.
+    """
+    for pattern, replacement in _ORIGINAL_STRUCTURE:
+        match = pattern.match(key)
+        if not match:
+            continue
+        if replacement == "{up}":
+            i, j = int(match.group(1)), int(match.group(2))
+            # Up_ResidualBlock.upsamples = [ResBlock × (num_res_blocks + 1), Resample]
+            part = f"resnets.{j}." if j <= num_res_blocks else "upsampler."
+            replacement = f"decoder.up_blocks.{i}.{part}"
+        key = replacement + key[match.end() :]
+        break
+    if ".resnets." in key:
+        for pattern, replacement in _ORIGINAL_RESBLOCK:
+            key = pattern.sub(replacement, key, count=1)
+    return key
+
+
+def _key_names(keys: list[str]) -> str:
+    """'diffusers' or 'original', from marker keys; raises if neither (a checkpoint of another model)."""
+    if any(k.startswith(("post_quant_conv.", "decoder.conv_in.", "decoder.mid_block.")) for k in keys):
+        return "diffusers"
+    if any(k.startswith(("conv2.", "decoder.conv1.", "decoder.middle.", "decoder.upsamples.")) for k in keys):
+        return "original"
+    sample = ", ".join(sorted(keys)[:5]) or "no tensors"
+    raise CheckpointError(f"this is not a Wan VAE checkpoint (it holds {sample}, ...)", hint=_VAE_HINT)
+
+
+# -- reading files ----------------------------------------------------------------------------------
+@dataclass
+class _TensorFile:
+    """Shapes of every tensor in a file, and a loader for the ones we need (large files stay on disk)."""
+
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype]
+    load: Callable[[str], torch.Tensor]
+
+
+def _read_safetensors(path: Path) -> _TensorFile:
+    from safetensors import safe_open
+
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+        shapes, dtypes = {}, {}
+        for key in handle.keys():
+            sliced = handle.get_slice(key)
+            shapes[key] = tuple(sliced.get_shape())
+            dtypes[key] = _SAFETENSORS_DTYPES.get(sliced.get_dtype(), torch.uint8)
+    except Exception as exc:  # safetensors raises its own SafetensorError and OSErrors
+        raise CheckpointError(
+            f"{path} could not be read as safetensors (truncated or not a safetensors file): {exc}", hint=_VAE_HINT
+        ) from exc
+
+    def load(key: str) -> torch.Tensor:
+        try:
+            return handle.get_tensor(key)
+        except Exception as exc:
+            raise CheckpointError(f"{path}: tensor {key} could not be read (truncated file?): {exc}") from exc
+
+    return _TensorFile(shapes, dtypes, load)
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+
+
+def _read_torch_pickle(path: Path) -> _TensorFile:
+    try:
+        try:
+            # mmap keeps the 2.8 GB original file on disk; legacy (non-zip) pickles cannot be mapped.
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"{path} holds objects other than plain tensors; pan2 loads checkpoints with weights_only=True",
+            hint=_VAE_HINT,
+        ) from exc
+    except Exception as exc:
+        raise CheckpointError(f"{path} could not be read (truncated or not a checkpoint): {exc}", hint=_VAE_HINT) from exc
+    if isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
+        obj = obj["state_dict"]
+    if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise CheckpointError(f"{path} is not a state dict of tensors", hint=_VAE_HINT)
+    state = dict(obj)
+    return _TensorFile(
+        {k: tuple(v.shape) for k, v in state.items()}, {k: v.dtype for k, v in state.items()}, state.__getitem__
+    )
+
+
+def _read_tensor_file(path: Path) -> _TensorFile:
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"{path} is empty", hint=_VAE_HINT)
+    if path.suffix == ".safetensors":
+        return _read_safetensors(path)
+    return _read_torch_pickle(path)
+
+
+# -- locating a checkpoint ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class VAECheckpoint:
+    """A located checkpoint: its weights file, architecture and where it came from."""
+
+    weights: Path
+    config: WanVAEConfig
+    source: str  # for messages and sidecars: a path, or `repo@revision`
+    layout: str  # "diffusers folder", "single file"
+
+
+def _looks_like_path(spec: str) -> bool:
+    return (
+        spec.startswith(("/", "./", "../", "~"))
+        or spec.count("/") > 1
+        or spec.endswith((".pth", ".pt", ".ckpt", ".safetensors", ".bin", ".json"))
+    )
+
+
+def _diffusers_folder(folder: Path) -> Path | None:
+    """The folder holding config.json + weights: `folder` itself or its `vae/` subfolder."""
+    for candidate in (folder, folder / "vae"):
+        if (candidate / DIFFUSERS_CONFIG).is_file() and (candidate / DIFFUSERS_WEIGHTS).is_file():
+            return candidate
+    return None
+
+
+def _read_config_json(path: Path) -> WanVAEConfig:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is not a readable JSON config: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return WanVAEConfig.from_diffusers_config(raw, source=str(path))
+
+
+def _local_checkpoint(path: Path) -> VAECheckpoint:
+    if path.is_dir():
+        folder = _diffusers_folder(path)
+        if folder is None:
+            raise CheckpointError(
+                f"{path} is a folder without {DIFFUSERS_CONFIG} and {DIFFUSERS_WEIGHTS} (looked in it and in vae/)",
+                hint=_VAE_HINT,
+            )
+        return VAECheckpoint(folder / DIFFUSERS_WEIGHTS, _read_config_json(folder / DIFFUSERS_CONFIG), str(path), "diffusers folder")
+    return VAECheckpoint(path, WanVAEConfig(), str(path), "single file")
+
+
+def _hub_checkpoint(repo_id: str, revision: str | None) -> VAECheckpoint:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"{repo_id}@{revision}" if revision else repo_id
+
+    def fetch(subfolder: str | None) -> tuple[Path, Path]:
+        files = [hf_hub_download(repo_id, name, subfolder=subfolder, revision=revision) for name in (DIFFUSERS_CONFIG, DIFFUSERS_WEIGHTS)]
+        return Path(files[0]), Path(files[1])
+
+    try:
+        try:
+            config_path, weights = fetch("vae")
+        except EntryNotFoundError:  # a VAE-only repository keeps the files at its root
+            config_path, weights = fetch(None)
+    except GatedRepoError as exc:
+        raise DownloadError(
+            f"{where} is gated and this machine has no access to it",
+            hint="accept the licence on huggingface.co and log in (`hf auth login`, or set HF_TOKEN), or pass --vae PATH",
+        ) from exc
+    except (RepositoryNotFoundError, HFValidationError) as exc:
+        raise InputError(f"no Hugging Face repository {repo_id!r} (or no access to it)", hint=_VAE_HINT) from exc
+    except RevisionNotFoundError as exc:
+        raise InputError(f"{repo_id} has no revision {revision!r}", hint="check --revision") from exc
+    except EntryNotFoundError as exc:
+        raise CheckpointError(f"{where} has no {DIFFUSERS_CONFIG} + {DIFFUSERS_WEIGHTS} in vae/ or at its root", hint=_VAE_HINT) from exc
+    except LocalEntryNotFoundError as exc:
+        raise DownloadError(
+            f"could not download the VAE from {where} and no copy is cached (offline, or the hub is unreachable)",
+            hint="pass --vae PATH to a local Wan2.2_VAE.pth, wan2.2_vae.safetensors or diffusers vae/ folder",
+        ) from exc
+    except OSError as exc:  # network and disk errors below huggingface_hub
+        raise DownloadError(f"download of the VAE from {where} failed: {exc}", hint="pass --vae PATH to a local checkpoint") from exc
+    return VAECheckpoint(weights, _read_config_json(config_path), where, "diffusers folder")
+
+
+def resolve_vae_checkpoint(spec: str | Path | None = None, revision: str | None = None) -> VAECheckpoint:
+    """Locate a VAE checkpoint from a local path or a Hugging Face repo id (downloading it if needed).
+
+    Args:
+        spec: a `.pth`/`.safetensors` file, a diffusers folder (or a repo root with `vae/`), or a repo id;
+            `None` means `DEFAULT_VAE_REPO`.
+        revision: branch, tag or commit for a repo id (ignored for local paths).
+
+    Raises:
+        InputError / CheckpointError: no such path, not a VAE checkpoint, bad config (exit 2).
+        DownloadError: the hub could not be reached and nothing is cached (exit 1).
+    """
+    spec = str(spec) if spec is not None else DEFAULT_VAE_REPO
+    path = Path(spec).expanduser()
+    if path.exists():
+        return _local_checkpoint(path)
+    if _looks_like_path(spec):
+        raise InputError(f"no such file or folder: {spec}", hint=_VAE_HINT)
+    return _hub_checkpoint(spec, revision)
+
+
+# -- checking and loading -----------------------------------------------------------------------
+def _listing(keys, limit: int = 8) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(keys[:limit])
+    return shown + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def check_decoder_keys(
+    shapes: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], source: str
+) -> None:
+    """Every expected key present with its shape; encoder/quant-conv keys accepted; anything else an error.
+
+    Args:
+        shapes: checkpoint key (diffusers names) -> shape.
+        expected: the decoder's own key -> shape.
+
+    Raises:
+        CheckpointError: naming the missing, unexpected and mis-shaped keys.
+    """
+    present = set(shapes)
+    missing = set(expected) - present
+    unexpected = {k for k in present - set(expected) if not k.startswith(_ACCEPTED_EXTRA_PREFIXES)}
+    misshaped = {k for k in present & set(expected) if tuple(shapes[k]) != tuple(expected[k])}
+    if not (missing or unexpected or misshaped):
+        return
+    if not present & set(expected):
+        raise CheckpointError(
+            f"{source} is not a Wan2.2 VAE checkpoint: none of the decoder's keys are in it "
+            f"(it holds {_listing(present, 5)})",
+            hint=_VAE_HINT,
+        )
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {_listing(unexpected)}")
+    if misshaped:
+        problems.append(
+            "wrong shapes: "
+            + _listing(f"{k} {list(shapes[k])} (expected {list(expected[k])})" for k in misshaped)
+        )
+    raise CheckpointError(
+        f"{source} does not match the Wan2.2 VAE decoder ({'; '.join(problems)})",
+        hint="is it a Wan2.1 VAE or another model? " + _VAE_HINT,
+    )
+
+
+def load_vae_decoder(
+    spec: str | Path | None = None,
+    revision: str | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    chunk_latent_frames: int = 4,
+) -> WanVAEDecoder:
+    """Locate, check and load a Wan2.2 VAE decoder.
+
+    Args:
+        spec, revision: see `resolve_vae_checkpoint`.
+        dtype: parameter dtype (`torch.float32`, `torch.bfloat16`, `torch.float64`).
+        device: where the decoder runs.
+        chunk_latent_frames: latent frames per decoder pass after the first.
+
+    Returns:
+        The decoder in eval mode, on `device`, in `dtype`.
+    """
+    ckpt = resolve_vae_checkpoint(spec, revision)
+    config = ckpt.config.replace(chunk_latent_frames=chunk_latent_frames)
+    return load_decoder_weights(ckpt.weights, config, dtype=dtype, device=device, source=ckpt.source)
+
+
+def load_decoder_weights(
+    weights: Path,
+    config: WanVAEConfig,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    source: str | None = None,
+) -> WanVAEDecoder:
+    """Build the decoder for `config` and load its tensors from one weights file (any accepted key names)."""
+    source = source or str(weights)
+    tensors = _read_tensor_file(Path(weights))
+    names = _key_names(list(tensors.shapes))
+    to_ours = (
+        (lambda k: original_to_diffusers_key(k, config.num_res_blocks)) if names == "original" else (lambda k: k)
+    )
+    renamed = {to_ours(k): k for k in tensors.shapes}
+    if len(renamed) != len(tensors.shapes):
+        raise CheckpointError(f"{source} holds the same tensor under two key names", hint=_VAE_HINT)
+    with torch.device("meta"):
+        model = WanVAEDecoder(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    check_decoder_keys({ours: tensors.shapes[orig] for ours, orig in renamed.items()}, expected, source)
+    state = {}
+    for key in expected:
+        tensor = tensors.load(renamed[key])
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"{source}: tensor {renamed[key]} has dtype {tensor.dtype}, expected a float")
+        state[key] = tensor.to(dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.to(device).eval().requires_grad_(False)

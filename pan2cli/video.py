@@ -1,0 +1,447 @@
+"""Turn decoded frames into uint8 and write them as an mp4, a folder of PNGs, or a .pt tensor."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import shutil
+import subprocess
+import tempfile
+from fractions import Fraction
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+import torch
+
+from pan2cli.errors import InputError, Pan2Error
+
+OUTPUT_FORMATS = ("mp4", "png", "pt")
+# x264's "visually lossless" point: the decode is the product, keep it close to the frames.
+DEFAULT_CRF = 17
+_X264_PRESET = "medium"
+
+
+def frames_to_uint8(video: torch.Tensor) -> torch.Tensor:
+    """Map decoded frames from [-1, 1] to uint8 pixels, on the same device.
+
+    Args:
+        video: [3, F, H, W] floating tensor (any float dtype, any device), values in [-1, 1].
+
+    Returns:
+        uint8 [F, H, W, 3] contiguous tensor on `video.device`: round((x + 1) * 127.5),
+        clamped to [0, 255].
+
+    Raises:
+        ValueError: `video` is not a [3, F, H, W] floating tensor.
+    """
+    if video.ndim != 4 or video.shape[0] != 3 or not video.is_floating_point():
+        raise ValueError(
+            f"expected a floating [3, F, H, W] video, got {video.dtype} {tuple(video.shape)}"
+        )
+    # float32 math even for bf16/fp16 input: bf16 cannot represent (x + 1) * 127.5 to 0.5.
+    x = (video.to(torch.float32) + 1.0) * 127.5
+    # torch.round rounds half to even: 127.5 (x = 0) -> 128, 0.5 -> 0, 1.5 -> 2. Exact .5
+    # values are rare in decoded output, so the bias is negligible and matches numpy.
+    x = x.round_().clamp_(0.0, 255.0).to(torch.uint8)
+    # Permute after the cast so the layout copy moves 1 byte per value, not 4.
+    return x.permute(1, 2, 3, 0).contiguous()
+
+
+def copy_to_host(frames: torch.Tensor) -> torch.Tensor:
+    """Copy a whole chunk of frames to CPU memory in one transfer.
+
+    Args:
+        frames: any tensor (typically uint8 [f, H, W, 3]) on any device.
+
+    Returns:
+        The same tensor if it is already on CPU; otherwise a CPU copy (pinned for CUDA),
+        complete when this function returns.
+    """
+    if frames.device.type == "cpu":
+        return frames
+    if frames.device.type != "cuda":
+        return frames.to("cpu")
+    # Pinned memory makes the copy a single DMA at full bus speed; torch's caching host
+    # allocator reuses the pinned blocks, so allocating one per chunk is cheap.
+    host = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)
+    host.copy_(frames, non_blocking=True)
+    # non_blocking returns before the copy lands; wait on the stream that queued it.
+    torch.cuda.current_stream(frames.device).synchronize()
+    return host
+
+
+def default_output_path(input_path: Path, fmt: str) -> Path:
+    """The output path used when none is given: next to the input, with the same stem.
+
+    `x.pt` -> `x.mp4` (mp4), `x/` (png), `x.pt` (pt). When that would be the input file
+    itself (pt output of a `.pt` input, png output of a suffix-less input, ...) `.frames`
+    is added to the stem instead: `x.frames.pt`, `x.frames/`, so the input is never replaced.
+
+    Args:
+        input_path: the latents file.
+        fmt: one of OUTPUT_FORMATS.
+
+    Returns:
+        The output file (mp4, pt) or folder (png).
+
+    Raises:
+        InputError: `fmt` is not one of OUTPUT_FORMATS.
+    """
+    _check_format(fmt)
+    input_path = Path(input_path)
+    suffix = "" if fmt == "png" else f".{fmt}"
+    out = input_path.with_suffix(suffix)
+    if out == input_path:
+        out = input_path.with_suffix(f".frames{suffix}")
+    return out
+
+
+def check_output_path(path: Path, overwrite: bool) -> None:
+    """Fail early (before any model loads) if `path` cannot be written.
+
+    Args:
+        path: the output file or png folder.
+        overwrite: whether an existing `path` may be replaced.
+
+    Raises:
+        InputError: the parent folder is missing, not a folder or not writable, or `path`
+            exists and `overwrite` is False.
+    """
+    path = Path(path)
+    parent = path.parent
+    if not parent.exists():
+        raise InputError(
+            f"output folder {parent} does not exist (for {path})",
+            hint="create it first, or choose another output path",
+        )
+    if not parent.is_dir():
+        raise InputError(f"cannot write {path}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK):
+        raise InputError(f"cannot write {path}: output folder {parent} is not writable")
+    # is_symlink: a dangling link does not "exist" but would still be replaced.
+    if (path.exists() or path.is_symlink()) and not overwrite:
+        raise InputError(f"output {path} already exists", hint="pass --overwrite to replace it")
+
+
+class VideoWriter:
+    """Writes chunks of uint8 frames to a temporary name, then renames it into place.
+
+    Use as a context manager: a clean exit commits, any exception (KeyboardInterrupt too)
+    aborts and leaves nothing behind. Create with `open_video_writer`.
+    """
+
+    def __init__(self, path: Path, fmt: str, fps: float, crf: int, overwrite: bool):
+        self.path = Path(path)
+        self.fmt = fmt
+        self.fps = float(fps)
+        self.crf = int(crf)
+        self.overwrite = overwrite
+        name = self.path.name
+        # Same folder as the target, so the final os.replace is an atomic rename on one
+        # filesystem; keep the suffix so ffmpeg picks the mp4 muxer from the name.
+        suffix = "" if fmt == "png" else f".{fmt}"
+        self.tmp_path = self.path.with_name(f".{name}.partial-{os.getpid()}{suffix}")
+        self._size: tuple[int, int] | None = None  # (H, W) of the first chunk
+        self._frames_written = 0
+        self._chunks: list[torch.Tensor] = []  # pt only
+        self._proc: subprocess.Popen[bytes] | None = None  # mp4 only
+        self._stderr: IO[bytes] | None = None
+        self._closed = False
+
+    @property
+    def frames_written(self) -> int:
+        """Number of frames accepted by `write` so far."""
+        return self._frames_written
+
+    def write(self, frames: torch.Tensor) -> None:
+        """Append a chunk of frames.
+
+        Args:
+            frames: uint8 [f, H, W, 3] CPU tensor; H and W must match earlier chunks
+                (and be even for mp4).
+
+        Raises:
+            ValueError: `frames` is not a uint8 [f, H, W, 3] CPU tensor, or the writer is closed.
+            InputError: H or W is odd for mp4.
+            Pan2Error: ffmpeg or the filesystem failed.
+        """
+        if self._closed:
+            raise ValueError(f"writer for {self.path} is already closed")
+        if frames.dtype != torch.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+            raise ValueError(f"expected uint8 [f, H, W, 3] frames, got {frames.dtype} {tuple(frames.shape)}")
+        if frames.device.type != "cpu":
+            raise ValueError(f"frames must be on CPU (use copy_to_host), got {frames.device}")
+        f, h, w, _ = frames.shape
+        if self._size is None:
+            self._start(h, w)
+        elif (h, w) != self._size:
+            raise ValueError(f"frame size changed from {self._size} to {(h, w)} while writing {self.path}")
+        if f == 0:
+            return
+        frames = frames.contiguous()
+        try:
+            if self.fmt == "mp4":
+                self._write_mp4(frames)
+            elif self.fmt == "png":
+                self._write_png(frames)
+            else:
+                # Own the data: the caller may reuse its (possibly pinned) buffer.
+                self._chunks.append(frames.clone())
+        except OSError as err:
+            raise Pan2Error(f"writing {self.path} failed: {err}") from err
+        self._frames_written += f
+
+    def commit(self) -> Path:
+        """Finish the file and move it into place.
+
+        Returns:
+            The final output path.
+
+        Raises:
+            Pan2Error: no frames were written, ffmpeg failed, or the rename failed (the
+                temporary output is removed first).
+            InputError: the target appeared meanwhile and `overwrite` is False.
+        """
+        if self._closed:
+            raise ValueError(f"writer for {self.path} is already closed")
+        try:
+            if self._frames_written == 0:
+                raise Pan2Error(f"no frames were written to {self.path}")
+            if self.fmt == "mp4":
+                self._finish_mp4()
+            elif self.fmt == "pt":
+                video = self._chunks[0] if len(self._chunks) == 1 else torch.cat(self._chunks)
+                self._chunks = []
+                torch.save(video, self.tmp_path)
+            # Re-check: another process may have created the target while we decoded.
+            if (self.path.exists() or self.path.is_symlink()) and not self.overwrite:
+                raise InputError(f"output {self.path} already exists", hint="pass --overwrite to replace it")
+            if self.fmt == "png" and (self.path.exists() or self.path.is_symlink()):
+                # os.replace cannot put a folder over an existing one (or over a file).
+                _remove(self.path)
+            os.replace(self.tmp_path, self.path)
+        except BaseException as err:
+            self.abort()
+            if isinstance(err, OSError):
+                raise Pan2Error(f"could not finish {self.path}: {err}") from err
+            raise
+        self._closed = True
+        return self.path
+
+    def abort(self) -> None:
+        """Stop writing and remove the temporary output. Safe to call more than once."""
+        self._closed = True
+        self._chunks = []
+        if self._proc is not None:
+            # ffmpeg runs in its own process group (Ctrl-C does not reach it): kill it and
+            # wait, so it cannot recreate the file after we delete it.
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._proc.wait()
+            _close_quietly(self._proc.stdin)
+            self._proc = None
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
+        _remove(self.tmp_path)
+
+    def __enter__(self) -> VideoWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            if not self._closed:
+                self.commit()
+        else:
+            self.abort()
+
+    def _start(self, h: int, w: int) -> None:
+        """Set the frame size and create the temporary output."""
+        if self.fmt == "mp4" and (h % 2 or w % 2):
+            raise InputError(
+                f"cannot write {self.path}: frames are {w}x{h} (WxH); H.264 with yuv420p "
+                "needs an even width and height",
+                hint="write --format png or pt instead, or decode a size with even sides",
+            )
+        self._size = (h, w)
+        # A leftover from a crashed run with the same pid would block mkdir/rename.
+        _remove(self.tmp_path)
+        if self.fmt == "png":
+            self.tmp_path.mkdir()
+        elif self.fmt == "mp4":
+            self._start_ffmpeg(h, w)
+
+    def _start_ffmpeg(self, h: int, w: int) -> None:
+        # The same command imageio_ffmpeg.write_frames builds, but run here so that we can
+        # check ffmpeg's exit status at commit, keep its stderr for the error message (not
+        # the user's terminal), and kill it on abort.
+        import imageio_ffmpeg
+
+        fps = Fraction(self.fps).limit_denominator(100000)
+        cmd = [
+            imageio_ffmpeg.get_ffmpeg_exe(),
+            "-y",
+            "-f", "rawvideo", "-vcodec", "rawvideo",
+            "-s", f"{w}x{h}", "-pix_fmt", "rgb24", "-r", str(fps),
+            "-i", "-", "-an",
+            "-vcodec", "libx264", "-pix_fmt", "yuv420p",
+            "-crf", str(self.crf), "-preset", _X264_PRESET,
+            "-v", "error",
+            str(self.tmp_path),
+        ]  # fmt: skip
+        self._stderr = tempfile.TemporaryFile()
+        try:
+            self._proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=self._stderr,
+                # Own session/process group: Ctrl-C goes to us only, and we decide to kill.
+                **_new_group_kwargs(),
+            )
+        except OSError as err:
+            raise Pan2Error(f"could not start ffmpeg to write {self.path}: {err}") from err
+
+    def _write_mp4(self, frames: torch.Tensor) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        # One write of the whole contiguous chunk: ffmpeg reads a raw rgb24 stream and
+        # splits it into frames itself, so no per-frame Python copies are needed.
+        try:
+            self._proc.stdin.write(memoryview(frames.numpy()).cast("B"))
+            # Hand the tail over now rather than when the pipe buffer fills, so ffmpeg
+            # encodes while the next chunk decodes.
+            self._proc.stdin.flush()
+        except (BrokenPipeError, ValueError) as err:
+            raise Pan2Error(f"ffmpeg stopped while writing {self.path}: {self._ffmpeg_error()}") from err
+
+    def _finish_mp4(self) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        try:
+            self._proc.stdin.close()
+        except BrokenPipeError:
+            pass  # ffmpeg already exited; its exit status below says why
+        rc = self._proc.wait()
+        if rc != 0 or not self.tmp_path.is_file():
+            raise Pan2Error(f"ffmpeg failed to write {self.path} (exit status {rc}): {self._ffmpeg_error()}")
+        self._proc = None
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
+
+    def _ffmpeg_error(self) -> str:
+        """The start of ffmpeg's stderr, for error messages."""
+        if self._proc is not None and self._proc.poll() is None:
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        if self._stderr is None:
+            return "no error output"
+        self._stderr.seek(0)
+        lines = self._stderr.read().decode("utf-8", "replace").strip().splitlines()
+        # ffmpeg states the cause first; later lines are threads shutting down because of it.
+        return " | ".join(lines[:3])[:400] if lines else "no error output"
+
+    def _write_png(self, frames: torch.Tensor) -> None:
+        import imageio.v3 as iio
+
+        arr = frames.numpy()  # a view, no copy
+        for i in range(arr.shape[0]):
+            iio.imwrite(self.tmp_path / f"frame_{self._frames_written + i:05d}.png", arr[i])
+
+
+def open_video_writer(
+    path: Path,
+    fmt: str,
+    fps: float,
+    crf: int = DEFAULT_CRF,
+    overwrite: bool = False,
+) -> VideoWriter:
+    """Open a writer for chunks of uint8 frames.
+
+    Args:
+        path: the output file (mp4, pt) or folder (png).
+        fmt: one of OUTPUT_FORMATS.
+        fps: frames per second (> 0); used by mp4 only.
+        crf: x264 constant rate factor, 0 (lossless) .. 51; used by mp4 only.
+        overwrite: whether an existing `path` may be replaced at commit.
+
+    Returns:
+        A `VideoWriter`; nothing is created on disk before the first `write`.
+
+    Raises:
+        InputError: bad format, fps or crf, or `path` cannot be written (see
+            `check_output_path`), or `path` is a folder and fmt is not png.
+    """
+    _check_format(fmt)
+    # numbers.Real/Integral also admit numpy scalars; bool is excluded on purpose.
+    if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not math.isfinite(fps) or fps <= 0:
+        raise InputError(f"fps must be a positive number, got {fps!r}")
+    if isinstance(crf, bool) or not isinstance(crf, numbers.Integral) or not 0 <= crf <= 51:
+        raise InputError(f"crf must be an integer from 0 to 51, got {crf!r}", hint="17 is visually lossless")
+    path = Path(path)
+    check_output_path(path, overwrite)
+    if fmt != "png" and path.is_dir():
+        raise InputError(f"output {path} is a folder; {fmt} output needs a file path")
+    return VideoWriter(path, fmt, fps, crf, overwrite)
+
+
+def write_video(
+    frames: torch.Tensor,
+    path: Path,
+    fmt: str,
+    fps: float,
+    crf: int = DEFAULT_CRF,
+    overwrite: bool = False,
+) -> Path:
+    """Write a whole video that is already on the host.
+
+    Args:
+        frames: uint8 [F, H, W, 3] CPU tensor.
+        path, fmt, fps, crf, overwrite: as for `open_video_writer`.
+
+    Returns:
+        The final output path.
+
+    Raises:
+        InputError, Pan2Error: as for `open_video_writer`, `VideoWriter.write` and `commit`.
+    """
+    with open_video_writer(path, fmt, fps, crf=crf, overwrite=overwrite) as writer:
+        writer.write(frames)
+    return writer.path
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in OUTPUT_FORMATS:
+        raise InputError(f"unknown output format {fmt!r}; expected one of {', '.join(OUTPUT_FORMATS)}")
+
+
+def _remove(path: Path) -> None:
+    """Delete a file, link or folder if it is there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _close_quietly(stream: object) -> None:
+    try:
+        stream.close()  # type: ignore[attr-defined]
+    except Exception:
+        pass
+
+
+def _new_group_kwargs() -> dict[str, object]:
+    if os.name == "nt":
+        return {"creationflags": subprocess.CREATE_NEW_PROCESS_GROUP}  # type: ignore[attr-defined]
+    return {"start_new_session": True}

@@ -1,0 +1,148 @@
+"""Tests that the wheel ships presets and kernel sources inside the package and that code finds them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from pan2cli.resources import _find_data_dir
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Prints where pan2cli and its data were found, as JSON, from whatever pan2cli is on PYTHONPATH.
+PROBE = """
+import json
+import pan2cli
+from pan2cli.presets import list_presets, load_preset
+from pan2cli.resources import kernels_dir, presets_dir
+print(json.dumps({
+    "package": pan2cli.__file__,
+    "presets_dir": str(presets_dir()),
+    "kernels_dir": str(kernels_dir()),
+    "frames_5s": load_preset("pan2-5s").frames,
+    "names": [p.name for p in list_presets()],
+}))
+"""
+
+
+def _run(args: list[str], *, cwd: Path, env: dict[str, str] | None = None) -> str:
+    """Run a command, failing the test with its output if it fails; return its stdout."""
+    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        pytest.fail(f"{' '.join(args)} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
+    return result.stdout
+
+
+def _env(pythonpath: Path) -> dict[str, str]:
+    """Environment for a child Python that imports pan2cli from `pythonpath` only."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(
+        PYTHONPATH=str(pythonpath),
+        PYTHONNOUSERSITE="1",
+        PYTHONDONTWRITEBYTECODE="1",  # keep __pycache__ out of the source tree
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+        PIP_NO_INPUT="1",
+    )
+    return env
+
+
+def _probe(pythonpath: Path, cwd: Path) -> dict:
+    return json.loads(_run([sys.executable, "-c", PROBE], cwd=cwd, env=_env(pythonpath)))
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wheel built from the repository, offline with the venv's hatchling."""
+    out = tmp_path_factory.mktemp("wheel")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+         "-w", str(out), str(REPO)],
+        cwd=out,
+        env=env,
+    )
+    wheels = sorted(out.glob("pan2cli-*.whl"))
+    assert len(wheels) == 1, f"expected one pan2cli wheel in {out}, found {wheels}"
+    return wheels[0]
+
+
+def test_wheel_ships_data_inside_the_package(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        assert "pan2cli/_presets/pan2-10s.toml" in names
+        assert "pan2cli/_kernels/README.md" in names
+        assert "pan2cli/resources.py" in names
+        assert "pan2cli/presets.py" in names
+        # No top-level `presets`/`kernels` package: PyPI has an unrelated `kernels` package.
+        assert not [n for n in names if n.startswith(("presets/", "kernels/"))]
+        top_level = {n.split("/", 1)[0] for n in names}
+        assert {t for t in top_level if not t.endswith(".dist-info")} == {"pan2cli"}
+        # Every shipped preset file arrives unchanged.
+        for path in sorted((REPO / "presets").glob("*.toml")):
+            assert zf.read(f"pan2cli/_presets/{path.name}") == path.read_bytes()
+
+
+def test_installed_wheel_finds_its_own_data(wheel: Path, tmp_path: Path) -> None:
+    target = tmp_path / "site"
+    _run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
+        cwd=tmp_path,
+        env=_env(tmp_path / "nothing"),
+    )
+    elsewhere = tmp_path / "elsewhere"  # a working directory outside the repository
+    elsewhere.mkdir()
+    found = _probe(target, elsewhere)
+    package = (target / "pan2cli").resolve()
+    assert Path(found["package"]).resolve().parent == package  # the installed copy, not the repo
+    assert Path(found["presets_dir"]) == package / "_presets"
+    assert Path(found["kernels_dir"]) == package / "_kernels"
+    assert found["frames_5s"] == 121
+    assert found["names"] == ["pan2-5s", "pan2-10s", "pan2-20s"]
+
+
+def test_source_tree_uses_repo_dirs(tmp_path: Path) -> None:
+    found = _probe(REPO, tmp_path)
+    assert Path(found["package"]).resolve().parent == REPO / "pan2cli"
+    assert Path(found["presets_dir"]) == REPO / "presets"
+    assert Path(found["kernels_dir"]) == REPO / "kernels"
+    assert found["frames_5s"] == 121
+
+
+# ---- the lookup rules, on fake layouts -------------------------------------------------------------
+
+
+def test_installed_dir_wins_over_source_dir(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").touch()
+    (tmp_path / "presets").mkdir()
+    (tmp_path / "pan2cli" / "_presets").mkdir(parents=True)
+    assert _find_data_dir("_presets", "presets", tmp_path / "pan2cli") == tmp_path / "pan2cli" / "_presets"
+
+
+def test_source_dir_used_without_installed_dir(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").touch()
+    (tmp_path / "presets").mkdir()
+    (tmp_path / "pan2cli").mkdir()
+    assert _find_data_dir("_presets", "presets", tmp_path / "pan2cli") == tmp_path / "presets"
+
+
+def test_broken_install_does_not_borrow_a_site_packages_dir(tmp_path: Path) -> None:
+    # site-packages may hold an unrelated `kernels` package next to a pan2cli that lacks `_kernels`.
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "pan2cli").mkdir()
+    with pytest.raises(RuntimeError, match="incomplete") as info:
+        _find_data_dir("_kernels", "kernels", tmp_path / "pan2cli")
+    assert str(tmp_path / "pan2cli" / "_kernels") in str(info.value)
+    assert str(tmp_path / "kernels") in str(info.value)
+
+
+def test_missing_everywhere_raises(tmp_path: Path) -> None:
+    (tmp_path / "pan2cli").mkdir()
+    with pytest.raises(RuntimeError, match="'presets' not found"):
+        _find_data_dir("_presets", "presets", tmp_path / "pan2cli")

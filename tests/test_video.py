@@ -1,0 +1,305 @@
+"""Tests for pan2cli.video: float-to-uint8 mapping, output paths, and the mp4/png/pt writers."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import imageio.v3 as iio
+import numpy as np
+import pytest
+import torch
+
+from pan2cli.errors import InputError, Pan2Error
+from pan2cli.video import (
+    DEFAULT_CRF,
+    OUTPUT_FORMATS,
+    VideoWriter,
+    check_output_path,
+    copy_to_host,
+    default_output_path,
+    frames_to_uint8,
+    open_video_writer,
+    write_video,
+)
+
+
+def _gradient_frames(f: int, h: int, w: int) -> torch.Tensor:
+    """Smooth moving colour gradients (uint8 [f, h, w, 3]) that H.264 reproduces closely."""
+    t = torch.arange(f, dtype=torch.float32).view(f, 1, 1)
+    y = torch.linspace(0, 1, h).view(1, h, 1)
+    x = torch.linspace(0, 1, w).view(1, 1, w)
+    r = 40 + 170 * x + 4 * t
+    g = 30 + 180 * y - 2 * t
+    b = 60 + 90 * (x + y) / 2 + 3 * t
+    return torch.stack(torch.broadcast_tensors(r, g, b), dim=-1).round().clamp(0, 255).to(torch.uint8)
+
+
+def _random_frames(f: int, h: int, w: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (f, h, w, 3), generator=g, dtype=torch.uint8)
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+# ---------------------------------------------------------------- frames_to_uint8
+
+
+def test_frames_to_uint8_known_values() -> None:
+    values = torch.tensor([-1.0, 1.0, 0.0, -2.0, 3.5, -1.0 + 1 / 127.5, 0.999])
+    video = values.view(1, 1, 1, -1).expand(3, 1, 1, -1)  # [3, F=1, H=1, W=7]
+    out = frames_to_uint8(video)
+    assert out.dtype == torch.uint8
+    assert out.shape == (1, 1, 7, 3)
+    # 0 -> 127.5 -> 128 (round half to even), outside [-1, 1] clamps to 0 / 255.
+    assert out[0, 0, :, 0].tolist() == [0, 255, 128, 0, 255, 1, 255]
+    assert torch.equal(out[..., 0], out[..., 1]) and torch.equal(out[..., 0], out[..., 2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_frames_to_uint8_layout(dtype: torch.dtype) -> None:
+    # Each value encodes its own (channel, frame, row, column): the output must put
+    # channel last and keep every pixel where it was.
+    c, f, h, w = torch.meshgrid(
+        torch.arange(3), torch.arange(2), torch.arange(3), torch.arange(4), indexing="ij"
+    )
+    code = c * 64 + f * 16 + h * 4 + w  # 0..191, exact in bf16 after the mapping below
+    video = (code.float() / 127.5 - 1.0).to(dtype)
+    out = frames_to_uint8(video)
+    assert out.shape == (2, 3, 4, 3) and out.is_contiguous()
+    expected = code.permute(1, 2, 3, 0).to(torch.uint8)
+    if dtype == torch.float32:
+        assert torch.equal(out, expected)
+    else:
+        assert (out.int() - expected.int()).abs().max() <= 1
+
+
+def test_frames_to_uint8_rejects_bad_shape() -> None:
+    with pytest.raises(ValueError):
+        frames_to_uint8(torch.rand(2, 4, 4, 3))
+    with pytest.raises(ValueError):
+        frames_to_uint8(torch.zeros(3, 1, 2, 2, dtype=torch.uint8))
+
+
+def test_copy_to_host_cpu_is_identity() -> None:
+    t = _random_frames(2, 4, 4)
+    assert copy_to_host(t) is t
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_copy_to_host_cuda() -> None:
+    video = torch.rand(3, 4, 16, 24, device="cuda") * 2 - 1
+    frames = frames_to_uint8(video)
+    assert frames.device == video.device
+    host = copy_to_host(frames)
+    assert host.device.type == "cpu" and host.is_pinned()
+    assert torch.equal(host, frames_to_uint8(video.cpu()))
+
+
+# ---------------------------------------------------------------- output paths
+
+
+def test_default_output_path() -> None:
+    assert default_output_path(Path("/d/x.pt"), "mp4") == Path("/d/x.mp4")
+    assert default_output_path(Path("/d/x.safetensors"), "png") == Path("/d/x")
+    assert default_output_path(Path("/d/x.safetensors"), "pt") == Path("/d/x.pt")
+    # Never the input itself.
+    assert default_output_path(Path("/d/x.pt"), "pt") == Path("/d/x.frames.pt")
+    assert default_output_path(Path("/d/x"), "png") == Path("/d/x.frames")
+    with pytest.raises(InputError):
+        default_output_path(Path("/d/x.pt"), "gif")
+    assert OUTPUT_FORMATS == ("mp4", "png", "pt") and DEFAULT_CRF == 17
+
+
+def test_check_output_path(tmp_path: Path) -> None:
+    check_output_path(tmp_path / "new.mp4", overwrite=False)
+    with pytest.raises(InputError, match="does not exist"):
+        check_output_path(tmp_path / "missing" / "x.mp4", overwrite=True)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(InputError, match="not a folder"):
+        check_output_path(tmp_path / "file" / "x.mp4", overwrite=True)
+    (tmp_path / "old.mp4").write_text("x")
+    with pytest.raises(InputError) as info:
+        check_output_path(tmp_path / "old.mp4", overwrite=False)
+    assert "--overwrite" in (info.value.hint or "")
+    check_output_path(tmp_path / "old.mp4", overwrite=True)
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root can write anywhere")
+def test_check_output_path_read_only_folder(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        with pytest.raises(InputError, match="not writable"):
+            check_output_path(ro / "x.mp4", overwrite=False)
+    finally:
+        ro.chmod(0o755)
+
+
+def test_bad_writer_arguments(tmp_path: Path) -> None:
+    for kwargs in ({"fps": 0}, {"fps": float("nan")}, {"crf": 52}, {"crf": -1}):
+        args = {"fps": 12.0, "crf": DEFAULT_CRF} | kwargs
+        with pytest.raises(InputError):
+            open_video_writer(tmp_path / "x.mp4", "mp4", **args)
+    with pytest.raises(InputError):
+        open_video_writer(tmp_path / "x.gif", "gif", fps=12.0)
+    (tmp_path / "dir.mp4").mkdir()
+    with pytest.raises(InputError, match="folder"):
+        open_video_writer(tmp_path / "dir.mp4", "mp4", fps=12.0, overwrite=True)
+
+
+# ---------------------------------------------------------------- round trips
+
+
+# imageio's ffmpeg reader leaves its subprocess pipes to the garbage collector (not our code).
+@pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::pytest.PytestUnraisableExceptionWarning")
+def test_mp4_round_trip(tmp_path: Path) -> None:
+    frames = _gradient_frames(9, 64, 96)
+    path = tmp_path / "clip.mp4"
+    with open_video_writer(path, "mp4", fps=12.0) as writer:
+        assert isinstance(writer, VideoWriter)
+        writer.write(frames[:5])
+        writer.write(frames[5:])
+        assert writer.frames_written == 9
+    assert _listing(tmp_path) == ["clip.mp4"]
+
+    try:
+        back = iio.imread(path, plugin="pyav")
+        fps = iio.immeta(path, plugin="pyav")["fps"]
+    except (ImportError, ValueError):
+        import imageio
+
+        with imageio.get_reader(path, "ffmpeg") as reader:
+            fps = reader.get_meta_data()["fps"]
+            # iter_data, not list(reader): the reader's len() is inf for a stream.
+            back = np.stack(list(reader.iter_data()))
+    assert back.shape == (9, 64, 96, 3)
+    assert fps == pytest.approx(12.0)
+    err = np.abs(back.astype(np.float32) - frames.numpy().astype(np.float32)).mean()
+    assert err < 3.0, err
+
+
+def test_png_round_trip(tmp_path: Path) -> None:
+    frames = _random_frames(5, 6, 7)  # odd sizes are fine for png
+    path = tmp_path / "clip"
+    with open_video_writer(path, "png", fps=12.0) as writer:
+        writer.write(frames[:2])
+        writer.write(frames[2:])
+    assert _listing(tmp_path) == ["clip"]
+    assert _listing(path) == [f"frame_{i:05d}.png" for i in range(5)]
+    for i in range(5):
+        assert np.array_equal(iio.imread(path / f"frame_{i:05d}.png"), frames[i].numpy())
+
+
+def test_pt_round_trip(tmp_path: Path) -> None:
+    frames = _random_frames(4, 5, 3)
+    path = tmp_path / "clip.pt"
+    with open_video_writer(path, "pt", fps=12.0) as writer:
+        writer.write(frames[:1])
+        writer.write(frames[1:])
+    assert _listing(tmp_path) == ["clip.pt"]
+    back = torch.load(path, weights_only=True)
+    assert back.dtype == torch.uint8 and torch.equal(back, frames)
+
+
+def test_write_video(tmp_path: Path) -> None:
+    frames = _random_frames(3, 4, 4)
+    out = write_video(frames, tmp_path / "v.pt", "pt", fps=8.0)
+    assert out == tmp_path / "v.pt"
+    assert torch.equal(torch.load(out, weights_only=True), frames)
+
+
+# ---------------------------------------------------------------- overwrite, abort, errors
+
+
+@pytest.mark.parametrize("fmt", ["pt", "png"])
+def test_overwrite(tmp_path: Path, fmt: str) -> None:
+    path = tmp_path / ("clip.pt" if fmt == "pt" else "clip")
+    write_video(_random_frames(2, 4, 4, seed=1), path, fmt, fps=12.0)
+    new = _random_frames(3, 4, 4, seed=2)
+    with pytest.raises(InputError, match="already exists"):
+        write_video(new, path, fmt, fps=12.0)
+    write_video(new, path, fmt, fps=12.0, overwrite=True)
+    assert _listing(tmp_path) == [path.name]
+    if fmt == "pt":
+        assert torch.equal(torch.load(path, weights_only=True), new)
+    else:
+        assert _listing(path) == [f"frame_{i:05d}.png" for i in range(3)]
+        assert np.array_equal(iio.imread(path / "frame_00002.png"), new[2].numpy())
+
+
+def test_missing_parent_folder(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="does not exist"):
+        open_video_writer(tmp_path / "no" / "clip.mp4", "mp4", fps=12.0)
+
+
+@pytest.mark.parametrize("fmt", OUTPUT_FORMATS)
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_abort_leaves_nothing(tmp_path: Path, fmt: str, exc: type[BaseException]) -> None:
+    path = tmp_path / f"clip.{fmt}"
+    with pytest.raises(exc):
+        with open_video_writer(path, fmt, fps=12.0) as writer:
+            writer.write(_gradient_frames(3, 16, 16))
+            if fmt == "png":
+                assert writer.tmp_path.is_dir()
+            elif fmt == "mp4":  # ffmpeg creates its output once it has a frame: wait for it
+                deadline = time.monotonic() + 10
+                while not writer.tmp_path.exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert writer.tmp_path.is_file()
+            raise exc()
+    assert _listing(tmp_path) == []
+
+
+def test_abort_keeps_existing_output(tmp_path: Path) -> None:
+    path = tmp_path / "clip.pt"
+    old = _random_frames(1, 2, 2)
+    torch.save(old, path)
+    with pytest.raises(RuntimeError):
+        with open_video_writer(path, "pt", fps=12.0, overwrite=True) as writer:
+            writer.write(_random_frames(2, 2, 2))
+            raise RuntimeError()
+    assert _listing(tmp_path) == ["clip.pt"]
+    assert torch.equal(torch.load(path, weights_only=True), old)
+
+
+@pytest.mark.parametrize("size", [(16, 15), (15, 16)])
+def test_odd_size_mp4(tmp_path: Path, size: tuple[int, int]) -> None:
+    h, w = size
+    with pytest.raises(InputError, match="even"):
+        with open_video_writer(tmp_path / "clip.mp4", "mp4", fps=12.0) as writer:
+            writer.write(_gradient_frames(2, h, w))
+    assert _listing(tmp_path) == []
+
+
+def test_no_frames_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(Pan2Error, match="no frames"):
+        with open_video_writer(tmp_path / "clip.mp4", "mp4", fps=12.0):
+            pass
+    assert _listing(tmp_path) == []
+
+
+def test_bad_chunks(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        with open_video_writer(tmp_path / "clip.pt", "pt", fps=12.0) as writer:
+            writer.write(_random_frames(2, 4, 4))
+            writer.write(_random_frames(2, 4, 6))  # size changed
+    with pytest.raises(ValueError):
+        with open_video_writer(tmp_path / "clip.pt", "pt", fps=12.0) as writer:
+            writer.write(torch.rand(2, 4, 4, 3))  # not uint8
+    assert _listing(tmp_path) == []
+
+
+def test_ffmpeg_failure_is_pan2error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An impossible x264 preset makes ffmpeg exit with an error; the message must name the output.
+    monkeypatch.setattr("pan2cli.video._X264_PRESET", "no-such-preset")
+    path = tmp_path / "clip.mp4"
+    with pytest.raises(Pan2Error, match="clip.mp4"):
+        with open_video_writer(path, "mp4", fps=12.0) as writer:
+            writer.write(_gradient_frames(2, 16, 16))
+    assert _listing(tmp_path) == []
