@@ -22,7 +22,7 @@ def result(line: str) -> None:
 def info(line: str, quiet: bool = False) -> None:
     """One human line on stderr, silenced by --quiet."""
     if not quiet:
-        stderr.print(line, markup=False)
+        stderr.print(line, markup=False, soft_wrap=True)
 
 
 def warn(line: str) -> None:

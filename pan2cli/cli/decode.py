@@ -66,7 +66,9 @@ def plan_outputs(sources: list[LatentInput], output: Path | None, fmt: str) -> l
             else:
                 path = default_output_path(source.path, fmt)
                 if to_folder:
-                    path = output / path.name
+                    # In another folder the plain `<stem>.<fmt>` cannot clash with the input.
+                    plain = output / (source.path.stem if fmt == "png" else f"{source.path.stem}.{fmt}")
+                    path = plain if plain.resolve() != source.path.resolve() else output / path.name
                 if batch > 1:
                     path = _numbered(path, index)
             jobs.append(DecodeJob(source, index, path))

@@ -10,7 +10,8 @@ Accepted (docs/wan22_vae.md §7):
 * a Hugging Face repo id (default `Wan-AI/Wan2.2-TI2V-5B-Diffusers`, its `vae/` folder), fetched through
   huggingface_hub's cache (tokens, `HF_HOME`, `HF_HUB_OFFLINE` as usual).
 
-Single files are the TI2V-5B architecture; a diffusers folder's `config.json` is read (widths may differ).
+Single files are the TI2V-5B architecture (their widths are read from the tensors, so reduced-width test
+files load too); a diffusers folder's `config.json` is read (widths may differ).
 Every decoder and post-quant key must be present with the right shape; encoder and quant-conv keys are
 accepted (real files hold the whole VAE); any other key is an error that names it.
 """
@@ -178,7 +179,7 @@ class VAECheckpoint:
     """A located checkpoint: its weights file, architecture and where it came from."""
 
     weights: Path
-    config: WanVAEConfig
+    config: WanVAEConfig | None  # None for single files: TI2V-5B structure, widths read from the tensors
     source: str  # for messages and sidecars: a path, or `repo@revision`
     layout: str  # "diffusers folder", "single file"
 
@@ -218,7 +219,7 @@ def _local_checkpoint(path: Path) -> VAECheckpoint:
                 hint=_VAE_HINT,
             )
         return VAECheckpoint(folder / DIFFUSERS_WEIGHTS, _read_config_json(folder / DIFFUSERS_CONFIG), str(path), "diffusers folder")
-    return VAECheckpoint(path, WanVAEConfig(), str(path), "single file")
+    return VAECheckpoint(path, None, str(path), "single file")
 
 
 def _hub_checkpoint(repo_id: str, revision: str | None) -> VAECheckpoint:
@@ -241,7 +242,9 @@ def _hub_checkpoint(repo_id: str, revision: str | None) -> VAECheckpoint:
     try:
         try:
             config_path, weights = fetch("vae")
-        except EntryNotFoundError:  # a VAE-only repository keeps the files at its root
+        except EntryNotFoundError as exc:  # a VAE-only repository keeps the files at its root
+            if isinstance(exc, LocalEntryNotFoundError):  # a subclass in huggingface_hub ≥ 1.0
+                raise
             config_path, weights = fetch(None)
     except GatedRepoError as exc:
         raise DownloadError(
@@ -252,13 +255,13 @@ def _hub_checkpoint(repo_id: str, revision: str | None) -> VAECheckpoint:
         raise InputError(f"no Hugging Face repository {repo_id!r} (or no access to it)", hint=_VAE_HINT) from exc
     except RevisionNotFoundError as exc:
         raise InputError(f"{repo_id} has no revision {revision!r}", hint="check --revision") from exc
-    except EntryNotFoundError as exc:
-        raise CheckpointError(f"{where} has no {DIFFUSERS_CONFIG} + {DIFFUSERS_WEIGHTS} in vae/ or at its root", hint=_VAE_HINT) from exc
     except LocalEntryNotFoundError as exc:
         raise DownloadError(
             f"could not download the VAE from {where} and no copy is cached (offline, or the hub is unreachable)",
             hint="pass --vae PATH to a local Wan2.2_VAE.pth, wan2.2_vae.safetensors or diffusers vae/ folder",
         ) from exc
+    except EntryNotFoundError as exc:
+        raise CheckpointError(f"{where} has no {DIFFUSERS_CONFIG} + {DIFFUSERS_WEIGHTS} in vae/ or at its root", hint=_VAE_HINT) from exc
     except OSError as exc:  # network and disk errors below huggingface_hub
         raise DownloadError(f"download of the VAE from {where} failed: {exc}", hint="pass --vae PATH to a local checkpoint") from exc
     return VAECheckpoint(weights, _read_config_json(config_path), where, "diffusers folder")
@@ -352,28 +355,54 @@ def load_vae_decoder(
         The decoder in eval mode, on `device`, in `dtype`.
     """
     ckpt = resolve_vae_checkpoint(spec, revision)
-    config = ckpt.config.replace(chunk_latent_frames=chunk_latent_frames)
-    return load_decoder_weights(ckpt.weights, config, dtype=dtype, device=device, source=ckpt.source)
+    return load_decoder_weights(
+        ckpt.weights,
+        ckpt.config,
+        dtype=dtype,
+        device=device,
+        source=ckpt.source,
+        chunk_latent_frames=chunk_latent_frames,
+    )
+
+
+def _single_file_config(shapes: Mapping[str, tuple[int, ...]]) -> WanVAEConfig:
+    """TI2V-5B structure; the widths come from the tensors (256 in real files, smaller in test files)."""
+    config = WanVAEConfig()
+    conv_out = shapes.get("decoder.conv_out.weight")
+    if conv_out is not None and len(conv_out) == 5:
+        config = config.replace(decoder_base_dim=conv_out[1])
+    encoder_in = shapes.get("encoder.conv1.weight") or shapes.get("encoder.conv_in.weight")
+    if encoder_in is not None and len(encoder_in) == 5:
+        config = config.replace(base_dim=encoder_in[0])
+    return config
 
 
 def load_decoder_weights(
     weights: Path,
-    config: WanVAEConfig,
+    config: WanVAEConfig | None = None,
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     source: str | None = None,
+    chunk_latent_frames: int = 4,
 ) -> WanVAEDecoder:
-    """Build the decoder for `config` and load its tensors from one weights file (any accepted key names)."""
+    """Build the decoder and load its tensors from one weights file (any accepted key names).
+
+    Args:
+        config: the architecture (from a diffusers config.json); `None` for single files, which are
+            the TI2V-5B architecture with widths read from the tensors.
+    """
     source = source or str(weights)
     tensors = _read_tensor_file(Path(weights))
     names = _key_names(list(tensors.shapes))
-    to_ours = (
-        (lambda k: original_to_diffusers_key(k, config.num_res_blocks)) if names == "original" else (lambda k: k)
-    )
+    num_res_blocks = (config or WanVAEConfig()).num_res_blocks
+    to_ours = (lambda k: original_to_diffusers_key(k, num_res_blocks)) if names == "original" else (lambda k: k)
     renamed = {to_ours(k): k for k in tensors.shapes}
     if len(renamed) != len(tensors.shapes):
         raise CheckpointError(f"{source} holds the same tensor under two key names", hint=_VAE_HINT)
+    if config is None:
+        config = _single_file_config({ours: tensors.shapes[orig] for ours, orig in renamed.items()})
+    config = config.replace(chunk_latent_frames=chunk_latent_frames)
     with torch.device("meta"):
         model = WanVAEDecoder(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}

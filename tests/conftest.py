@@ -1,0 +1,61 @@
+"""Shared fixtures: a tiny random-weight Wan2.2 VAE in every checkpoint layout, latent files, a CLI runner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from pan2cli.cli import cli
+from pan2cli.vae.config import WanVAEConfig
+from pan2cli.vae.random_weights import write_test_checkpoints
+
+# Reduced decoder width (16 instead of 256): same structure, CPU-sized.
+SMALL_VAE = WanVAEConfig(base_dim=16, decoder_base_dim=16)
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests skip without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """format -> path: `pth` (original keys), `safetensors` (ComfyUI, original keys), `diffusers` (vae/ folder)."""
+    return write_test_checkpoints(tmp_path_factory.mktemp("vae"), SMALL_VAE, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_vae(tiny_checkpoints) -> Path:
+    return tiny_checkpoints["diffusers"]
+
+
+@pytest.fixture
+def latents_file(tmp_path):
+    """Write random normalised latents `[48, T, H, W]` (or with batch) to a .pt file; returns the path."""
+
+    def make(shape=(48, 3, 2, 3), name="latents.pt", fps=None, seed=0):
+        latents = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+        path = tmp_path / name
+        torch.save(latents if fps is None else {"latents": latents, "fps": fps}, path)
+        return path
+
+    return make
+
+
+@pytest.fixture
+def run_cli():
+    """Invoke `pan2 ARGS...` in-process; returns click's Result (stdout and stderr kept apart)."""
+    runner = CliRunner()
+
+    def invoke(*args):
+        return runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+    return invoke

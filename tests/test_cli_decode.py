@@ -1,0 +1,238 @@
+"""`pan2 decode` end to end on a tiny checkpoint: outputs, naming, and every bad input (exit 2, no file)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import imageio
+import imageio.v3 as iio
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import pan2cli.cli.decode as decode_module
+from pan2cli.latents import unnormalize
+from pan2cli.vae.checkpoint import load_vae_decoder
+from pan2cli.video import frames_to_uint8
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _frames_on_disk(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def _expected_frames(vae: Path, latents: torch.Tensor, normalized: bool = True) -> torch.Tensor:
+    decoder = load_vae_decoder(vae)
+    z = latents[None]
+    if normalized:
+        z = unnormalize(z, decoder.config.latents_mean, decoder.config.latents_std)
+    return frames_to_uint8(decoder.decode(z)[0])
+
+
+def test_mp4_has_the_right_frames_size_and_fps(run_cli, tiny_vae, latents_file, tmp_path):
+    latents = latents_file((48, 3, 2, 3), fps=12)
+    out = tmp_path / "video.mp4"
+    result = run_cli("decode", latents, "-o", out, "--vae", tiny_vae)
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.strip() == str(out)
+    assert "9 frames, 48x32, 12 fps" in result.stderr
+    reader = imageio.get_reader(out, "ffmpeg")
+    try:
+        frames = list(reader.iter_data())
+        assert reader.get_meta_data()["fps"] == 12
+    finally:
+        reader.close()
+    assert len(frames) == 9
+    assert frames[0].shape == (32, 48, 3)
+    assert _frames_on_disk(tmp_path) == ["latents.pt", "video.mp4"]  # no temporary left
+
+
+def test_pt_output_equals_the_library_decode(run_cli, tiny_vae, latents_file, tmp_path):
+    path = latents_file((48, 3, 2, 3))
+    result = run_cli("decode", path, "--format", "pt", "--vae", tiny_vae, "--chunk-latent-frames", "1")
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "latents.frames.pt"  # never the input itself
+    assert result.stdout.strip() == str(out)
+    frames = torch.load(out, weights_only=True)
+    assert frames.dtype == torch.uint8 and frames.shape == (9, 32, 48, 3)
+    assert torch.equal(frames, _expected_frames(tiny_vae, torch.load(path, weights_only=True)))
+
+
+def test_raw_latents_skip_the_unnormalisation(run_cli, tiny_vae, latents_file, tmp_path):
+    path = latents_file((48, 2, 2, 2))
+    out = tmp_path / "raw.pt"
+    assert run_cli("decode", path, "-o", out, "--raw-latents", "--vae", tiny_vae).exit_code == 0
+    expected = _expected_frames(tiny_vae, torch.load(path, weights_only=True), normalized=False)
+    assert torch.equal(torch.load(out, weights_only=True), expected)
+
+
+def test_png_folder(run_cli, tiny_vae, latents_file, tmp_path):
+    path = latents_file((48, 2, 2, 3))
+    result = run_cli("decode", path, "--format", "png", "--vae", tiny_vae)
+    assert result.exit_code == 0, result.stderr
+    folder = tmp_path / "latents"
+    names = _frames_on_disk(folder)
+    assert len(names) == 5 and names[0] == "frame_00000.png"
+    assert iio.imread(folder / names[0]).shape == (32, 48, 3)
+
+
+def test_several_inputs_and_a_batch_go_to_a_folder(run_cli, tiny_vae, latents_file, tmp_path):
+    a = latents_file((48, 2, 2, 2), name="a.pt")
+    b = latents_file((2, 48, 1, 2, 2), name="b.pt", seed=1)
+    out_dir = tmp_path / "videos"
+    out_dir.mkdir()
+    result = run_cli("decode", a, b, "-o", out_dir, "--format", "pt", "--vae", tiny_vae)
+    assert result.exit_code == 0, result.stderr
+    written = [Path(line).name for line in result.stdout.split()]
+    assert written == ["a.pt", "b_0.pt", "b_1.pt"]
+    assert torch.load(out_dir / "b_1.pt", weights_only=True).shape == (1, 32, 32, 3)
+
+
+def test_existing_output_needs_overwrite(run_cli, tiny_vae, latents_file, tmp_path):
+    path = latents_file((48, 1, 2, 2))
+    out = tmp_path / "v.mp4"
+    out.write_bytes(b"keep me")
+    result = run_cli("decode", path, "-o", out, "--vae", tiny_vae)
+    assert result.exit_code == 2
+    assert "Error:" in result.stderr and "--overwrite" in result.stderr
+    assert out.read_bytes() == b"keep me"
+    assert run_cli("decode", path, "-o", out, "--vae", tiny_vae, "--overwrite").exit_code == 0
+    assert out.read_bytes() != b"keep me"
+
+
+def _bad_latents(tmp_path: Path, kind: str) -> Path:
+    path = tmp_path / "bad.pt"
+    if kind == "rank":
+        torch.save(torch.randn(48, 3, 4), path)
+    elif kind == "channels":
+        torch.save(torch.randn(16, 2, 2, 2), path)
+    elif kind == "nan":
+        bad = torch.randn(48, 2, 2, 2)
+        bad[0, 0, 0, 0] = float("nan")
+        torch.save(bad, path)
+    elif kind == "inf":
+        bad = torch.randn(48, 2, 2, 2)
+        bad[1, 1, 1, 1] = float("inf")
+        torch.save(bad, path)
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "text":
+        path.write_text("not a tensor\n")
+    elif kind == "object":
+        torch.save({"latents": torch.randn(48, 1, 2, 2), "extra": Path("x")}, path)
+    elif kind == "truncated_safetensors":
+        path = tmp_path / "bad.safetensors"
+        save_file({"latents": torch.randn(48, 4, 8, 8)}, path)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif kind == "no_latents_key":
+        torch.save({"z": torch.randn(48, 1, 2, 2)}, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "kind", ["rank", "channels", "nan", "inf", "empty", "text", "object", "truncated_safetensors", "no_latents_key"]
+)
+def test_bad_latents_exit_2_without_output(run_cli, tiny_vae, tmp_path, kind):
+    path = _bad_latents(tmp_path, kind)
+    before = set(tmp_path.iterdir())
+    result = run_cli("decode", path, "--vae", tiny_vae)
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr.startswith("Error: ")
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+    assert set(tmp_path.iterdir()) == before
+
+
+def test_bad_checkpoint_exits_2(run_cli, latents_file, tmp_path):
+    other = tmp_path / "other_model.safetensors"
+    save_file({"model.layers.0.weight": torch.randn(4, 4)}, other)
+    result = run_cli("decode", latents_file((48, 1, 2, 2)), "--vae", other)
+    assert result.exit_code == 2
+    assert "not a Wan VAE checkpoint" in result.stderr
+    assert not (tmp_path / "latents.mp4").exists()
+
+
+def test_missing_vae_path_exits_2(run_cli, latents_file, tmp_path):
+    result = run_cli("decode", latents_file((48, 1, 2, 2)), "--vae", tmp_path / "nope" / "Wan2.2_VAE.pth")
+    assert result.exit_code == 2
+    assert "no such file" in result.stderr
+
+
+@pytest.mark.parametrize("where", ["missing_folder", "file_as_folder"])
+def test_unwritable_output_location_exits_2(run_cli, tiny_vae, latents_file, tmp_path, where):
+    path = latents_file((48, 1, 2, 2))
+    if where == "missing_folder":
+        out = tmp_path / "no" / "such" / "v.mp4"
+    else:
+        (tmp_path / "afile").write_text("x")
+        out = tmp_path / "afile" / "v.mp4"
+    result = run_cli("decode", path, "-o", out, "--vae", tiny_vae)
+    assert result.exit_code == 2
+    assert result.stderr.startswith("Error: ")
+
+
+def test_one_output_file_for_several_videos_is_refused(run_cli, tiny_vae, latents_file, tmp_path):
+    a = latents_file((48, 1, 2, 2), name="a.pt")
+    b = latents_file((48, 1, 2, 2), name="b.pt")
+    result = run_cli("decode", a, b, "-o", tmp_path / "one.mp4", "--vae", tiny_vae)
+    assert result.exit_code == 2
+    assert "existing folder" in result.stderr
+
+
+def test_suffix_and_format_must_agree(run_cli, tiny_vae, latents_file, tmp_path):
+    result = run_cli("decode", latents_file((48, 1, 2, 2)), "-o", tmp_path / "x.mp4", "--format", "pt", "--vae", tiny_vae)
+    assert result.exit_code == 2
+
+
+def test_ctrl_c_removes_the_partial_output_and_exits_130(run_cli, tiny_vae, latents_file, tmp_path, monkeypatch):
+    real_decode = decode_module.decode_latents
+
+    def interrupted(decoder, latents, writer, **kwargs):
+        def chunk_then_interrupt(n):
+            raise KeyboardInterrupt
+
+        return real_decode(decoder, latents, writer, on_chunk=chunk_then_interrupt, **{k: v for k, v in kwargs.items() if k != "on_chunk"})
+
+    monkeypatch.setattr(decode_module, "decode_latents", interrupted)
+    path = latents_file((48, 3, 2, 2))
+    result = run_cli("decode", path, "--vae", tiny_vae)
+    assert result.exit_code == 130
+    assert _frames_on_disk(tmp_path) == ["latents.pt"]
+
+
+def test_out_of_memory_is_a_known_failure(run_cli, tiny_vae, latents_file, tmp_path, monkeypatch):
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.60 GiB")
+
+    monkeypatch.setattr(decode_module, "decode_latents", oom)
+    result = run_cli("decode", latents_file((48, 1, 2, 2)), "--vae", tiny_vae)
+    assert result.exit_code == 1
+    assert "Error: CUDA out of memory" in result.stderr.splitlines()[-2]
+    assert "--chunk-latent-frames" in result.stderr
+    assert _frames_on_disk(tmp_path) == ["latents.pt"]
+
+
+def _pan2(*args, env=None, cwd=None) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "pan2cli", *map(str, args)], capture_output=True, text=True, env=environment, cwd=cwd
+    )
+
+
+def test_offline_without_cache_says_how_to_pass_a_path(latents_file, tmp_path):
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc = _pan2("decode", latents_file((48, 1, 2, 2)), "--vae", "Wan-AI/Wan2.2-TI2V-5B-Diffusers", env=env)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("Error: could not download the VAE")
+    assert "--vae PATH" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_python_dash_m_from_a_source_tree(tmp_path):
+    proc = _pan2("--version", cwd=tmp_path)
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("pan2 ")

@@ -1,0 +1,53 @@
+"""The reference decoder on a CUDA GPU: full-size weights, bf16 chunk invariance, agreement with fp64 on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pan2cli.vae.config import WanVAEConfig
+from pan2cli.vae.model import WanVAEDecoder
+from pan2cli.vae.random_weights import random_vae_state_dict
+from pan2cli.video import frames_to_uint8
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def full_size_state():
+    """Decoder tensors of the full TI2V-5B VAE (random, γ and biases perturbed), fp32 on the CPU."""
+    state = random_vae_state_dict(WanVAEConfig(), seed=3, encoder=False)
+    return {k: v for k, v in state.items() if k.startswith(("decoder.", "post_quant_conv."))}
+
+
+def _decoder(state, dtype, device, config=WanVAEConfig()):
+    with torch.device("meta"):
+        model = WanVAEDecoder(config)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    return model.to(device).eval()
+
+
+def test_bf16_output_does_not_depend_on_the_chunk_size(full_size_state):
+    decoder = _decoder(full_size_state, torch.bfloat16, "cuda")
+    z = torch.randn(1, 48, 9, 6, 10, device="cuda")
+    frames = [frames_to_uint8(decoder.decode(z, chunk_latent_frames=n)[0]).int() for n in (1, 2, 4, 8)]
+    assert frames[0].shape == (33, 96, 160, 3)
+    for other in frames[1:]:
+        assert (other - frames[0]).abs().max().item() <= 1
+
+
+def test_cuda_fp32_matches_cpu_fp64():
+    config = WanVAEConfig(base_dim=32, decoder_base_dim=32)
+    state = {
+        k: v
+        for k, v in random_vae_state_dict(config, seed=5, encoder=False).items()
+        if k.startswith(("decoder.", "post_quant_conv."))
+    }
+    z = torch.randn(1, 48, 5, 4, 6, dtype=torch.float64)
+    reference = _decoder(state, torch.float64, "cpu", config).decode(z)
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        got = _decoder(state, torch.float32, "cuda", config).decode(z.cuda()).cpu().double()
+    finally:
+        torch.backends.cudnn.allow_tf32 = True
+    assert (got - reference).abs().max().item() < 1e-3
