@@ -1,0 +1,58 @@
+// Plain parameter structs and launchers of the Wan2.2 decode kernels. No torch here: binding.cpp is
+// the only file that sees at::Tensor. Layout everywhere: channels-last bf16, rows of C contiguous
+// channels; a "frame" is H*W rows.
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+namespace wan22 {
+
+// y = SiLU?(RMS(x [+ bias] [+ residual]) * gamma), RMS = x / max(||x||_2, 1e-12) over the C channels.
+// Statistics and math in fp32; one bf16 rounding of the sum (if stored) and of the output.
+struct RmsNormParams {
+    const __nv_bfloat16* x;         // rows of C; frame f at x + f * x_frame_stride
+    const __nv_bfloat16* residual;  // optional, same layout as x
+    const float* bias;              // optional [C], added before the norm (a conv bias)
+    const float* gamma;             // [C], already multiplied by sqrt(C)
+    __nv_bfloat16* sum_out;         // optional: x + bias + residual (bf16), same layout as x
+    __nv_bfloat16* out;             // frame f = (b, t) at out + b * out_batch_stride + t * out_frame_stride
+    int64_t x_frame_stride;
+    int64_t out_batch_stride;
+    int64_t out_frame_stride;
+    int64_t rows_per_frame;  // H * W
+    int frames_per_batch;    // T
+    int num_frames;          // B * T
+    int channels;            // C, a multiple of 8, at most 1024
+    bool silu;
+};
+void rms_norm_silu(const RmsNormParams& p, cudaStream_t stream);
+
+// Four-phase resampler epilogue: out[b, f, 2i+a, 2j+c', ch] = phases[b*T+f, i+a, j+c', (2a+c')*C + ch]
+// + bias[ch] + DupUp3D(shortcut)[b, f, 2i+a, 2j+c', ch]; phases is the 2x2 conv (padding 1) of the
+// low-resolution frame, whose four output-parity kernels are stacked along the output channels.
+struct PhaseInterleaveParams {
+    const __nv_bfloat16* phases;    // [B*T_out, h+1, w+1, 4C]
+    const float* bias;              // [C]
+    const __nv_bfloat16* shortcut;  // optional: block input [B, T_in, h, w, C_in]
+    __nv_bfloat16* out;             // [B, T_out, 2h, 2w, C]
+    int batch, frames_out, frames_in, height, width, channels, shortcut_channels;
+    int factor_t;      // DupUp3D temporal factor (2 for upsample3d blocks, 1 for upsample2d)
+    int repeats;       // DupUp3D channel repeats = C * factor_t * 4 / C_in
+    int frame_offset;  // factor_t - 1 on the first chunk (DupUp3D keeps its last frame), else 0
+};
+void phase_interleave(const PhaseInterleaveParams& p, cudaStream_t stream);
+
+// Head: conv_out output (12 channels, no bias yet) -> + bias, rounded to bf16 as the reference's conv
+// would, unpatchify (channel c*4 + r*2 + q -> colour c, row offset q, column offset r), clamp to
+// [-1, 1], uint8 = round_half_even((v + 1) * 127.5).
+struct HeadParams {
+    const __nv_bfloat16* y;  // [N, H, W, 12]
+    const float* bias;       // [12]
+    uint8_t* out;            // [N, 2H, 2W, 3]
+    int frames, height, width;
+};
+void head_to_uint8(const HeadParams& p, cudaStream_t stream);
+
+}  // namespace wan22

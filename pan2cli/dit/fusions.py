@@ -1,0 +1,219 @@
+"""The `pan2_fusions` ops: fused Q/K RMSNorm + RoPE and LayerNorm + modulation, their PyTorch references, and the switch.
+
+Two ops, each with one signature for both paths:
+
+* `qk_norm_rope`: per-head RMSNorm of the video and text q/k (separate weights per stream), RoPE on the
+  video tokens only, written as the joint `[B, N + L, H, head_dim]` q and k (video tokens first).
+* `layer_norm_modulate`: `LayerNorm(x) · (1 + scale) + shift` with scale/shift per sample, per latent
+  frame or per token (`[B, G, D]`, G dividing N).
+
+The fused path runs one Triton kernel per op and stream (files beside this one), registered as
+`torch.ops.pan2_fusions.*` custom ops with shape-only fakes so `torch.compile` keeps them as opaque
+calls. The reference path is plain PyTorch in float32 with one rounding at the end; the kernels do the
+same math, so both agree to float32 rounding (bf16 outputs differ by at most one bf16 ulp here and there).
+
+`set_fused_kernels(model, enabled)` picks the path for every module of a model that has a
+`fused_kernels` attribute; `None` (the default) means fused for CUDA tensors when Triton is installed,
+reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from pan2cli.dit.rope import apply_rope
+from pan2cli.errors import KernelBuildError
+
+
+# -- reference (unfused) PyTorch ------------------------------------------------------------------
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head RMSNorm in float32: `x / sqrt(mean(x²) + eps) · weight`. Returns float32."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps) * weight.float()
+
+
+def qk_norm_rope_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_text: Optional[torch.Tensor] = None,
+    k_text: Optional[torch.Tensor] = None,
+    q_text_weight: Optional[torch.Tensor] = None,
+    k_text_weight: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of `qk_norm_rope` (float32 math, one rounding to the dtype of q). Same arguments."""
+    outs = []
+    for x, w, x_text, w_text in ((q, q_weight, q_text, q_text_weight), (k, k_weight, k_text, k_text_weight)):
+        video = apply_rope(rms_norm_reference(x, w, eps), cos, sin)
+        if x_text is not None:
+            video = torch.cat([video, rms_norm_reference(x_text, w_text, eps)], dim=1)
+        outs.append(video.to(x.dtype))
+    return outs[0], outs[1]
+
+
+def layer_norm_modulate_reference(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """Reference of `layer_norm_modulate` (float32 math, one rounding to the dtype of x). Same arguments."""
+    batch, n_tokens, dim = x.shape
+    groups = scale.shape[1]
+    xf = F.layer_norm(x.float().view(batch, groups, n_tokens // groups, dim), (dim,), eps=eps)
+    y = xf * (1 + scale.float()[:, :, None]) + shift.float()[:, :, None]
+    return y.view(batch, n_tokens, dim).to(x.dtype)
+
+
+# -- the custom ops -------------------------------------------------------------------------------
+@torch.library.custom_op("pan2_fusions::qk_norm_rope", mutates_args=())
+def _qk_norm_rope_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_text: Optional[torch.Tensor],
+    k_text: Optional[torch.Tensor],
+    q_text_weight: Optional[torch.Tensor],
+    k_text_weight: Optional[torch.Tensor],
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from pan2cli.dit.qk_norm_rope_kernel import qk_norm_rope as launch
+
+    batch, n_video, n_heads, head_dim = q.shape
+    n_text = 0 if q_text is None else q_text.shape[1]
+    q_out = q.new_empty(batch, n_video + n_text, n_heads, head_dim)
+    k_out = torch.empty_like(q_out)
+    launch(q, k, q_weight, k_weight, cos, sin, q_out, k_out, eps=eps)
+    if q_text is not None:
+        launch(q_text, k_text, q_text_weight, k_text_weight, None, None, q_out, k_out, eps=eps, out_token_offset=n_video)
+    return q_out, k_out
+
+
+@_qk_norm_rope_op.register_fake
+def _(q, k, q_weight, k_weight, cos, sin, q_text, k_text, q_text_weight, k_text_weight, eps):
+    batch, n_video, n_heads, head_dim = q.shape
+    n_text = 0 if q_text is None else q_text.shape[1]
+    q_out = q.new_empty(batch, n_video + n_text, n_heads, head_dim)
+    return q_out, torch.empty_like(q_out)
+
+
+@torch.library.custom_op("pan2_fusions::layer_norm_modulate", mutates_args=())
+def _layer_norm_modulate_op(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
+    from pan2cli.dit.layer_norm_modulate_kernel import layer_norm_modulate as launch
+
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    launch(x, scale, shift, out, eps=eps)
+    return out
+
+
+@_layer_norm_modulate_op.register_fake
+def _(x, scale, shift, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# -- dispatch -------------------------------------------------------------------------------------
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_text: Optional[torch.Tensor] = None,
+    k_text: Optional[torch.Tensor] = None,
+    q_text_weight: Optional[torch.Tensor] = None,
+    k_text_weight: Optional[torch.Tensor] = None,
+    *,
+    eps: float,
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q/K RMSNorm per head + RoPE for video tokens, RMSNorm only for text tokens; joint output.
+
+    Args:
+        q, k: video `[B, N, H, head_dim]` (the `[H, head_dim]` block of each token contiguous).
+        q_weight, k_weight: video RMSNorm weights `[head_dim]`.
+        cos, sin: `[N, head_dim/2]` float32 (`rope.rope_table`).
+        q_text, k_text: text `[B, L, H, head_dim]` or None; q_text_weight, k_text_weight: `[head_dim]`.
+        eps: RMSNorm epsilon.
+        fused: run the Triton kernels (needs power-of-two head_dim) instead of the reference.
+
+    Returns:
+        (q, k), each `[B, N + L, H, head_dim]` contiguous in the dtype of q: video tokens, then text.
+    """
+    op = _qk_norm_rope_op if fused else qk_norm_rope_reference
+    return op(q, k, q_weight, k_weight, cos, sin, q_text, k_text, q_text_weight, k_text_weight, eps)
+
+
+def layer_norm_modulate(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, *, eps: float, fused: bool
+) -> torch.Tensor:
+    """`LayerNorm(x) · (1 + scale) + shift` (LayerNorm without affine).
+
+    Args:
+        x: `[B, N, D]`.
+        scale, shift: `[B, G, D]`, G dividing N (tokens `g·N/G … (g+1)·N/G − 1` use group g).
+        eps: LayerNorm epsilon.
+        fused: run the Triton kernel instead of the reference.
+
+    Returns:
+        `[B, N, D]` in the dtype of x.
+    """
+    op = _layer_norm_modulate_op if fused else layer_norm_modulate_reference
+    return op(x, scale, shift, eps)
+
+
+# -- the switch -----------------------------------------------------------------------------------
+# Looked up once at import (cheap: no import of triton) so that compiled code sees a constant.
+_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
+def triton_available() -> bool:
+    """Whether Triton can be imported (CUDA builds of torch ship it; CPU builds usually do not)."""
+    return _TRITON_AVAILABLE
+
+
+def use_fused(setting: Optional[bool], x: torch.Tensor) -> bool:
+    """Resolve a module's `fused_kernels` setting for input `x`: None means CUDA and Triton present."""
+    if setting is None:
+        return x.is_cuda and triton_available()
+    return setting
+
+
+def set_fused_kernels(model: torch.nn.Module, enabled: Optional[bool]) -> int:
+    """Switch every module of `model` with a `fused_kernels` attribute to the fused or reference ops.
+
+    Args:
+        model: a `PAN2Transformer3DModel` (or any module holding its blocks).
+        enabled: True (Triton kernels), False (PyTorch reference), None (fused on CUDA when Triton is
+            installed, reference elsewhere; the default of a new model).
+
+    Returns:
+        The number of modules switched.
+
+    Raises:
+        KernelBuildError: enabled is True but Triton is not installed.
+        ValueError: enabled is True and a module's head_dim is not a power of two.
+    """
+    if enabled and not triton_available():
+        raise KernelBuildError(
+            "the fused DiT kernels need Triton, which is not installed",
+            hint="install a CUDA build of torch (it brings Triton), or run with the reference ops",
+        )
+    switched = 0
+    for module in model.modules():
+        if not hasattr(module, "fused_kernels"):
+            continue
+        head_dim = getattr(module, "head_dim", None)
+        if enabled and head_dim is not None and head_dim & (head_dim - 1):
+            raise ValueError(f"the fused Q/K kernel needs a power-of-two head_dim, this model has {head_dim}")
+        module.fused_kernels = enabled
+        switched += 1
+    return switched

@@ -1,0 +1,105 @@
+"""Triton kernel: LayerNorm (no affine) + AdaLN modulation `LN(x)·(1 + scale) + shift`, one pass over x.
+
+Each program takes `BLOCK_ROWS` whole rows (the row lives in registers, so x is read once and y written
+once). Scale and shift come per group of consecutive tokens: one group per sample (per-sample
+modulation), per latent frame, or per token; a row's group is `row // rows_per_group`, so every case is
+the same kernel and per-sample rows re-read one cached modulation row.
+
+Numerics: mean and variance in float32 from the row held in registers (two-pass, no cancellation),
+`rsqrt` the hardware approximation on GPUs, modulation in float32, one rounding per output element.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _layer_norm_modulate_kernel(
+    X, Y, SCALE, SHIFT,
+    n_rows, n_cols, rows_per_group, groups_per_batch,
+    stride_x_row, stride_y_row,
+    stride_scale_batch, stride_scale_group, stride_shift_batch, stride_shift_group,
+    eps,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = (pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_COLS)
+    col_ok = cols < n_cols
+    mask = (rows < n_rows)[:, None] & col_ok[None, :]
+    x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / n_cols
+    centred = tl.where(mask, x - mean[:, None], 0.0)
+    var = tl.sum(centred * centred, axis=1) / n_cols
+    normed = centred * tl.rsqrt(var + eps)[:, None]
+    group = rows // rows_per_group
+    batch = group // groups_per_batch
+    group = group % groups_per_batch
+    scale_row = batch * stride_scale_batch + group * stride_scale_group
+    shift_row = batch * stride_shift_batch + group * stride_shift_group
+    scale = tl.load(SCALE + scale_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    shift = tl.load(SHIFT + shift_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = normed * (1.0 + scale) + shift
+    tl.store(Y + rows[:, None] * stride_y_row + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def layer_norm_modulate(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    eps: float,
+    block_rows: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """`out = LayerNorm(x) · (1 + scale) + shift`, scale/shift per group of tokens.
+
+    Args:
+        x: `[B, N, D]`, rows contiguous (`stride(-1) == 1`) and flattenable to `[B·N, D]` without a copy.
+        scale, shift: `[B, G, D]` (any float dtype, read as float32), G dividing N: G = 1 per sample,
+            G = latent frames per frame, G = N per token; `stride(-1) == 1`, other strides free (a chunk
+            of a wider modulation tensor is fine).
+        out: like x (dtype of x), same layout rules.
+        eps: LayerNorm epsilon.
+        block_rows, num_warps: launch shape; default rows so that a program holds ~8192 elements
+            (1 row at D = 5120), and `elements / 1024` warps clamped to [1, 8].
+    """
+    assert x.dim() == 3 and scale.dim() == 3 and shift.dim() == 3, "x, scale, shift must be [B, N, D], [B, G, D]"
+    batch, n_tokens, dim = x.shape
+    groups = scale.shape[1]
+    assert scale.shape == shift.shape == (batch, groups, dim), (
+        f"scale {tuple(scale.shape)} and shift {tuple(shift.shape)} must be [{batch}, G, {dim}]"
+    )
+    assert groups >= 1 and n_tokens % groups == 0, f"{groups} modulation groups do not divide {n_tokens} tokens"
+    assert out.shape == x.shape and out.dtype == x.dtype, "out must match x in shape and dtype"
+    for name, t in (("x", x), ("out", out)):
+        assert t.stride(2) == 1 and (batch == 1 or t.stride(0) == n_tokens * t.stride(1)), f"{name} must be [B·N, D] rows"
+        assert t.is_cuda or _interpreting(), f"{name} must be a CUDA tensor (or set TRITON_INTERPRET=1)"
+    assert scale.stride(2) == 1 and shift.stride(2) == 1, "scale and shift must be contiguous along D"
+    n_rows = batch * n_tokens
+    if n_rows == 0:
+        return
+    block_cols = triton.next_power_of_2(dim)
+    block_rows = block_rows or max(1, min(64, 8192 // block_cols))
+    assert block_rows & (block_rows - 1) == 0, f"block_rows {block_rows} must be a power of two"
+    grid = (triton.cdiv(n_rows, block_rows),)
+    _layer_norm_modulate_kernel[grid](
+        x, out, scale, shift,
+        n_rows, dim, n_tokens // groups, groups,
+        x.stride(1), out.stride(1),
+        scale.stride(0), scale.stride(1), shift.stride(0), shift.stride(1),
+        eps,
+        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
+        num_warps=num_warps or min(8, max(1, block_rows * block_cols // 1024)),
+    )  # fmt: skip

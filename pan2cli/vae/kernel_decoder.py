@@ -1,0 +1,247 @@
+"""The kernel decode path: the reference decoder's function, channels-last bf16, fused bandwidth-bound ops.
+
+Same function as `WanVAEDecoder` (docs/wan22_vae.md), organised so that the time goes to convolutions:
+
+* activations are channels-last bf16 `(B, T, H, W, C)` end to end; convolutions run in cuDNN through
+  ATen on channels-last views (fp32 accumulation), with zero spatial padding implicit in the conv;
+* every causal conv reads one buffer `(B, 2 + t, H, W, C)` whose first two frames are its history: the
+  fused RMS norm + SiLU kernel writes the chunk straight behind them (no `cat`, no `pad`); conv biases,
+  residual adds and the next norm are one kernel (`rms_norm_silu` with `bias`, `residual`, `sum_out`);
+* resamplers are four 2x2 "phase" convolutions on the low-resolution input, stacked into one conv of
+  4C output channels; one interleave kernel adds the bias and the DupUp3D shortcut while writing the
+  upsampled frame;
+* the head is conv_out then one kernel for bias + unpatchify + clamp + uint8.
+
+Numerics: bf16 storage, fp32 accumulation in the convolutions (cuDNN) and fp32 math in every norm and
+epilogue, one bf16 rounding per stored tensor. Frames leave as uint8 `(B, f, 16h, 16w, 3)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from pan2cli.vae.model import WanResample, WanResidualBlock, WanVAEDecoder, chunk_bounds
+
+# (row or column parity, tap of the 2x2 phase kernel) -> taps of the 3x3 kernel that land on it after a
+# nearest x2 upsampling (wan22_vae.md §2.6).
+_PHASE_TAPS = {(0, 0): (0,), (0, 1): (1, 2), (1, 0): (0, 1), (1, 1): (2,)}
+
+
+def phase_weights(weight: torch.Tensor) -> torch.Tensor:
+    """(C_out, C_in, 3, 3) conv after nearest x2 -> (4·C_out, C_in, 2, 2) phase kernels, phase = 2a + b.
+
+    Summed in fp32 (float64 stays float64); the caller casts.
+    """
+    w = weight if weight.dtype == torch.float64 else weight.float()
+    phases = []
+    for a in (0, 1):
+        for b in (0, 1):
+            kernel = torch.zeros(w.shape[0], w.shape[1], 2, 2, dtype=w.dtype, device=w.device)
+            for u in (0, 1):
+                for v in (0, 1):
+                    for ky in _PHASE_TAPS[(a, u)]:
+                        for kx in _PHASE_TAPS[(b, v)]:
+                            kernel[:, :, u, v] += w[:, :, ky, kx]
+            phases.append(kernel)
+    return torch.cat(phases, dim=0)
+
+
+def _conv3d_weight(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to(torch.bfloat16).contiguous(memory_format=torch.channels_last_3d)
+
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().float().reshape(-1).contiguous()
+
+
+@dataclass
+class _Pending:
+    """`z + bias + residual`, not yet materialised: the next norm kernel adds it as it reads."""
+
+    z: torch.Tensor  # (B, t, H, W, C) bf16
+    bias: torch.Tensor | None  # (C,) fp32
+    residual: torch.Tensor | None  # like z
+
+
+class WanKernelDecoder:
+    """Decode Wan2.2 latents with the compiled kernels; built from a loaded reference decoder's weights.
+
+    Args:
+        reference: a `WanVAEDecoder` on a CUDA device (any dtype; weights are re-laid out in bf16).
+        ops: the loaded extension (`pan2cli.vae.kernel.load_kernel`).
+    """
+
+    def __init__(self, reference: WanVAEDecoder, ops: ModuleType):
+        self.config = reference.config
+        self.device = reference.device
+        self.dtype = torch.bfloat16
+        self.ops = ops
+        self._ref = reference  # parameters are read from it at every call site below (no copy kept twice)
+        self._weights: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for name, module in reference.named_modules():
+                if isinstance(module, torch.nn.Conv3d):
+                    self._weights[name + ".weight"] = _conv3d_weight(module.weight)
+                    self._weights[name + ".bias"] = _f32(module.bias)
+                elif isinstance(module, WanResample):
+                    conv = module.resample[1]
+                    self._weights[name + ".phases"] = (
+                        phase_weights(conv.weight).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+                    )
+                    self._weights[name + ".bias"] = _f32(conv.bias)
+                elif hasattr(module, "gamma"):
+                    self._weights[name + ".gamma"] = _f32(module.gamma * module.scale)
+            attention = reference.decoder.mid_block.attentions[0]
+            c = attention.proj.weight.shape[0]
+            self._weights["attn.qkv.weight"] = attention.to_qkv.weight.reshape(3 * c, c).to(torch.bfloat16).contiguous()
+            self._weights["attn.qkv.bias"] = attention.to_qkv.bias.to(torch.bfloat16)
+            self._weights["attn.proj.weight"] = attention.proj.weight.reshape(c, c).to(torch.bfloat16).contiguous()
+            self._weights["attn.proj.bias"] = attention.proj.bias.to(torch.bfloat16)
+        self._history: dict[str, torch.Tensor] = {}
+
+    # -- building blocks ----------------------------------------------------------------------
+    def _w(self, name: str) -> torch.Tensor:
+        return self._weights[name]
+
+    def _buffer(self, key: str, like: torch.Tensor, channels: int) -> torch.Tensor:
+        """(B, 2 + t, H, W, C) conv input buffer whose first two frames hold the conv's history."""
+        b, t, h, w, _ = like.shape
+        history = self._history.get(key)
+        if history is None:
+            history = torch.zeros(b, 2, h, w, channels, dtype=torch.bfloat16, device=like.device)
+            self._history[key] = history
+        buf = torch.empty(b, 2 + t, h, w, channels, dtype=torch.bfloat16, device=like.device)
+        buf[:, :2].copy_(history)
+        return buf
+
+    def _keep_history(self, key: str, buf: torch.Tensor) -> None:
+        t = buf.shape[1] - 2
+        self._history[key].copy_(buf[:, t : t + 2])
+
+    def _conv(self, buf: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal conv over a history buffer: (B, 2 + t, H, W, Cin) -> (B, t, H, W, Cout)."""
+        pad = (weight.shape[3] // 2, weight.shape[4] // 2)
+        out = F.conv3d(buf.permute(0, 4, 1, 2, 3), weight, bias, padding=(0, *pad))
+        return out.permute(0, 2, 3, 4, 1)
+
+    def _norm_into(self, x, gamma, out, *, bias=None, residual=None, sum_out=None, silu=True) -> None:
+        self.ops.rms_norm_silu(x, gamma, bias, residual, sum_out, out, silu)
+
+    def _norm_conv(self, key: str, x, gamma: torch.Tensor, keep_sum: bool = True) -> torch.Tensor:
+        """SiLU(RMS(x)) written behind the history of conv `key`, then the conv (no bias).
+
+        `x` is a tensor or a `_Pending` sum; with `keep_sum` the sum is also stored in place of `x.z`
+        (it is the next block's residual input).
+        """
+        source = x.z if isinstance(x, _Pending) else x
+        buf = self._buffer(key, source, source.shape[-1])
+        if isinstance(x, _Pending):
+            sum_out = x.z if keep_sum else None
+            self._norm_into(x.z, gamma, buf[:, 2:], bias=x.bias, residual=x.residual, sum_out=sum_out)
+        else:
+            self._norm_into(x, gamma, buf[:, 2:])
+        out = self._conv(buf, self._w(key + ".weight"))
+        self._keep_history(key, buf)
+        return out
+
+    @staticmethod
+    def _materialise(x) -> torch.Tensor:
+        if not isinstance(x, _Pending):
+            return x
+        z = x.z
+        if x.residual is not None:
+            z.add_(x.residual)
+        if x.bias is not None:
+            z.add_(x.bias.to(z.dtype))
+        return z
+
+    def _resblock(self, prefix: str, block: WanResidualBlock, x) -> _Pending:
+        x_in = self._materialise(x) if block.conv_shortcut is not None else x
+        if block.conv_shortcut is not None:
+            w = self._w(prefix + ".conv_shortcut.weight")
+            bias = self._w(prefix + ".conv_shortcut.bias").to(torch.bfloat16)
+            h = F.linear(x_in, w.reshape(w.shape[0], w.shape[1]), bias)
+            y = self._norm_conv(prefix + ".conv1", x_in, self._w(prefix + ".norm1.gamma"))
+        else:
+            y = self._norm_conv(prefix + ".conv1", x, self._w(prefix + ".norm1.gamma"))
+            h = x.z if isinstance(x, _Pending) else x  # materialised in place by the norm above
+        y = _Pending(y, self._w(prefix + ".conv1.bias"), None)
+        z = self._norm_conv(prefix + ".conv2", y, self._w(prefix + ".norm2.gamma"), keep_sum=False)
+        return _Pending(z, self._w(prefix + ".conv2.bias"), h)
+
+    def _attention(self, x) -> torch.Tensor:
+        x = self._materialise(x)
+        b, t, h, w, c = x.shape
+        u = torch.empty_like(x)
+        self._norm_into(x, self._w("decoder.mid_block.attentions.0.norm.gamma"), u, silu=False)
+        qkv = F.linear(u.reshape(b * t, 1, h * w, c), self._w("attn.qkv.weight"), self._w("attn.qkv.bias"))
+        q, k, v = qkv.chunk(3, dim=-1)
+        o = F.scaled_dot_product_attention(q, k, v)
+        o = F.linear(o, self._w("attn.proj.weight"), self._w("attn.proj.bias"))
+        return x.add_(o.reshape(b, t, h, w, c))
+
+    def _upsample(self, prefix: str, resample: WanResample, x: torch.Tensor, x_in: torch.Tensor, first_chunk: bool) -> torch.Tensor:
+        b, t, h, w, c = x.shape
+        factor_t = 2 if resample.mode == "upsample3d" else 1
+        if resample.mode == "upsample3d" and not first_chunk:
+            key = prefix + ".time_conv"
+            buf = self._buffer(key, x, c)
+            buf[:, 2:].copy_(x)
+            y = self._conv(buf, self._w(key + ".weight"), self._w(key + ".bias").to(torch.bfloat16))
+            self._keep_history(key, buf)
+            # depth-to-time: channels [0, C) -> frame 2t, [C, 2C) -> frame 2t+1
+            x = y.reshape(b, t, h, w, 2, c).permute(0, 1, 4, 2, 3, 5).reshape(b, 2 * t, h, w, c)
+            t = 2 * t
+        phases = F.conv2d(
+            x.reshape(b * t, h, w, c).permute(0, 3, 1, 2), self._w(prefix + ".phases"), None, padding=1
+        ).permute(0, 2, 3, 1).contiguous()
+        out = torch.empty(b, t, 2 * h, 2 * w, c, dtype=torch.bfloat16, device=x.device)
+        frame_offset = factor_t - 1 if first_chunk else 0
+        self.ops.phase_interleave(phases, self._w(prefix + ".bias"), x_in, out, factor_t, frame_offset)
+        return out
+
+    def _decoder_chunk(self, x: torch.Tensor, first_chunk: bool) -> torch.Tensor:
+        """(B, t, h, w, z_dim) post-quant latents -> uint8 frames (B·f, 16h, 16w, 3)."""
+        dec = self._ref.decoder
+        buf = self._buffer("decoder.conv_in", x, x.shape[-1])
+        buf[:, 2:].copy_(x)
+        y = self._conv(buf, self._w("decoder.conv_in.weight"))
+        self._keep_history("decoder.conv_in", buf)
+        x = _Pending(y, self._w("decoder.conv_in.bias"), None)
+        x = self._resblock("decoder.mid_block.resnets.0", dec.mid_block.resnets[0], x)
+        x = self._attention(x)
+        x = self._resblock("decoder.mid_block.resnets.1", dec.mid_block.resnets[1], x)
+        for i, block in enumerate(dec.up_blocks):
+            prefix = f"decoder.up_blocks.{i}"
+            x_in = self._materialise(x).contiguous() if block.upsampler is not None else None
+            if x_in is not None:
+                x = x_in
+            for j, resnet in enumerate(block.resnets):
+                x = self._resblock(f"{prefix}.resnets.{j}", resnet, x)
+            if block.upsampler is not None:
+                x = self._upsample(f"{prefix}.upsampler", block.upsampler, self._materialise(x), x_in, first_chunk)
+        y = self._norm_conv("decoder.conv_out", x, self._w("decoder.norm_out.gamma"), keep_sum=False)
+        b, t, h, w, _ = y.shape
+        frames = torch.empty(b * t, 2 * h, 2 * w, 3, dtype=torch.uint8, device=y.device)
+        self.ops.head_to_uint8(y.reshape(b * t, h, w, 12).contiguous(), self._w("decoder.conv_out.bias"), frames)
+        return frames.view(b, t, 2 * h, 2 * w, 3)
+
+    # -- public -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode_uint8_chunks(self, z: torch.Tensor, chunk_latent_frames: int | None = None) -> Iterator[torch.Tensor]:
+        """Decode un-normalised latents `(B, z_dim, T, h, w)`; yields uint8 `(B, f, 16h, 16w, 3)` on the GPU."""
+        n = chunk_latent_frames or self.config.chunk_latent_frames
+        self._history = {}
+        x = z.to(self.device, torch.bfloat16).permute(0, 2, 3, 4, 1).contiguous()  # (B, T, h, w, z)
+        w = self._w("post_quant_conv.weight")
+        x = F.linear(x, w.reshape(w.shape[0], w.shape[1]), self._w("post_quant_conv.bias").to(torch.bfloat16))
+        try:
+            for start, stop in chunk_bounds(x.shape[1], n):
+                yield self._decoder_chunk(x[:, start:stop].contiguous(), first_chunk=start == 0)
+        finally:
+            self._history = {}

@@ -1,0 +1,255 @@
+"""Wan2.2 VAE decode on one GPU, side by side: our kernel path, our reference (bf16), diffusers (bf16, fp32).
+
+Usage: python scripts/bench_decode.py [--latent-shape 1,48,31,44,78] [--accuracy-frames 5] [--repeats 3]
+       [--chunk-latent-frames 4] [--skip-diffusers] [--profile] [--out results.json]
+
+Random weights (γ and biases perturbed, `pan2cli.vae.random_weights`) and random latents. Timing: median
+decode seconds over `--repeats` runs after one warm-up (model loading timed separately), CUDA-synchronised;
+peak memory is `max_memory_allocated` during the decode, weights included (reserved reported too).
+Accuracy: every path decodes a shorter latent (`--accuracy-frames` latent frames, same H and W) and is
+compared, as uint8 frames, with our reference decode in fp32 with TF32 off: PSNR (dB, on [0, 255]) and
+SSIM (mean over frames and colours, 11x11 Gaussian window). TFLOP/s use the reference algorithm's count
+(1.961 PFLOP for [1,48,31,44,78]: 20.06 TFLOP for the first latent frame, 64.69 for each later one, scaled
+by H·W). Prints a markdown table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pan2cli.vae.config import WanVAEConfig
+from pan2cli.vae.model import WanVAEDecoder
+from pan2cli.vae.random_weights import random_vae_state_dict
+from pan2cli.video import frames_to_uint8
+
+_TFLOP_FIRST, _TFLOP_LATER = 20.06, 64.69  # at 44x78 latent pixels (wan22_vae.md §8.1)
+
+
+def decode_tflop(shape) -> float:
+    _, _, t, h, w = shape
+    return (_TFLOP_FIRST + (t - 1) * _TFLOP_LATER) * (h * w) / (44 * 78)
+
+
+def reference_decoder(state, dtype) -> WanVAEDecoder:
+    with torch.device("meta"):
+        model = WanVAEDecoder(WanVAEConfig())
+    decoder_state = {k: v.to(dtype) for k, v in state.items() if k.startswith(("decoder.", "post_quant_conv."))}
+    model.load_state_dict(decoder_state, assign=True)
+    return model.to("cuda").eval()
+
+
+def diffusers_decoder(state, dtype):
+    from diffusers import AutoencoderKLWan
+
+    config = {k: v for k, v in WanVAEConfig().to_diffusers_config().items() if not k.startswith("_")}
+    with torch.device("meta"):
+        model = AutoencoderKLWan(**config)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    return model.to("cuda").eval()
+
+
+# -- the decode paths: each returns a function z -> iterator of uint8 (f, H, W, 3) chunks -------------
+def ours(decoder):
+    def run(z):
+        if hasattr(decoder, "decode_uint8_chunks"):
+            for frames in decoder.decode_uint8_chunks(z):
+                yield frames[0]
+        else:
+            for video in decoder.decode_chunks(z):
+                yield frames_to_uint8(video[0])
+
+    return run
+
+
+def diffusers_path(model):
+    def run(z):
+        with torch.no_grad():
+            video = model.decode(z.to(model.dtype)).sample
+        yield frames_to_uint8(video[0])
+
+    return run
+
+
+def time_decode(run, z, repeats: int) -> tuple[list[float], int, int]:
+    for _ in run(z):  # warm-up (cuDNN algorithm choice, kernel build/load)
+        pass
+    torch.cuda.synchronize()
+    seconds = []
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in run(z):
+            pass
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return seconds, torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+
+
+def frames_of(run, z) -> torch.Tensor:
+    return torch.cat([chunk for chunk in run(z)])  # (F, H, W, 3) uint8
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    mse = (a.float() - b.float()).pow(2).mean().item()
+    return float("inf") if mse == 0 else 10 * torch.log10(torch.tensor(255.0**2 / mse)).item()
+
+
+def ssim(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean SSIM of uint8 (F, H, W, 3) videos, per colour channel, 11x11 Gaussian (σ 1.5)."""
+    coords = torch.arange(11, device=a.device, dtype=torch.float32) - 5
+    g = torch.exp(-(coords**2) / (2 * 1.5**2))
+    g = (g / g.sum())[:, None] * (g / g.sum())[None, :]
+    window = g.expand(3, 1, 11, 11).contiguous()
+    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
+    values = []
+    for i in range(a.shape[0]):
+        x = a[i].permute(2, 0, 1)[None].float()
+        y = b[i].permute(2, 0, 1)[None].float()
+        mu_x, mu_y = F.conv2d(x, window, groups=3), F.conv2d(y, window, groups=3)
+        sxx = F.conv2d(x * x, window, groups=3) - mu_x**2
+        syy = F.conv2d(y * y, window, groups=3) - mu_y**2
+        sxy = F.conv2d(x * y, window, groups=3) - mu_x * mu_y
+        s = ((2 * mu_x * mu_y + c1) * (2 * sxy + c2)) / ((mu_x**2 + mu_y**2 + c1) * (sxx + syy + c2))
+        values.append(s.mean().item())
+    return sum(values) / len(values)
+
+
+def profile_kernel_path(run, z) -> list[tuple[str, float]]:
+    """CUDA time of one decode by kernel group (seconds), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in run(z):
+            pass
+        torch.cuda.synchronize()
+    groups: dict[str, float] = {}
+    for event in prof.key_averages():
+        name = event.key.lower()
+        total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if any(s in name for s in ("conv", "xmma", "cutlass", "implicit", "gemm", "sm90", "cudnn", "nhwc")):
+            group = "convolutions / GEMMs (cuDNN, cuBLAS)"
+        elif "rms_norm" in name:
+            group = "fused RMS norm + SiLU (+ bias, residual)"
+        elif "phase_interleave" in name:
+            group = "resampler phase interleave"
+        elif "head_to_uint8" in name:
+            group = "head: unpatchify + uint8"
+        elif "copy" in name or "memcpy" in name or "memset" in name or "fill" in name:
+            group = "copies / fills (history, depth-to-time)"
+        elif "attention" in name or "softmax" in name or "fmha" in name or "flash" in name:
+            group = "attention"
+        else:
+            group = "other elementwise"
+        groups[group] = groups.get(group, 0.0) + total / 1e6
+    return sorted(groups.items(), key=lambda kv: -kv[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--latent-shape", default="1,48,31,44,78")
+    parser.add_argument("--accuracy-frames", type=int, default=5, help="latent frames of the accuracy decode")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--chunk-latent-frames", type=int, default=4)
+    parser.add_argument("--skip-diffusers", action="store_true", help="only our two paths")
+    parser.add_argument("--skip-reference", action="store_true", help="no timing of our bf16 reference")
+    parser.add_argument("--profile", action="store_true", help="CUDA time of the kernel path by kernel group")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_decode.py needs a CUDA GPU")
+
+    from pan2cli.vae.kernel import load_kernel
+    from pan2cli.vae.kernel_decoder import WanKernelDecoder
+
+    shape = tuple(int(v) for v in args.latent_shape.split(","))
+    acc_shape = (*shape[:2], args.accuracy_frames, *shape[3:])
+    generator = torch.Generator().manual_seed(7)
+    z = torch.randn(shape, generator=generator).cuda()
+    z_acc = torch.randn(acc_shape, generator=generator).cuda()
+    state = random_vae_state_dict(WanVAEConfig(), seed=11)
+    results: dict = {"shape": shape, "accuracy_shape": acc_shape, "gpu": torch.cuda.get_device_name(), "paths": {}}
+
+    start = time.perf_counter()
+    load_kernel()
+    results["kernel_load_seconds"] = time.perf_counter() - start
+    print(f"kernel build/load: {results['kernel_load_seconds']:.1f} s", flush=True)
+
+    # fp32 reference, TF32 off (our reference switches it off itself in fp32)
+    ref32 = reference_decoder(state, torch.float32)
+    torch.backends.cudnn.allow_tf32 = False
+    truth = frames_of(ours(ref32), z_acc)
+    torch.backends.cudnn.allow_tf32 = True
+    del ref32
+    torch.cuda.empty_cache()
+
+    def measure(name: str, build, timed: bool = True):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        run, keep = build()
+        torch.cuda.synchronize()
+        load = time.perf_counter() - start
+        weights = torch.cuda.memory_allocated()
+        got = frames_of(run, z_acc)
+        row = {"load_s": load, "weights_gib": weights / 2**30, "psnr_db": psnr(got, truth), "ssim": ssim(got, truth)}
+        if timed:
+            seconds, peak, reserved = time_decode(run, z, args.repeats)
+            row.update(
+                seconds=seconds,
+                median_s=statistics.median(seconds),
+                peak_gib=peak / 2**30,
+                reserved_gib=reserved / 2**30,
+                tflops=decode_tflop(shape) / statistics.median(seconds),
+            )
+        results["paths"][name] = row
+        print(name, json.dumps(row), flush=True)
+        return run, keep
+
+    def build_kernel():
+        ref = reference_decoder(state, torch.bfloat16)
+        ref.config = ref.config.replace(chunk_latent_frames=args.chunk_latent_frames)
+        kernel = WanKernelDecoder(ref, load_kernel())
+        return ours(kernel), kernel
+
+    def build_reference():
+        ref = reference_decoder(state, torch.bfloat16)
+        ref.config = ref.config.replace(chunk_latent_frames=args.chunk_latent_frames)
+        return ours(ref), ref
+
+    kernel_run, kernel = measure("pan2cli kernel (bf16)", build_kernel)
+    if args.profile:
+        results["profile"] = profile_kernel_path(kernel_run, z)
+        for group, seconds in results["profile"]:
+            print(f"  {group:<45} {seconds:7.3f} s", flush=True)
+    del kernel_run, kernel
+    if not args.skip_reference:
+        measure("pan2cli reference (bf16)", build_reference)
+    if not args.skip_diffusers:
+        for name, dtype in (("diffusers 0.42.1 (bf16)", torch.bfloat16), ("diffusers 0.42.1 (fp32, TF32 convs)", torch.float32)):
+            measure(name, lambda dtype=dtype: (diffusers_path(m := diffusers_decoder(state, dtype)), m))
+
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    base = results["paths"].get("diffusers 0.42.1 (bf16)", {}).get("median_s")
+    print(f"\nlatent {list(shape)} on {results['gpu']}; accuracy on {list(acc_shape)} vs our fp32 reference (TF32 off)")
+    print("| path | median s | runs | peak GiB (reserved) | weights GiB | TFLOP/s | PSNR dB | SSIM | vs diffusers bf16 |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, row in results["paths"].items():
+        speedup = f"{base / row['median_s']:.2f}x" if base and "median_s" in row else "—"
+        runs = ", ".join(f"{s:.2f}" for s in row.get("seconds", []))
+        print(
+            f"| {name} | {row.get('median_s', float('nan')):.3f} | {runs} | {row.get('peak_gib', float('nan')):.2f} "
+            f"({row.get('reserved_gib', float('nan')):.2f}) | {row['weights_gib']:.2f} | {row.get('tflops', float('nan')):.0f} | "
+            f"{row['psnr_db']:.2f} | {row['ssim']:.5f} | {speedup} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""DiT checkpoints: round trips (single file, sharded with index, `model*` names, ComfyUI prefix), strict key checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pan2cli.dit import PAN2Transformer3DModel, PAN2TransformerConfig, load_pan2_transformer, save_pan2_transformer
+from pan2cli.dit.checkpoint import rename_key
+from pan2cli.errors import CheckpointError, InputError
+
+TINY = PAN2TransformerConfig(
+    hidden_size=32, num_attention_heads=2, num_layers=2, text_dim=8, freq_dim=16, rope_axes_dim=(4, 6, 6)
+)
+
+
+@pytest.fixture(scope="module")
+def model() -> PAN2Transformer3DModel:
+    torch.manual_seed(0)
+    return PAN2Transformer3DModel(TINY).eval()
+
+
+def assert_same_weights(loaded, model, dtype):
+    want = model.state_dict()
+    got = loaded.state_dict()
+    assert got.keys() == want.keys()
+    for key, tensor in got.items():
+        assert tensor.dtype == dtype, key
+        assert torch.equal(tensor, want[key].to(dtype)), key
+
+
+@pytest.mark.parametrize("stem", ["diffusion_pytorch_model", "model"])
+@pytest.mark.parametrize("shard_bytes", [None, 40_000])
+def test_round_trip(tmp_path, model, stem, shard_bytes):
+    folder = save_pan2_transformer(model, tmp_path / "transformer", max_shard_bytes=shard_bytes, stem=stem)
+    if shard_bytes:
+        index = json.loads((folder / f"{stem}.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) > 2  # really sharded
+    loaded = load_pan2_transformer(tmp_path, dtype=torch.float32)  # a repository root with transformer/
+    assert loaded.config == TINY
+    assert_same_weights(loaded, model, torch.float32)
+    bf16 = load_pan2_transformer(folder)  # bf16 by default
+    assert_same_weights(bf16, model, torch.bfloat16)
+    assert not any(p.requires_grad for p in bf16.parameters()) and not bf16.training
+
+
+def test_loaded_model_runs(tmp_path, model):
+    loaded = load_pan2_transformer(save_pan2_transformer(model, tmp_path), dtype=torch.float32)
+    latents = torch.randn(1, 48, 2, 2, 4)
+    text = torch.randn(1, 3, TINY.text_dim)
+    t = torch.tensor([500.0])
+    with torch.no_grad():
+        assert torch.equal(loaded(latents, t, text), model(latents, t, text))
+
+
+def test_comfyui_prefix_maps_through_the_table(tmp_path, model):
+    assert rename_key("model.diffusion_model.proj_out.weight") == "proj_out.weight"
+    folder = save_pan2_transformer(model, tmp_path)
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    save_file({f"model.diffusion_model.{k}": v for k, v in load_file(weights).items()}, str(weights))
+    assert_same_weights(load_pan2_transformer(folder, dtype=torch.float32), model, torch.float32)
+
+
+def test_missing_and_unexpected_keys_are_named(tmp_path, model):
+    folder = save_pan2_transformer(model, tmp_path)
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    state = load_file(weights)
+    del state["blocks.1.attn.norm_added_k.weight"]
+    state["blocks.1.attn.to_qkv.weight"] = torch.zeros(96, 32)
+    state["proj_out.bias"] = torch.zeros(7)
+    save_file(state, str(weights))
+    with pytest.raises(CheckpointError) as err:
+        load_pan2_transformer(folder)
+    message = str(err.value)
+    assert "missing keys: blocks.1.attn.norm_added_k.weight" in message
+    assert "unexpected keys: blocks.1.attn.to_qkv.weight" in message
+    assert "proj_out.bias [7] (expected [192])" in message
+
+
+def test_broken_folders(tmp_path, model):
+    with pytest.raises(InputError, match="no such file"):
+        load_pan2_transformer(tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_pan2_transformer(tmp_path)
+    folder = save_pan2_transformer(model, tmp_path / "sharded", max_shard_bytes=40_000)
+    index_path = folder / "diffusion_pytorch_model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first_shard = sorted(set(index["weight_map"].values()))[0]
+    (folder / first_shard).unlink()
+    with pytest.raises(CheckpointError, match=f"lists {first_shard}"):
+        load_pan2_transformer(folder)
+    (folder / "config.json").write_text(json.dumps({**TINY.to_config_dict(), "hidden_size": "wide"}))
+    with pytest.raises(CheckpointError, match="hidden_size"):
+        load_pan2_transformer(folder)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text(json.dumps(TINY.to_config_dict()))
+    with pytest.raises(CheckpointError, match="no diffusion_pytorch_model"):
+        load_pan2_transformer(empty)

@@ -1,0 +1,148 @@
+"""The kernel decode path's orchestration (history buffers, pending sums, four-phase resamplers, head).
+
+On CPU the three CUDA kernels are replaced by PyTorch emulations of their documented math, so the
+Python side of the kernel path is checked against the reference decoder in CI; the GPU test runs the
+compiled kernels themselves.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pan2cli.vae.config import WanVAEConfig
+from pan2cli.vae.kernel_decoder import WanKernelDecoder, phase_weights
+from pan2cli.vae.model import WanVAEDecoder
+from pan2cli.vae.random_weights import random_vae_state_dict
+from pan2cli.video import frames_to_uint8
+
+
+def _rms_norm_silu(x, gamma, bias, residual, sum_out, out, silu):
+    v = x.float()
+    if bias is not None:
+        v = v + bias
+    if residual is not None:
+        v = v + residual.float()
+    if bias is not None or residual is not None:
+        v = v.to(torch.bfloat16).float()
+        if sum_out is not None:
+            sum_out.copy_(v)
+    y = v / v.norm(dim=-1, keepdim=True).clamp_min(1e-12) * gamma
+    out.copy_(F.silu(y) if silu else y)
+
+
+def _phase_interleave(phases, bias, shortcut, out, factor_t, frame_offset):
+    b, t, hh, ww, c = out.shape
+    p = phases.float().view(b, t, hh // 2 + 1, ww // 2 + 1, 2, 2, c)
+    full = torch.empty(b, t, hh, ww, c)
+    for a in (0, 1):
+        for c2 in (0, 1):
+            full[:, :, a::2, c2::2] = p[:, :, a : a + hh // 2, c2 : c2 + ww // 2, a, c2]
+    full += bias
+    if shortcut is not None:
+        c_in = shortcut.shape[-1]
+        repeats = c * factor_t * 4 // c_in
+        for f in range(t):
+            g = f + frame_offset
+            src = shortcut[:, g // factor_t].float()
+            for a in (0, 1):
+                for c2 in (0, 1):
+                    index = ((torch.arange(c) * factor_t + g % factor_t) * 2 + a) * 2 + c2
+                    full[:, f, a::2, c2::2] += src[..., index // repeats]
+    out.copy_(full)
+
+
+def _head_to_uint8(y, bias, out):
+    v = (y.float() + bias).to(torch.bfloat16).float().clamp(-1, 1)
+    n, h, w, _ = y.shape
+    video = v.view(n, h, w, 3, 2, 2).permute(0, 3, 1, 5, 2, 4).reshape(n, 3, 2 * h, 2 * w)  # c r q -> c (h q) (w r)
+    out.copy_(torch.round((video + 1) * 127.5).clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1))
+
+
+EMULATED_OPS = SimpleNamespace(
+    rms_norm_silu=_rms_norm_silu, phase_interleave=_phase_interleave, head_to_uint8=_head_to_uint8
+)
+
+
+def test_phase_weights_equal_upsample_then_conv():
+    w = torch.randn(3, 2, 3, 3, dtype=torch.float64)
+    x = torch.randn(1, 2, 4, 5, dtype=torch.float64)
+    expected = F.conv2d(F.interpolate(x, scale_factor=2, mode="nearest"), w, padding=1)
+    phases = F.conv2d(x, phase_weights(w).double(), padding=1)  # (1, 4·3, 5, 6)
+    got = torch.empty_like(expected)
+    for a in (0, 1):
+        for b in (0, 1):
+            k = 2 * a + b
+            got[:, :, a::2, b::2] = phases[:, 3 * k : 3 * k + 3, a : a + 4, b : b + 5]
+    assert (got - expected).abs().max().item() < 1e-12
+
+
+@pytest.fixture(scope="module")
+def reference():
+    config = WanVAEConfig(base_dim=16, decoder_base_dim=16, chunk_latent_frames=2)
+    state = random_vae_state_dict(config, seed=2, encoder=False)
+    model = WanVAEDecoder(config)
+    model.load_state_dict(state)
+    return model
+
+
+def _uint8(decoder, z, n=None) -> torch.Tensor:
+    if isinstance(decoder, WanKernelDecoder):
+        return torch.cat([f[0].cpu() for f in decoder.decode_uint8_chunks(z, n)]).int()
+    return torch.cat([frames_to_uint8(v[0]).cpu() for v in decoder.decode_chunks(z, n)]).int()
+
+
+def _bf16(reference: WanVAEDecoder) -> WanVAEDecoder:
+    model = WanVAEDecoder(reference.config).to(torch.bfloat16)
+    model.load_state_dict(reference.state_dict())
+    return model
+
+
+@pytest.mark.parametrize("latent_frames", [1, 2, 5])
+def test_kernel_path_is_as_accurate_as_the_bf16_reference(reference, latent_frames):
+    """Against the fp32 decode, the kernel path's error is no worse than the bf16 reference's."""
+    z = torch.randn(1, 48, latent_frames, 3, 5)
+    truth = _uint8(reference, z)
+    reference_bf16 = _uint8(_bf16(reference), z)
+    kernel = _uint8(WanKernelDecoder(_bf16(reference), EMULATED_OPS), z)
+    assert kernel.shape == truth.shape == (1 + 4 * (latent_frames - 1), 48, 80, 3)
+    kernel_error = (kernel - truth).abs().float().mean().item()
+    reference_error = (reference_bf16 - truth).abs().float().mean().item()
+    assert reference_error > 0  # bf16 does round
+    assert kernel_error <= 1.25 * reference_error
+
+
+def test_kernel_path_chunk_size_invariance(reference):
+    z = torch.randn(1, 48, 6, 2, 3)
+    kernel = WanKernelDecoder(_bf16(reference), EMULATED_OPS)
+    outputs = [_uint8(kernel, z, n) for n in (1, 2, 5)]
+    for out in outputs[1:]:
+        assert (out - outputs[0]).abs().max().item() <= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 48, 1, 6, 10), (1, 48, 2, 6, 10), (1, 48, 5, 4, 6), (1, 48, 9, 3, 5)])
+def test_compiled_kernels_are_as_accurate_as_the_bf16_reference(reference, shape):
+    from pan2cli.vae.kernel import load_kernel
+
+    z = torch.randn(shape)
+    truth = _uint8(reference, z)
+    gpu_bf16 = _bf16(reference).cuda()
+    reference_error = (_uint8(gpu_bf16, z.cuda()) - truth).abs().float().mean().item()
+    compiled = _uint8(WanKernelDecoder(gpu_bf16, load_kernel()), z.cuda())
+    assert compiled.shape == truth.shape
+    assert (compiled - truth).abs().float().mean().item() <= 1.25 * reference_error
+
+
+@pytest.mark.gpu
+def test_compiled_kernel_chunk_size_invariance(reference):
+    from pan2cli.vae.kernel import load_kernel
+
+    kernel = WanKernelDecoder(_bf16(reference).cuda(), load_kernel())
+    z = torch.randn(1, 48, 9, 4, 6, device="cuda")
+    outputs = [_uint8(kernel, z, n) for n in (1, 2, 4, 8)]
+    for out in outputs[1:]:
+        assert (out - outputs[0]).abs().max().item() <= 1
