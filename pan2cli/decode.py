@@ -1,4 +1,8 @@
-"""Decode latents into a frame writer, chunk by chunk: un-normalise, decode, uint8 on the device, one copy to host."""
+"""Decode latents into a frame writer, chunk by chunk: un-normalise, decode, uint8 on the device, one copy to host.
+
+Under several processes (torchrun) each rank decodes a band of rows of every frame and the uint8 rows
+are all-gathered per chunk (`pan2cli.vae.parallel`); the rank given a writer writes the frames.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import torch
 from pan2cli.errors import OutOfMemoryError
 from pan2cli.latents import unnormalize
 from pan2cli.vae.model import WanVAEDecoder
+from pan2cli.vae.parallel import row_split_for
 from pan2cli.video import VideoWriter, copy_to_host, frames_to_uint8
 
 
@@ -34,7 +39,7 @@ def _synchronize(device: torch.device) -> None:
 def decode_latents(
     decoder: WanVAEDecoder,
     latents: torch.Tensor,
-    writer: VideoWriter,
+    writer: VideoWriter | None,
     *,
     normalized: bool = True,
     chunk_latent_frames: int | None = None,
@@ -45,7 +50,8 @@ def decode_latents(
     Args:
         decoder: the Wan2.2 VAE decoder (its device and dtype are used).
         latents: `(48, T, h, w)` or `(1, 48, T, h, w)` float latents, on any device.
-        writer: receives uint8 `(f, 16h, 16w, 3)` CPU frames chunk by chunk.
+        writer: receives uint8 `(f, 16h, 16w, 3)` CPU frames chunk by chunk; None decodes without
+            writing (the other ranks of a split decode, which still all-gather the whole frames).
         normalized: the latents are the DiT's normalised ones (un-normalised here with the VAE
             config's per-channel mean/std: `z·std + mean`); False for raw VAE latents.
         chunk_latent_frames: latent frames per pass after the first (default: the decoder config's).
@@ -56,6 +62,7 @@ def decode_latents(
 
     Raises:
         OutOfMemoryError: the GPU ran out of memory (exit 1, with a hint to use smaller chunks).
+        InputError: the latents have fewer rows than there are ranks.
     """
     device = decoder.device
     z = latents if latents.dim() == 5 else latents.unsqueeze(0)
@@ -64,6 +71,7 @@ def decode_latents(
     if normalized:
         z = unnormalize(z, decoder.config.latents_mean, decoder.config.latents_std)
     chunk = chunk_latent_frames or decoder.config.chunk_latent_frames
+    rows = row_split_for(decoder.config, z.shape[-2])  # None in one process
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _synchronize(device)
@@ -71,12 +79,17 @@ def decode_latents(
     frames = height = width = 0
     try:
         consumed = 0
-        for video in decoder.decode_chunks(z, chunk):
+        chunks = decoder.decode_chunks(z, chunk) if rows is None else decoder.decode_chunks(z, chunk, rows=rows)
+        for video in chunks:
             # video: (1, 3, f, H, W) in [-1, 1] -> uint8 (f, H, W, 3) on the device, then ONE copy
-            host = copy_to_host(frames_to_uint8(video[0]))
-            writer.write(host)
-            frames += host.shape[0]
-            height, width = host.shape[1], host.shape[2]
+            pixels = frames_to_uint8(video[0])
+            if rows is not None:
+                # uint8 is per pixel, so converting before the gather is exact and moves 1 byte each
+                pixels = rows.gather_rows(pixels, dim=1)
+            if writer is not None:
+                writer.write(copy_to_host(pixels))
+            frames += pixels.shape[0]
+            height, width = pixels.shape[1], pixels.shape[2]
             step = 1 if consumed == 0 else min(chunk, z.shape[2] - consumed)
             consumed += step
             if on_chunk is not None:

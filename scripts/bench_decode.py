@@ -156,6 +156,12 @@ def main() -> None:
     parser.add_argument("--accuracy-frames", type=int, default=5, help="latent frames of the accuracy decode")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk-latent-frames", type=int, default=4)
+    parser.add_argument(
+        "--kernel-variants",
+        default="4:4",
+        help="comma-separated CHUNK:TAIL pairs of the kernel path (latent frames per chunk : video frames per "
+        "pass through the high-resolution stages); one row each",
+    )
     parser.add_argument("--skip-diffusers", action="store_true", help="only our two paths")
     parser.add_argument("--skip-reference", action="store_true", help="no timing of our bf16 reference")
     parser.add_argument("--profile", action="store_true", help="CUDA time of the kernel path by kernel group")
@@ -211,10 +217,10 @@ def main() -> None:
         print(name, json.dumps(row), flush=True)
         return run, keep
 
-    def build_kernel():
+    def build_kernel(chunk: int, tail: int):
         ref = reference_decoder(state, torch.bfloat16)
-        ref.config = ref.config.replace(chunk_latent_frames=args.chunk_latent_frames)
-        kernel = WanKernelDecoder(ref, load_kernel())
+        ref.config = ref.config.replace(chunk_latent_frames=chunk)
+        kernel = WanKernelDecoder(ref, load_kernel(), tail_frames=tail)
         return ours(kernel), kernel
 
     def build_reference():
@@ -222,12 +228,15 @@ def main() -> None:
         ref.config = ref.config.replace(chunk_latent_frames=args.chunk_latent_frames)
         return ours(ref), ref
 
-    kernel_run, kernel = measure("pan2cli kernel (bf16)", build_kernel)
-    if args.profile:
-        results["profile"] = profile_kernel_path(kernel_run, z)
-        for group, seconds in results["profile"]:
-            print(f"  {group:<45} {seconds:7.3f} s", flush=True)
-    del kernel_run, kernel
+    for variant in args.kernel_variants.split(","):
+        chunk, tail = (int(v) for v in variant.split(":"))
+        name = f"pan2cli kernel (bf16, chunk {chunk}, tail {tail})"
+        kernel_run, kernel = measure(name, lambda: build_kernel(chunk, tail))
+        if args.profile:
+            results.setdefault("profile", {})[name] = profile = profile_kernel_path(kernel_run, z)
+            for group, seconds in profile:
+                print(f"  {group:<45} {seconds:7.3f} s", flush=True)
+        del kernel_run, kernel
     if not args.skip_reference:
         measure("pan2cli reference (bf16)", build_reference)
     if not args.skip_diffusers:

@@ -119,6 +119,8 @@ def test_kernel_path_chunk_size_invariance(reference):
     z = torch.randn(1, 48, 6, 2, 3)
     kernel = WanKernelDecoder(_bf16(reference), EMULATED_OPS)
     outputs = [_uint8(kernel, z, n) for n in (1, 2, 5)]
+    for tail_frames in (1, 3, 8):  # the depth-first walk of the high-resolution stages
+        outputs.append(_uint8(WanKernelDecoder(_bf16(reference), EMULATED_OPS, tail_frames), z, 2))
     for out in outputs[1:]:
         assert (out - outputs[0]).abs().max().item() <= 1
 

@@ -1,5 +1,5 @@
 // Fused (bias +) (residual +) RMS norm (+ SiLU) over the channels of channels-last bf16 rows.
-// One warp per row; each lane holds up to 4 vectors of 8 bf16 in registers (C <= 1024).
+// One warp per row (R rows per warp); a lane holds up to 4 vectors of 8 bf16 per row in registers (C <= 1024).
 #include "decode_kernels.h"
 
 namespace wan22 {
@@ -28,79 +28,119 @@ __device__ __forceinline__ void store8(__nv_bfloat16* ptr, const float (&in)[8])
     *reinterpret_cast<Vec8*>(ptr) = raw;
 }
 
-template <int NV>  // vectors of 8 channels per lane: ceil(C / 256)
+// NV: vectors of 8 channels per lane (ceil(C / 256)); R: rows per warp. All R·NV loads of a lane are
+// issued before the first reduction, so several 16-byte loads are in flight per thread (a single row of
+// 256 channels is one load per lane, too little to cover the memory latency).
+template <int NV, int R>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) rms_norm_silu_kernel(RmsNormParams p) {
     const int lane = threadIdx.x & 31;
-    const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+    const int64_t first_row = (int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5)) * R;
     const int64_t total_rows = p.rows_per_frame * p.num_frames;
-    if (row >= total_rows) return;
-    const int64_t frame = row / p.rows_per_frame;
-    const int64_t pos = row - frame * p.rows_per_frame;
-    const int64_t b = frame / p.frames_per_batch;
-    const int64_t t = frame - b * p.frames_per_batch;
-    const int64_t x_off = frame * p.x_frame_stride + pos * p.channels;
-    const int64_t out_off = b * p.out_batch_stride + t * p.out_frame_stride + pos * p.channels;
+    const bool add = p.bias != nullptr || p.residual != nullptr;
 
-    float v[NV][8];
-    float sum_sq = 0.f;
+    float v[R][NV][8];
+    int64_t x_off[R], out_off[R];
 #pragma unroll
-    for (int k = 0; k < NV; ++k) {
-        const int c = (k * 32 + lane) * 8;
-        if (c < p.channels) {
-            load8(p.x + x_off + c, v[k]);
-            if (p.bias != nullptr) {
+    for (int r = 0; r < R; ++r) {
+        const int64_t row = first_row + r;
+        const int64_t frame = row / p.rows_per_frame;
+        const int64_t pos = row - frame * p.rows_per_frame;
+        const int64_t b = frame / p.frames_per_batch;
+        const int64_t t = frame - b * p.frames_per_batch;
+        x_off[r] = frame * p.x_frame_stride + pos * p.channels;
+        out_off[r] = b * p.out_batch_stride + t * p.out_frame_stride + pos * p.channels;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) v[k][i] += p.bias[c + i];
+        for (int k = 0; k < NV; ++k) {
+            const int c = (k * 32 + lane) * 8;
+            if (row < total_rows && c < p.channels) {
+                load8(p.x + x_off[r] + c, v[r][k]);
+                if (p.residual != nullptr) {
+                    float res[8];
+                    load8(p.residual + x_off[r] + c, res);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) v[r][k][i] += res[i];
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) v[r][k][i] = 0.f;
             }
-            if (p.residual != nullptr) {
-                float r[8];
-                load8(p.residual + x_off + c, r);
+        }
+    }
+    float sum_sq[R];
 #pragma unroll
-                for (int i = 0; i < 8; ++i) v[k][i] += r[i];
+    for (int r = 0; r < R; ++r) {
+        sum_sq[r] = 0.f;
+        const int64_t row = first_row + r;
+#pragma unroll
+        for (int k = 0; k < NV; ++k) {
+            const int c = (k * 32 + lane) * 8;
+            if (row < total_rows && c < p.channels) {
+                if (p.bias != nullptr) {
+                    const float4 b0 = *reinterpret_cast<const float4*>(p.bias + c);
+                    const float4 b1 = *reinterpret_cast<const float4*>(p.bias + c + 4);
+                    const float bias[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) v[r][k][i] += bias[i];
+                }
+                if (add) {
+                    // The sum is stored in bf16 (it is the next block's residual input); normalise
+                    // exactly what is stored.
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) v[r][k][i] = __bfloat162float(__float2bfloat16_rn(v[r][k][i]));
+                    if (p.sum_out != nullptr) store8(p.sum_out + x_off[r] + c, v[r][k]);
+                }
+#pragma unroll
+                for (int i = 0; i < 8; ++i) sum_sq[r] += v[r][k][i] * v[r][k][i];
             }
-            if (p.bias != nullptr || p.residual != nullptr) {
-                // The sum is stored in bf16 (it is the next block's residual input); normalise
-                // exactly what is stored.
-#pragma unroll
-                for (int i = 0; i < 8; ++i) v[k][i] = __bfloat162float(__float2bfloat16_rn(v[k][i]));
-                if (p.sum_out != nullptr) store8(p.sum_out + x_off + c, v[k]);
-            }
-#pragma unroll
-            for (int i = 0; i < 8; ++i) sum_sq += v[k][i] * v[k][i];
         }
     }
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, offset);
-    // F.normalize: x / max(||x||, eps) with eps = 1e-12 on the norm.
-    const float inv_norm = 1.f / fmaxf(sqrtf(sum_sq), 1e-12f);
+    for (int offset = 16; offset > 0; offset >>= 1)
 #pragma unroll
-    for (int k = 0; k < NV; ++k) {
-        const int c = (k * 32 + lane) * 8;
-        if (c < p.channels) {
-            float y[8];
+        for (int r = 0; r < R; ++r) sum_sq[r] += __shfl_xor_sync(0xffffffffu, sum_sq[r], offset);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                float n = v[k][i] * inv_norm * p.gamma[c + i];
-                y[i] = p.silu ? n / (1.f + __expf(-n)) : n;
+    for (int r = 0; r < R; ++r) {
+        const int64_t row = first_row + r;
+        // F.normalize: x / max(||x||, eps) with eps = 1e-12 on the norm.
+        const float inv_norm = 1.f / fmaxf(sqrtf(sum_sq[r]), 1e-12f);
+#pragma unroll
+        for (int k = 0; k < NV; ++k) {
+            const int c = (k * 32 + lane) * 8;
+            if (row < total_rows && c < p.channels) {
+                const float4 g0 = *reinterpret_cast<const float4*>(p.gamma + c);
+                const float4 g1 = *reinterpret_cast<const float4*>(p.gamma + c + 4);
+                const float gamma[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+                float y[8];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const float n = v[r][k][i] * inv_norm * gamma[i];
+                    y[i] = p.silu ? n / (1.f + __expf(-n)) : n;
+                }
+                store8(p.out + out_off[r] + c, y);
             }
-            store8(p.out + out_off + c, y);
         }
     }
+}
+
+template <int NV, int R>
+void launch(const RmsNormParams& p, cudaStream_t stream) {
+    const int64_t rows = p.rows_per_frame * p.num_frames;
+    const int64_t rows_per_block = int64_t(kWarpsPerBlock) * R;
+    const dim3 grid(static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block));
+    rms_norm_silu_kernel<NV, R><<<grid, kWarpsPerBlock * 32, 0, stream>>>(p);
 }
 
 }  // namespace
 
 void rms_norm_silu(const RmsNormParams& p, cudaStream_t stream) {
-    const int64_t rows = p.rows_per_frame * p.num_frames;
-    const dim3 grid(static_cast<unsigned>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock));
-    const dim3 block(kWarpsPerBlock * 32);
+    // About 4 vectors of 8 channels in flight per lane whatever C is.
     const int nv = (p.channels + 255) / 256;
     if (nv <= 1)
-        rms_norm_silu_kernel<1><<<grid, block, 0, stream>>>(p);
+        launch<1, 4>(p, stream);
     else if (nv == 2)
-        rms_norm_silu_kernel<2><<<grid, block, 0, stream>>>(p);
+        launch<2, 2>(p, stream);
     else
-        rms_norm_silu_kernel<4><<<grid, block, 0, stream>>>(p);
+        launch<4, 1>(p, stream);
 }
 
 }  // namespace wan22

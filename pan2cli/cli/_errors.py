@@ -9,6 +9,7 @@ import traceback
 import click
 import torch
 
+from pan2cli import distributed
 from pan2cli.errors import EXIT_INTERRUPTED, OutOfMemoryError, Pan2Error
 
 
@@ -26,12 +27,33 @@ def _report(error: Pan2Error) -> int:
     return error.exit_code
 
 
+def _worker_exit(error: BaseException) -> int:
+    """A rank under torchrun: print only what the failure protocol of pan2cli.distributed says to print."""
+    if isinstance(error, distributed.WorkerExit):
+        if error.line:
+            click.echo(error.line, err=True)
+        return error.exit_code
+    if isinstance(error, torch.OutOfMemoryError):
+        first_line = str(error).splitlines()[0] if str(error) else "out of memory"
+        error = OutOfMemoryError(first_line, hint="pass a smaller --chunk-latent-frames, or free the GPU")
+    if isinstance(error, Pan2Error):
+        return _report(error) if distributed.reports_error(error) else error.exit_code
+    raise error
+
+
 class Pan2Group(click.Group):
     """A click group whose `main` turns our typed errors into exit codes (CliRunner sees the same)."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        # The raw arguments, for commands that re-launch themselves (`--gpus N`).
+        extra.setdefault("obj", {"argv": list(args) if args is not None else sys.argv[1:]})
         try:
-            result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            try:
+                result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            except (distributed.WorkerExit, Pan2Error, torch.OutOfMemoryError) as exc:
+                if not distributed.under_torchrun():
+                    raise
+                sys.exit(distributed.record_exit(_worker_exit(exc)))
         except click.exceptions.Exit as exc:
             sys.exit(exc.exit_code)
         except click.ClickException as exc:  # usage errors: exit 2, with click's usage line

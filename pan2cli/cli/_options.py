@@ -1,4 +1,4 @@
-"""Options and value resolution shared by several commands (device, dtype, quiet)."""
+"""Options and value resolution shared by several commands (device, dtype, quiet, gpus)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,14 @@ dtype_option = click.option(
     default=None,
     help="Weights and activations: bf16 (fp32 accumulation in the convolutions) or fp32.  "
     "[default: bf16 on CUDA, fp32 on CPU]",
+)
+gpus_option = click.option(
+    "--gpus",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Split the work across N GPUs (one process each, started through torch.distributed.run); "
+    "with --device cpu, N CPU processes.  [default: 1]",
 )
 quiet_option = click.option(
     "-q", "--quiet", is_flag=True, help="No progress bar and no summary on stderr (errors are still printed)."

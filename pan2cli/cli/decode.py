@@ -1,23 +1,31 @@
 """`pan2 decode`: Wan2.2 VAE latents → MP4 (or PNG frames, or a uint8 tensor).
 
-Usage: pan2 decode LATENTS... [-o OUT] [--vae PATH|REPO] [--format mp4|png|pt] [...]
+Usage: pan2 decode LATENTS... [-o OUT] [--vae PATH|REPO] [--format mp4|png|pt] [--gpus N] [...]
+
+With `--gpus N` the command re-launches itself in N processes (`pan2cli.distributed`); each rank then
+runs `_decode`: inputs checked and the model loaded on every rank with a sync point after each, rank 0
+alone writing and printing.
 """
 
 from __future__ import annotations
 
+import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import click
 import torch
 
-from pan2cli.cli._options import device_option, dtype_option, quiet_option, resolve_device, resolve_dtype
+from pan2cli import distributed
+from pan2cli.cli._options import device_option, dtype_option, gpus_option, quiet_option, resolve_device, resolve_dtype
 from pan2cli.cli._output import gib, info, progress_bar, result, status
 from pan2cli.decode import decode_latents
-from pan2cli.errors import InputError
+from pan2cli.errors import InputError, OutOfMemoryError
 from pan2cli.latents import LatentInput, load_latents
 from pan2cli.vae.checkpoint import DEFAULT_VAE_REPO, load_vae_decoder
+from pan2cli.vae.parallel import split_rows
 from pan2cli.video import DEFAULT_CRF, OUTPUT_FORMATS, check_output_path, default_output_path, open_video_writer
 
 DEFAULT_FPS = 24.0
@@ -139,8 +147,10 @@ def plan_outputs(sources: list[LatentInput], output: Path | None, fmt: str) -> l
     help="The latents are raw VAE latents: skip the un-normalisation (z·std + mean) applied to the DiT's output.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace existing outputs (otherwise they are an error).")
+@gpus_option
 @quiet_option
-def decode_command(latents, output, vae, revision, dtype, device, chunk_latent_frames, fps, crf, fmt, raw_latents, overwrite, quiet):
+@click.pass_context
+def decode_command(ctx, latents, output, vae, revision, dtype, device, chunk_latent_frames, fps, crf, fmt, raw_latents, overwrite, gpus, quiet):
     """Decode Wan2.2 VAE latents (PAN 2 DiT output) into video.
 
     LATENTS are `.pt` files holding a tensor [48,T,H,W] or [B,48,T,H,W] (or a dict with `latents`
@@ -153,31 +163,81 @@ def decode_command(latents, output, vae, revision, dtype, device, chunk_latent_f
       pan2 decode latents.pt -o video.mp4
       pan2 decode run1.pt run2.pt -o videos/ --vae ./Wan2.2_VAE.pth
       pan2 decode latents.pt --format png --device cpu --dtype fp32
+      pan2 decode latents.pt -o video.mp4 --gpus 2
     """
-    # 1. Check every input and output before any model loads.
-    fmt = _resolve_format(fmt, output)
-    sources = [load_latents(path) for path in latents]
-    jobs = plan_outputs(sources, output, fmt)
-    for job in jobs:
-        check_output_path(job.output, overwrite)
-    device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, device)
-
-    # 2. Load the decoder once.
-    start = time.perf_counter()
-    with status("Loading the VAE decoder…", quiet):
-        decoder = load_vae_decoder(
-            vae, revision, dtype=torch_dtype, device=device, chunk_latent_frames=chunk_latent_frames
+    options = dict(
+        latents=latents, output=output, vae=vae, revision=revision, dtype=dtype, device=device,
+        chunk_latent_frames=chunk_latent_frames, fps=fps, crf=crf, fmt=fmt, raw_latents=raw_latents,
+        overwrite=overwrite, quiet=quiet,
+    )  # fmt: skip
+    if gpus is not None and gpus > 1 and not distributed.under_torchrun():
+        # 0. Several GPUs: run this same command in `gpus` processes and exit with their outcome.
+        distributed.check_gpus(gpus, device)
+        root = ctx.find_root()
+        argv = root.obj["argv"] if isinstance(root.obj, dict) and "argv" in root.obj else sys.argv[1:]
+        ctx.exit(distributed.launch(gpus, distributed.strip_option(argv, "--gpus")))
+    if not distributed.under_torchrun():
+        _decode(**options)
+        return
+    if gpus is not None and gpus != distributed.env_world_size():
+        raise InputError(
+            f"--gpus {gpus} differs from torchrun's {distributed.env_world_size()} processes",
+            hint="leave --gpus out under torchrun",
         )
+    with distributed.process_group(device) as rank_device:
+        _decode(**{**options, "device": rank_device})
+
+
+def _decode(latents, output, vae, revision, dtype, device, chunk_latent_frames, fps, crf, fmt, raw_latents, overwrite, quiet):
+    """The decode command's work in this process: the only one, or one rank of several (`device` then set)."""
+    main = distributed.is_main()
+    quiet = quiet or not main  # progress and summaries come from rank 0
+    world = distributed.world_size()
+
+    # 1. Check every input and output before any model loads. Every rank runs the same checks, so a
+    #    bad input fails everywhere and rank 0 alone reports it (distributed.raise_if_any_failed).
+    error = None
+    try:
+        fmt = _resolve_format(fmt, output)
+        sources = [load_latents(path) for path in latents]
+        jobs = plan_outputs(sources, output, fmt)
+        for job in jobs:
+            check_output_path(job.output, overwrite)
+        device = device if isinstance(device, torch.device) else resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, device)
+        if world > 1:
+            for source in sources:
+                split_rows(source.latents.shape[-2], world)
+    except InputError as exc:
+        error = exc
+    distributed.raise_if_any_failed(error)
+
+    # 2. Load the decoder once; no rank goes on to the decode's collectives if one failed here.
+    start = time.perf_counter()
+    try:
+        with status("Loading the VAE decoder…", quiet):
+            decoder = load_vae_decoder(
+                vae, revision, dtype=torch_dtype, device=device, chunk_latent_frames=chunk_latent_frames
+            )
+    except torch.OutOfMemoryError as exc:
+        error = OutOfMemoryError(f"the GPU ran out of memory while loading the VAE decoder: {str(exc).splitlines()[0]}")
+    except Exception as exc:  # a Pan2Error or the unexpected: either way the other ranks must not wait
+        error = exc
+    distributed.raise_if_any_failed(error)
+    # Every rank takes the same decode path: the compiled kernel (issue 3) only if all of them have it.
+    distributed.agree_all(False)
     info(f"Loaded the VAE decoder in {time.perf_counter() - start:.1f} s ({device}, {str(torch_dtype).removeprefix('torch.')}).", quiet)
 
-    # 3. Decode each video, writing it chunk by chunk.
+    # 3. Decode each video, writing it chunk by chunk (rank 0 writes; the others decode their rows).
     for job in jobs:
         z = job.source.latents[job.index]
         frame_rate = fps or job.source.fps or DEFAULT_FPS
-        with open_video_writer(job.output, fmt, frame_rate, crf=crf, overwrite=overwrite) as writer:
+        writing = open_video_writer(job.output, fmt, frame_rate, crf=crf, overwrite=overwrite) if main else nullcontext()
+        with writing as writer, distributed.partial_output(writer.tmp_path if writer is not None else None):
             with progress_bar(f"Decoding {job.source.path.name}", total=z.shape[1], unit="latent frames", quiet=quiet) as advance:
                 stats = decode_latents(decoder, z, writer, normalized=not raw_latents, on_chunk=advance)
+        if not main:
+            continue
         result(str(job.output))
         summary = (
             f"{job.output}: {stats.frames} frames, {stats.width}x{stats.height}, {frame_rate:g} fps; "
@@ -185,4 +245,6 @@ def decode_command(latents, output, vae, revision, dtype, device, chunk_latent_f
         )
         if stats.peak_allocated is not None:
             summary += f"; peak GPU memory {gib(stats.peak_allocated)} allocated, {gib(stats.peak_reserved)} reserved"
+            if world > 1:
+                summary += f" (rank 0 of {world})"
         info(summary, quiet)

@@ -30,7 +30,8 @@ WAN22_LATENTS_STD = (
 # Keys of a diffusers config.json that describe the architecture (read), and keys that carry no
 # meaning for us (ignored). Anything else is reported as unknown.
 _IGNORED_CONFIG_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "clip_output"}
-_RUNTIME_FIELDS = {"chunk_latent_frames"}
+_RUNTIME_FIELDS = {"chunk_latent_frames", "decode_kernel", "decode_kernel_parallel"}
+DECODE_KERNEL_MODES = ("auto", "off", "require")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,13 @@ class WanVAEConfig:
         chunk_latent_frames (`int`, defaults to 4): latent frames per decoder pass after the first
             (the first pass is always one frame). The output does not depend on it; larger chunks
             use more memory and give larger GEMMs.
+        decode_kernel (`str`, defaults to "auto"): the compiled CUDA decoder: "auto" uses it wherever it
+            applies (CUDA, sm_90a/sm_100a/sm_103a, bf16) and otherwise the reference with one line saying
+            why; "off" always the reference; "require" fails (exit 1) when the kernel cannot run.
+        decode_kernel_parallel (`bool`, defaults to True): when several processes decode together
+            (torchrun, `--gpus N`), split every frame by rows across them, exchanging one halo row
+            per 3x3 convolution (exact); False makes every rank decode the whole video. No effect
+            in a single process.
     """
 
     base_dim: int = 160
@@ -75,6 +83,8 @@ class WanVAEConfig:
     latents_mean: tuple[float, ...] = WAN22_LATENTS_MEAN
     latents_std: tuple[float, ...] = WAN22_LATENTS_STD
     chunk_latent_frames: int = 4
+    decode_kernel: str = "auto"
+    decode_kernel_parallel: bool = True
 
     def __post_init__(self) -> None:
         # Normalise lists from JSON into tuples so the config stays hashable and frozen.
@@ -107,6 +117,12 @@ class WanVAEConfig:
                 f"chunk_latent_frames must be a whole number ≥ 1, got {self.chunk_latent_frames!r}",
                 hint="pass --chunk-latent-frames 4 (the default) or another positive number",
             )
+        if self.decode_kernel not in DECODE_KERNEL_MODES:
+            raise InputError(
+                f"decode_kernel must be one of {', '.join(DECODE_KERNEL_MODES)}, got {self.decode_kernel!r}"
+            )
+        if not isinstance(self.decode_kernel_parallel, bool):
+            raise InputError(f"decode_kernel_parallel must be True or False, got {self.decode_kernel_parallel!r}")
 
     # -- derived ---------------------------------------------------------------------------------
     @property

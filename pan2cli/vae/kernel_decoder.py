@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from pan2cli.vae.model import WanResample, WanResidualBlock, WanVAEDecoder, chunk_bounds
+from pan2cli.vae.model import WanResample, WanVAEDecoder, chunk_bounds
 
 # (row or column parity, tap of the 2x2 phase kernel) -> taps of the 3x3 kernel that land on it after a
 # nearest x2 upsampling (wan22_vae.md §2.6).
@@ -72,16 +72,30 @@ class WanKernelDecoder:
     """Decode Wan2.2 latents with the compiled kernels; built from a loaded reference decoder's weights.
 
     Args:
-        reference: a `WanVAEDecoder` on a CUDA device (any dtype; weights are re-laid out in bf16).
+        reference: a `WanVAEDecoder` on a CUDA device (any dtype; weights are re-laid out in bf16 and the
+            reference is not kept).
         ops: the loaded extension (`pan2cli.vae.kernel.load_kernel`).
+        tail_frames: video frames per pass through the high-resolution stages (up_blocks.2, up_blocks.3,
+            head). Within a chunk the decode goes depth first: up_blocks.1's upsampler and everything
+            after it walk the chunk `tail_frames` frames at a time, which bounds the memory of the
+            largest activations (225 MB per frame at 512 x 352 x 624) without changing the output.
     """
 
-    def __init__(self, reference: WanVAEDecoder, ops: ModuleType):
+    def __init__(self, reference: WanVAEDecoder, ops: ModuleType, tail_frames: int = 4):
         self.config = reference.config
         self.device = reference.device
         self.dtype = torch.bfloat16
         self.ops = ops
-        self._ref = reference  # parameters are read from it at every call site below (no copy kept twice)
+        self.tail_frames = tail_frames
+        # The structure we walk; the weights are copied below in the kernel's layout, so the caller can
+        # drop the reference (and its copy of the weights).
+        self._up_blocks = [
+            (
+                [resnet.conv_shortcut is not None for resnet in block.resnets],
+                None if block.upsampler is None else block.upsampler.mode,
+            )
+            for block in reference.decoder.up_blocks
+        ]
         self._weights: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for name, module in reference.named_modules():
@@ -160,9 +174,9 @@ class WanKernelDecoder:
             z.add_(x.bias.to(z.dtype))
         return z
 
-    def _resblock(self, prefix: str, block: WanResidualBlock, x) -> _Pending:
-        x_in = self._materialise(x) if block.conv_shortcut is not None else x
-        if block.conv_shortcut is not None:
+    def _resblock(self, prefix: str, has_shortcut: bool, x) -> _Pending:
+        x_in = self._materialise(x) if has_shortcut else x
+        if has_shortcut:
             w = self._w(prefix + ".conv_shortcut.weight")
             bias = self._w(prefix + ".conv_shortcut.bias").to(torch.bfloat16)
             h = F.linear(x_in, w.reshape(w.shape[0], w.shape[1]), bias)
@@ -185,10 +199,10 @@ class WanKernelDecoder:
         o = F.linear(o, self._w("attn.proj.weight"), self._w("attn.proj.bias"))
         return x.add_(o.reshape(b, t, h, w, c))
 
-    def _upsample(self, prefix: str, resample: WanResample, x: torch.Tensor, x_in: torch.Tensor, first_chunk: bool) -> torch.Tensor:
+    def _upsample(self, prefix: str, mode: str, x: torch.Tensor, x_in: torch.Tensor, first_chunk: bool) -> torch.Tensor:
         b, t, h, w, c = x.shape
-        factor_t = 2 if resample.mode == "upsample3d" else 1
-        if resample.mode == "upsample3d" and not first_chunk:
+        factor_t = 2 if mode == "upsample3d" else 1
+        if mode == "upsample3d" and not first_chunk:
             key = prefix + ".time_conv"
             buf = self._buffer(key, x, c)
             buf[:, 2:].copy_(x)
@@ -205,31 +219,58 @@ class WanKernelDecoder:
         self.ops.phase_interleave(phases, self._w(prefix + ".bias"), x_in, out, factor_t, frame_offset)
         return out
 
-    def _decoder_chunk(self, x: torch.Tensor, first_chunk: bool) -> torch.Tensor:
-        """(B, t, h, w, z_dim) post-quant latents -> uint8 frames (B·f, 16h, 16w, 3)."""
-        dec = self._ref.decoder
-        buf = self._buffer("decoder.conv_in", x, x.shape[-1])
-        buf[:, 2:].copy_(x)
-        y = self._conv(buf, self._w("decoder.conv_in.weight"))
-        self._keep_history("decoder.conv_in", buf)
-        x = _Pending(y, self._w("decoder.conv_in.bias"), None)
-        x = self._resblock("decoder.mid_block.resnets.0", dec.mid_block.resnets[0], x)
-        x = self._attention(x)
-        x = self._resblock("decoder.mid_block.resnets.1", dec.mid_block.resnets[1], x)
-        for i, block in enumerate(dec.up_blocks):
-            prefix = f"decoder.up_blocks.{i}"
-            x_in = self._materialise(x).contiguous() if block.upsampler is not None else None
-            if x_in is not None:
-                x = x_in
-            for j, resnet in enumerate(block.resnets):
-                x = self._resblock(f"{prefix}.resnets.{j}", resnet, x)
-            if block.upsampler is not None:
-                x = self._upsample(f"{prefix}.upsampler", block.upsampler, self._materialise(x), x_in, first_chunk)
+    def _up_block(self, i: int, x, first_chunk: bool, upsample: bool = True):
+        """Residual blocks of up-block `i` (and its upsampler if `upsample`); returns (output, block input)."""
+        shortcuts, mode = self._up_blocks[i]
+        prefix = f"decoder.up_blocks.{i}"
+        x_in = self._materialise(x).contiguous() if mode is not None else None
+        if x_in is not None:
+            x = x_in
+        for j, has_shortcut in enumerate(shortcuts):
+            x = self._resblock(f"{prefix}.resnets.{j}", has_shortcut, x)
+        if mode is not None and upsample:
+            x = self._upsample(f"{prefix}.upsampler", mode, self._materialise(x), x_in, first_chunk)
+        return x, x_in
+
+    def _head(self, x) -> torch.Tensor:
         y = self._norm_conv("decoder.conv_out", x, self._w("decoder.norm_out.gamma"), keep_sum=False)
         b, t, h, w, _ = y.shape
         frames = torch.empty(b * t, 2 * h, 2 * w, 3, dtype=torch.uint8, device=y.device)
         self.ops.head_to_uint8(y.reshape(b * t, h, w, 12).contiguous(), self._w("decoder.conv_out.bias"), frames)
         return frames.view(b, t, 2 * h, 2 * w, 3)
+
+    def _decoder_chunk(self, x: torch.Tensor, first_chunk: bool) -> Iterator[torch.Tensor]:
+        """(B, t, h, w, z_dim) post-quant latents -> uint8 frames (B, f, 16h, 16w, 3), a few frames at a time.
+
+        The low-resolution stages (up to up_blocks.1's residual blocks) take the whole chunk; from
+        up_blocks.1's upsampler on, the chunk is walked depth first. Every stage is causal per frame with
+        its own history, so any such walk gives the same frames.
+        """
+        buf = self._buffer("decoder.conv_in", x, x.shape[-1])
+        buf[:, 2:].copy_(x)
+        y = self._conv(buf, self._w("decoder.conv_in.weight"))
+        self._keep_history("decoder.conv_in", buf)
+        x = _Pending(y, self._w("decoder.conv_in.bias"), None)
+        x = self._resblock("decoder.mid_block.resnets.0", False, x)
+        x = self._attention(x)
+        x = self._resblock("decoder.mid_block.resnets.1", False, x)
+        n_up = len(self._up_blocks)
+        for i in range(n_up - 3):  # blocks before the last upsampler that doubles time
+            x, _ = self._up_block(i, x, first_chunk)
+        # up_blocks[-3] (up_blocks.1 in TI2V-5B): residual blocks on the chunk, upsampler per slice
+        x, x_in = self._up_block(n_up - 3, x, first_chunk, upsample=False)
+        x = self._materialise(x)
+        _, mode = self._up_blocks[n_up - 3]
+        step = max(1, self.tail_frames // 2) if mode == "upsample3d" and not first_chunk else self.tail_frames
+        for a in range(0, x.shape[1], step):
+            up = self._upsample(
+                f"decoder.up_blocks.{n_up - 3}.upsampler", mode, x[:, a : a + step], x_in[:, a : a + step].contiguous(), first_chunk
+            )
+            for c in range(0, up.shape[1], self.tail_frames):
+                tail = up[:, c : c + self.tail_frames]
+                for i in range(n_up - 2, n_up):
+                    tail, _ = self._up_block(i, tail, first_chunk)
+                yield self._head(tail)
 
     # -- public -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -242,6 +283,6 @@ class WanKernelDecoder:
         x = F.linear(x, w.reshape(w.shape[0], w.shape[1]), self._w("post_quant_conv.bias").to(torch.bfloat16))
         try:
             for start, stop in chunk_bounds(x.shape[1], n):
-                yield self._decoder_chunk(x[:, start:stop].contiguous(), first_chunk=start == 0)
+                yield from self._decoder_chunk(x[:, start:stop].contiguous(), first_chunk=start == 0)
         finally:
             self._history = {}

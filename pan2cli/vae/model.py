@@ -11,6 +11,10 @@ Wan keys are mapped by `pan2cli.vae.checkpoint`. The math follows docs/wan22_vae
   and their `time_conv` never sees frame 0 as history; `DupUp3D` keeps one of its two frames;
 * later chunks may hold any number of latent frames: the output does not depend on the split.
 
+Several processes can decode one video together, each holding a band of rows of every frame: the
+forwards then take `rows` (a `pan2cli.vae.parallel.RowSplit`), which supplies the halo rows of the
+3x3 convolutions and the whole frame's keys/values in the attention. `rows=None` is one process.
+
 Numerics: every op runs in the model's dtype (fp32, bf16, float64); the norms normalise in fp32 when the
 input is 16-bit, as diffusers 0.42.1 does. The nearest upsampling goes through fp32 like the original
 (`WanUpsample`), which is exact for fp32/bf16 and rounds float64 inputs to fp32 — kept, so that float64
@@ -19,13 +23,16 @@ runs match diffusers to the last bit.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pan2cli.vae.config import WanVAEConfig
+
+if TYPE_CHECKING:
+    from pan2cli.vae.parallel import RowSplit
 
 # History frames a causal 3-tap temporal conv keeps in front of each chunk.
 CACHE_T = 2
@@ -39,6 +46,8 @@ class WanCausalConv3d(nn.Conv3d):
 
     The history is the previous chunk's last input frames (kept in `cache[self.cache_key]`), two zero
     frames at the start. Without a cache the conv pads zeros in front (a whole sequence in one call).
+    With `rows` (a band of rows of a frame split across processes) the H padding is the neighbours'
+    halo rows instead of zeros; the history keeps this band's rows only.
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, padding=0):
@@ -49,7 +58,7 @@ class WanCausalConv3d(nn.Conv3d):
         self.padding = (0, 0, 0)
         self.cache_key: str | None = None  # set by WanVAEDecoder to the module's path
 
-    def forward(self, x: torch.Tensor, cache: CausalCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: CausalCache | None = None, rows: RowSplit | None = None) -> torch.Tensor:
         # x: (B, C, t, H, W)
         if self._history:
             if cache is None:
@@ -61,6 +70,10 @@ class WanCausalConv3d(nn.Conv3d):
             x = torch.cat([history, x], dim=2)
             if cache is not None:
                 cache[self.cache_key] = x[:, :, -self._history :].clone()
+        if rows is not None and self._spatial_pad[2]:
+            # One halo row above and below from the neighbours (zeros at the frame's edges), W padded
+            # with zeros in the same copy: the same conv call as below, on H + 2 rows.
+            return super().forward(rows.halo(x, pad_w=self._spatial_pad[0]))
         if any(self._spatial_pad):
             x = F.pad(x, (*self._spatial_pad, 0, 0))
         return super().forward(x)
@@ -93,15 +106,18 @@ class WanResidualBlock(nn.Module):
         self.conv2 = WanCausalConv3d(out_dim, out_dim, 3, padding=1)
         self.conv_shortcut = WanCausalConv3d(in_dim, out_dim, 1) if in_dim != out_dim else None
 
-    def forward(self, x: torch.Tensor, cache: CausalCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: CausalCache, rows: RowSplit | None = None) -> torch.Tensor:
         h = x if self.conv_shortcut is None else self.conv_shortcut(x)
-        x = self.conv1(F.silu(self.norm1(x)), cache)
-        x = self.conv2(F.silu(self.norm2(x)), cache)
+        x = self.conv1(F.silu(self.norm1(x)), cache, rows)
+        x = self.conv2(F.silu(self.norm2(x)), cache, rows)
         return x + h
 
 
 class WanAttentionBlock(nn.Module):
-    """Single-head self-attention over the pixels of each frame (no temporal mixing), pre-norm, residual."""
+    """Single-head self-attention over the pixels of each frame (no temporal mixing), pre-norm, residual.
+
+    With `rows`, this process's pixels are the queries and the keys/values are the whole frame's.
+    """
 
     def __init__(self, dim: int):
         super().__init__()
@@ -109,7 +125,7 @@ class WanAttentionBlock(nn.Module):
         self.to_qkv = nn.Conv2d(dim, dim * 3, 1)
         self.proj = nn.Conv2d(dim, dim, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:
         identity = x
         b, c, t, h, w = x.shape
         x = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
@@ -117,6 +133,8 @@ class WanAttentionBlock(nn.Module):
         # (B·T, 3C, H, W) -> (B·T, 1 head, H·W tokens, 3C) -> q, k, v of C channels each
         qkv = qkv.reshape(b * t, 1, c * 3, h * w).permute(0, 1, 3, 2).contiguous()
         q, k, v = qkv.chunk(3, dim=-1)
+        if rows is not None:
+            k, v = rows.gather_kv(k, v)  # (B·T, 1, all H·W tokens of the frame, C), in row order
         x = F.scaled_dot_product_attention(q, k, v)  # scale 1/√C
         x = x.squeeze(1).permute(0, 2, 1).reshape(b * t, c, h, w)
         x = self.proj(x)
@@ -145,7 +163,7 @@ class WanResample(nn.Module):
         if mode == "upsample3d":
             self.time_conv = WanCausalConv3d(dim, dim * 2, (3, 1, 1), padding=(1, 0, 0))
 
-    def forward(self, x: torch.Tensor, cache: CausalCache, first_chunk: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: CausalCache, first_chunk: bool, rows: RowSplit | None = None) -> torch.Tensor:
         b, c, t, h, w = x.shape
         # "Rep": the first latent frame is not doubled in time, and time_conv's history starts as
         # zeros at the second chunk (frame 0 is never its history).
@@ -156,8 +174,15 @@ class WanResample(nn.Module):
             x = torch.stack((x[:, 0], x[:, 1]), 3).reshape(b, c, t * 2, h, w)
             t = t * 2
         x = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
-        x = self.resample(x)
+        x = self.resample(x) if rows is None else self._resample_rows(x, rows)
         return x.view(b, t, x.size(1), x.size(2), x.size(3)).permute(0, 2, 1, 3, 4)
+
+
+    def _resample_rows(self, x: torch.Tensor, rows: RowSplit) -> torch.Tensor:
+        """Nearest ×2 + 3x3 conv on a band of rows: the halo row is swapped after the ×2 (one row, not two)."""
+        upsample, conv = self.resample
+        x = rows.halo(upsample(x))  # (N, C, 2h + 2, 2w)
+        return F.conv2d(x, conv.weight, conv.bias, padding=(0, 1))
 
 
 class WanDupUp3D(nn.Module):
@@ -200,12 +225,12 @@ class WanResidualUpBlock(nn.Module):
             self.upsampler = None
             self.avg_shortcut = None
 
-    def forward(self, x: torch.Tensor, cache: CausalCache, first_chunk: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: CausalCache, first_chunk: bool, rows: RowSplit | None = None) -> torch.Tensor:
         x_in = x
         for resnet in self.resnets:
-            x = resnet(x, cache)
+            x = resnet(x, cache, rows)
         if self.upsampler is not None:
-            x = self.upsampler(x, cache, first_chunk)
+            x = self.upsampler(x, cache, first_chunk, rows)
             x = x + self.avg_shortcut(x_in, first_chunk)
         return x
 
@@ -218,10 +243,10 @@ class WanMidBlock(nn.Module):
         self.resnets = nn.ModuleList([WanResidualBlock(dim, dim), WanResidualBlock(dim, dim)])
         self.attentions = nn.ModuleList([WanAttentionBlock(dim)])
 
-    def forward(self, x: torch.Tensor, cache: CausalCache) -> torch.Tensor:
-        x = self.resnets[0](x, cache)
-        x = self.attentions[0](x)
-        return self.resnets[1](x, cache)
+    def forward(self, x: torch.Tensor, cache: CausalCache, rows: RowSplit | None = None) -> torch.Tensor:
+        x = self.resnets[0](x, cache, rows)
+        x = self.attentions[0](x, rows)
+        return self.resnets[1](x, cache, rows)
 
 
 class WanDecoder3d(nn.Module):
@@ -246,13 +271,13 @@ class WanDecoder3d(nn.Module):
         self.norm_out = WanRMSNorm(dims[-1], images=False)
         self.conv_out = WanCausalConv3d(dims[-1], config.out_channels, 3, padding=1)
 
-    def forward(self, x: torch.Tensor, cache: CausalCache, first_chunk: bool) -> torch.Tensor:
-        # x: (B, z_dim, t, h, w) -> (B, 12, t_out, 8h, 8w)
-        x = self.conv_in(x, cache)
-        x = self.mid_block(x, cache)
+    def forward(self, x: torch.Tensor, cache: CausalCache, first_chunk: bool, rows: RowSplit | None = None) -> torch.Tensor:
+        # x: (B, z_dim, t, h, w) -> (B, 12, t_out, 8h, 8w); with `rows`, h is this process's band
+        x = self.conv_in(x, cache, rows)
+        x = self.mid_block(x, cache, rows)
         for up_block in self.up_blocks:
-            x = up_block(x, cache, first_chunk)
-        return self.conv_out(F.silu(self.norm_out(x)), cache)
+            x = up_block(x, cache, first_chunk, rows)
+        return self.conv_out(F.silu(self.norm_out(x)), cache, rows)
 
 
 def unpatchify(x: torch.Tensor, patch_size: int) -> torch.Tensor:
@@ -301,25 +326,32 @@ class WanVAEDecoder(nn.Module):
         return self.post_quant_conv.weight.device
 
     @torch.inference_mode()
-    def decode_chunks(self, z: torch.Tensor, chunk_latent_frames: int | None = None) -> Iterator[torch.Tensor]:
+    def decode_chunks(
+        self, z: torch.Tensor, chunk_latent_frames: int | None = None, rows: RowSplit | None = None
+    ) -> Iterator[torch.Tensor]:
         """Decode un-normalised latents chunk by chunk.
 
         Args:
             z: `(B, z_dim, T, h, w)` latents already un-normalised (`z·std + mean`); moved to the
                 model's device and dtype.
             chunk_latent_frames: latent frames per pass after the first; defaults to the config's.
+            rows: this process's band of latent rows when several decode the video together (every
+                process of `rows`' group must call this with the same `z`); None decodes whole frames.
 
         Yields:
             `(B, 3, f, 16h, 16w)` video chunks in [−1, 1] of the model's dtype: first 1 frame, then
-            4 frames per latent frame; 1 + 4·(T − 1) frames in all.
+            4 frames per latent frame; 1 + 4·(T − 1) frames in all. With `rows`, `h` is the band's
+            latent rows (`rows.gather_rows` puts the frames together).
         """
         if z.dim() != 5 or z.shape[1] != self.config.z_dim:
             raise ValueError(f"expected latents of shape (B, {self.config.z_dim}, T, H, W), got {tuple(z.shape)}")
         n = chunk_latent_frames or self.config.chunk_latent_frames
+        if rows is not None:
+            z = rows.take(z)  # every later op keeps the row mapping: band [a, b) → [2a, 2b) at ×2
         x = self.post_quant_conv(z.to(self.device, self.dtype))
         cache: CausalCache = {}
         for start, stop in chunk_bounds(x.shape[2], n):
-            out = self.decoder(x[:, :, start:stop], cache, first_chunk=start == 0)
+            out = self.decoder(x[:, :, start:stop], cache, first_chunk=start == 0, rows=rows)
             yield unpatchify(out, self.config.patch_size).clamp_(-1.0, 1.0)
 
     def decode(self, z: torch.Tensor, chunk_latent_frames: int | None = None) -> torch.Tensor:

@@ -1,0 +1,485 @@
+"""Several processes decoding together: torchrun launch, process group, agreement, failure handling, and the few collectives the row split needs.
+
+Every torch.distributed call of pan2 lives here; the model only sees `pan2cli.vae.parallel.RowSplit`.
+
+Failure protocol. Ranks meet at sync points (`raise_if_any_failed`, after the input checks and the
+model load): one all-reduce of the exit codes. If every rank failed (the same bad input everywhere),
+rank 0 prints its error and the others exit quietly with their code; otherwise each failing rank
+prints its own error and the healthy ones exit quietly with the highest code. A failure inside the
+decode (out of memory on one rank) is printed by that rank; torchrun then stops the others (SIGTERM,
+which they turn into a quiet exit) or their next collective fails (a quiet exit too when pan2 itself
+launched torchrun; its parent prints one line if no rank did). When pan2 launched torchrun, the
+parent runs torchrun's agent in-process, keeps its log lines off the terminal, and exits with the
+code of the failing rank (torchrun alone would exit 1 and print a report).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from pan2cli.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_INTERRUPTED, InputError, Pan2Error
+
+# Seconds a collective may wait for the other ranks before it fails (a rank died or hangs).
+ENV_TIMEOUT = "PAN2_DIST_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+# Set by pan2's own launcher for its workers: a parent will report the outcome, and each rank
+# writes the exit code it chose into this folder (torchrun may kill it before it exits).
+ENV_PARENT = "PAN2_DIST_PARENT"
+ENV_EXIT_DIR = "PAN2_DIST_EXIT_DIR"
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+# Exit code of a worker whose collective failed without an error of its own (pan2's launcher only;
+# never a user-visible code: the parent maps it to 1 and prints one line).
+_EXIT_PEER_LOST = 3
+
+_device: torch.device | None = None  # this rank's device once the process group is up
+_joined = False  # the process group was joined (errors from then on are each rank's own)
+
+
+class WorkerExit(Exception):
+    """End this rank with `exit_code`, printing `line` (if any) instead of an error of its own."""
+
+    def __init__(self, exit_code: int, line: str | None = None):
+        super().__init__(line or f"exit code {exit_code}")
+        self.exit_code = exit_code
+        self.line = line
+
+
+class PeerFailed(WorkerExit):
+    """Another rank failed (and reports it); this rank exits quietly with the code."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM from torchrun (another rank failed, or Ctrl-C on the launcher): unwind quietly, exit 130.
+
+    A KeyboardInterrupt, so that writers abort and remove their temporary files as on Ctrl-C.
+    """
+
+
+# -- environment ----------------------------------------------------------------------------------
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (or `pan2 ... --gpus N`): RANK, WORLD_SIZE, LOCAL_RANK set."""
+    return all(name in os.environ for name in _TORCHRUN_VARS)
+
+
+def env_rank() -> int:
+    """This process's rank from torchrun's environment (0 outside torchrun)."""
+    return int(os.environ.get("RANK", "0")) if under_torchrun() else 0
+
+
+def env_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else 1
+
+
+def has_parent_launcher() -> bool:
+    return os.environ.get(ENV_PARENT) == "1"
+
+
+def world_size() -> int:
+    """Ranks in the process group; 1 when none is initialised."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def is_main() -> bool:
+    """Rank 0, the one that writes files and prints results (True in a single process)."""
+    return rank() == 0
+
+
+def _timeout() -> timedelta:
+    raw = os.environ.get(ENV_TIMEOUT)
+    try:
+        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise InputError(f"{ENV_TIMEOUT}={raw!r} is not a number of seconds") from None
+    if seconds <= 0:
+        raise InputError(f"{ENV_TIMEOUT}={raw!r} must be positive")
+    return timedelta(seconds=seconds)
+
+
+# -- launch ---------------------------------------------------------------------------------------
+def check_gpus(gpus: int, device: str | None) -> None:
+    """Refuse a `--gpus` that cannot run, before anything starts.
+
+    Args:
+        gpus: processes to start (≥ 1).
+        device: the `--device` value: `cpu` runs `gpus` CPU processes (gloo); otherwise each process
+            takes one visible GPU.
+
+    Raises:
+        InputError: more GPUs than visible, no CUDA, or `--device cuda:N` (ranks use cuda:LOCAL_RANK).
+    """
+    if device is not None and device.strip().lower() == "cpu":
+        return
+    if device is not None and ":" in device:
+        raise InputError(
+            f"--device {device} names one GPU, but --gpus {gpus} runs one process per GPU",
+            hint="pass --device cuda (rank r uses cuda:r); choose the GPUs with CUDA_VISIBLE_DEVICES",
+        )
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus > visible:
+        raise InputError(
+            f"--gpus {gpus}: only {visible} GPU(s) visible",
+            hint=f"pass --gpus {visible}" if visible > 1 else "pass --device cpu to run the processes on the CPU",
+        )
+
+
+def strip_option(args: Sequence[str], name: str) -> list[str]:
+    """`args` without `name VALUE` / `name=VALUE` (the re-launched command must not launch again)."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(f"{name}="):
+            out.append(arg)
+    return out
+
+
+def _quiet_torchrun_logs() -> None:
+    # torchrun's agent logs worker failures, SIGTERMs and its OMP_NUM_THREADS notice at WARNING and
+    # above; the workers print the real errors, so its loggers are switched off in this process.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).disabled = True
+
+
+def record_exit(code: int) -> int:
+    """Leave this rank's chosen exit code for pan2's launcher (which may see a SIGTERM instead); returns `code`."""
+    folder = os.environ.get(ENV_EXIT_DIR)
+    if folder and under_torchrun():
+        try:
+            with open(os.path.join(folder, f"rank{env_rank()}"), "w") as f:
+                f.write(str(code))
+        except OSError:
+            pass  # the parent falls back to torchrun's view of the exit codes
+    return code
+
+
+@contextmanager
+def partial_output(path: str | os.PathLike | None) -> Iterator[None]:
+    """Note a temporary output for pan2's launcher while it is being written.
+
+    A rank stuck in a CUDA wait cannot run its SIGTERM handler, so torchrun kills it (SIGKILL, after
+    30 s) before its writer can remove the temporary file; the launcher removes what is noted here.
+    """
+    folder = os.environ.get(ENV_EXIT_DIR)
+    if path is None or not folder or not under_torchrun():
+        yield
+        return
+    note = os.path.join(folder, f"partial-{env_rank()}-{os.getpid()}")
+    with open(note, "w") as f:
+        f.write(os.path.abspath(path))
+    try:
+        yield
+    finally:
+        os.remove(note)
+
+
+def _remove_noted_partials(folder: str) -> None:
+    for name in os.listdir(folder):
+        if not name.startswith("partial-"):
+            continue
+        with open(os.path.join(folder, name)) as f:
+            path = f.read()
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.lexists(path):
+            os.remove(path)
+
+
+def _recorded_codes(folder: str) -> dict[int, int]:
+    codes = {}
+    for name in os.listdir(folder):
+        if not name.startswith("rank"):
+            continue
+        try:
+            with open(os.path.join(folder, name)) as f:
+                codes[int(name.removeprefix("rank"))] = int(f.read())
+        except (OSError, ValueError):
+            continue
+    return codes
+
+
+def _exit_code_of(failures: dict, recorded: dict[int, int]) -> int:
+    """The code to exit with: a real error (2, 1) of the lowest rank first, then 130.
+
+    Args:
+        failures: torchrun's per-rank failures (`.exitcode`; −15 for a rank it stopped).
+        recorded: the codes the ranks chose themselves (`record_exit`), which win.
+    """
+    codes = {rank_: failure.exitcode for rank_, failure in failures.items()}
+    codes.update(recorded)
+    for wanted in ((EXIT_BAD_INPUT, EXIT_FAILURE), (EXIT_INTERRUPTED,)):
+        real = [codes[r] for r in sorted(codes) if codes[r] in wanted]
+        if real:
+            return real[0]
+    if any(code == _EXIT_PEER_LOST for code in codes.values()):
+        _echo_err(
+            "Error: the ranks lost contact with each other (a rank died, or a collective waited longer "
+            f"than {ENV_TIMEOUT}={_timeout().total_seconds():g} s)"
+        )
+    else:  # killed by a signal (negative code) or an unexpected exit code; its output says why
+        _echo_err(f"Error: a rank stopped unexpectedly (exit codes {sorted(codes.items())})")
+    return EXIT_FAILURE
+
+
+def _echo_err(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def launch(nproc: int, args: Sequence[str]) -> int:
+    """Run `python -m pan2cli ARGS` in `nproc` processes under torchrun's agent (in this process).
+
+    The same as `python -m torch.distributed.run --standalone --nproc-per-node NPROC -m pan2cli ARGS`,
+    except that torchrun's own failure report stays off the terminal and the exit code is the failing
+    rank's (2 bad input, 1 otherwise, 130 interrupted) instead of torchrun's 1 for any failure.
+
+    Args:
+        nproc: processes to start (≥ 2).
+        args: the pan2 command line, without `--gpus`.
+
+    Returns:
+        The exit code for this process.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    os.environ[ENV_PARENT] = "1"  # the agent passes this process's environment to the workers
+    # (NCCL_NVLS_ENABLE and any other NCCL setting travel the same way, untouched.)
+    if "OMP_NUM_THREADS" not in os.environ:
+        # torchrun would set 1 thread per worker; CPU ranks share the cores instead.
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    torchrun_args = ["--standalone", "--nproc-per-node", str(nproc), "-m", "pan2cli", *args]
+    _quiet_torchrun_logs()
+    with tempfile.TemporaryDirectory(prefix="pan2-ranks-") as folder:
+        os.environ[ENV_EXIT_DIR] = folder
+        try:
+            config = parse_args(torchrun_args)
+            _quiet_torchrun_logs()
+            run(config)
+        except ChildFailedError as exc:
+            return _exit_code_of(exc.failures, _recorded_codes(folder))
+        except (SignalException, KeyboardInterrupt):
+            # The agent has sent the signal on to the workers, which remove their temporary files.
+            _echo_err("Interrupted.")
+            return EXIT_INTERRUPTED
+        finally:
+            del os.environ[ENV_EXIT_DIR]
+            _remove_noted_partials(folder)
+    return 0
+
+
+# -- process group --------------------------------------------------------------------------------
+@contextmanager
+def process_group(device: str | None) -> Iterator[torch.device]:
+    """Join torchrun's process group for the duration of a command.
+
+    NCCL with device cuda:LOCAL_RANK on CUDA, gloo on CPU; collectives time out after
+    `PAN2_DIST_TIMEOUT` seconds (default 300). SIGTERM (torchrun stopping the workers) raises
+    `Terminated` so that temporary outputs are removed.
+
+    Args:
+        device: the `--device` value (`cpu`, `cuda`, or None: cuda when available).
+
+    Yields:
+        This rank's device.
+
+    Raises:
+        InputError: `--device cuda:N` (each rank takes cuda:LOCAL_RANK), or CUDA requested but absent.
+    """
+    global _device, _joined
+    local_rank = int(os.environ["LOCAL_RANK"])
+    name = (device or ("cuda" if torch.cuda.is_available() else "cpu")).strip().lower()
+    if name == "cpu":
+        backend, this_device = "gloo", torch.device("cpu")
+    elif name == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError("--device cuda: CUDA is not available on this machine", hint="pass --device cpu")
+        if local_rank >= torch.cuda.device_count():
+            raise InputError(f"rank {env_rank()} needs cuda:{local_rank}, but only {torch.cuda.device_count()} GPU(s) are visible")
+        backend, this_device = "nccl", torch.device("cuda", local_rank)
+        torch.cuda.set_device(this_device)
+    else:
+        raise InputError(
+            f"--device {device!r} cannot be used with several processes",
+            hint="pass --device cuda (rank r uses cuda:LOCAL_RANK) or --device cpu",
+        )
+    timeout = _timeout()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    kwargs = {"device_id": this_device} if backend == "nccl" else {}
+    dist.init_process_group(backend, timeout=timeout, **kwargs)
+    _device, _joined = this_device, True
+    # After a failure a collective may still be in flight (a peer waits for our halo rows): NCCL's
+    # teardown could then hang, so the group is left to the process's end. gloo's is safe and needed:
+    # left alone, its threads abort the process at exit, which loses the exit code.
+    destroy = True
+    try:
+        yield this_device
+    except KeyboardInterrupt as exc:  # Ctrl-C or torchrun's SIGTERM; outputs were aborted on the way
+        destroy = False
+        raise WorkerExit(*_interrupted_exit()) from exc
+    except Exception as exc:
+        destroy = backend == "gloo" and not is_comm_error(exc)
+        if is_comm_error(exc):
+            raise WorkerExit(*_comm_error_exit(exc)) from exc
+        raise
+    finally:
+        _device = None
+        signal.signal(signal.SIGTERM, previous)
+        if destroy and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+def _comm_device() -> torch.device:
+    return _device if _device is not None else torch.device("cpu")
+
+
+# -- agreement and failures -----------------------------------------------------------------------
+def agree_all(flag: bool) -> bool:
+    """True only if every rank passes True (all-reduce MIN); `flag` itself in a single process."""
+    if world_size() == 1:
+        return bool(flag)
+    value = torch.tensor([int(bool(flag))], dtype=torch.int32, device=_comm_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+def exit_code_of(error: BaseException | None) -> int:
+    """The exit code an error gives in a single process (0 for None)."""
+    if error is None:
+        return 0
+    if isinstance(error, Pan2Error):
+        return error.exit_code
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    return EXIT_FAILURE
+
+
+def raise_if_any_failed(error: BaseException | None) -> None:
+    """Sync point: if any rank failed, stop every rank before anyone enters the decode's collectives.
+
+    Args:
+        error: this rank's error since the last sync point, or None.
+
+    Raises:
+        the rank's own `error` when it should print it (it failed alone, or every rank failed and
+        this is rank 0); `PeerFailed` (a quiet exit with the code) otherwise. Nothing in a single
+        process without an error; `error` itself in a single process with one.
+    """
+    if world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    code = exit_code_of(error)
+    # One MAX all-reduce gives the highest code and (negated) the lowest: lowest > 0 means all failed.
+    codes = torch.tensor([code, -code], dtype=torch.int32, device=_comm_device())
+    dist.all_reduce(codes, op=dist.ReduceOp.MAX)
+    highest, lowest = int(codes[0]), -int(codes[1])
+    if highest == 0:
+        return
+    if error is None:
+        raise PeerFailed(highest)
+    if lowest > 0 and rank() != 0:
+        raise PeerFailed(code)  # the same failure everywhere: rank 0 reports it
+    raise error
+
+
+def is_comm_error(error: BaseException) -> bool:
+    """A failed collective (a peer died, a timeout), as opposed to this rank's own failure."""
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(word in text for word in ("Gloo", "gloo", "NCCL", "Connection closed", "Timed out"))
+
+
+def _interrupted_exit() -> tuple[int, str | None]:
+    # pan2's launcher prints "Interrupted." once; under a user's torchrun, rank 0 does.
+    return EXIT_INTERRUPTED, None if has_parent_launcher() or env_rank() != 0 else "Interrupted."
+
+
+def _comm_error_exit(error: BaseException) -> tuple[int, str | None]:
+    # Usually another rank failed and printed why; pan2's launcher says so if none did.
+    if has_parent_launcher():
+        return _EXIT_PEER_LOST, None
+    return EXIT_FAILURE, f"Error: rank {env_rank()} lost contact with the other ranks: {str(error).splitlines()[0]}"
+
+
+def reports_error(error: BaseException) -> bool:
+    """Whether this rank prints its own `error`: always once the process group was joined; before, rank 0
+    only (nothing rank-specific has happened yet, so every rank has the same error)."""
+    return not under_torchrun() or env_rank() == 0 or _joined
+
+
+# -- collectives for the row split ----------------------------------------------------------------
+class NeighbourSwap:
+    """Rows in flight to/from the ranks above (rank − 1) and below (rank + 1); `wait()` returns what came."""
+
+    def __init__(self, to_above: torch.Tensor | None, to_below: torch.Tensor | None):
+        r = rank()
+        ops = []
+        self.from_above = self.from_below = None
+        if to_above is not None:
+            to_above = to_above.contiguous()
+            self.from_above = torch.empty_like(to_above)
+            ops += [dist.P2POp(dist.isend, to_above, r - 1), dist.P2POp(dist.irecv, self.from_above, r - 1)]
+        if to_below is not None:
+            to_below = to_below.contiguous()
+            self.from_below = torch.empty_like(to_below)
+            ops += [dist.P2POp(dist.isend, to_below, r + 1), dist.P2POp(dist.irecv, self.from_below, r + 1)]
+        self._sent = (to_above, to_below)  # alive until the sends complete
+        self._requests = dist.batch_isend_irecv(ops) if ops else []
+
+    def wait(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        for request in self._requests:
+            request.wait()
+        return self.from_above, self.from_below
+
+
+def all_gather_uneven(x: torch.Tensor, dim: int, sizes: Sequence[int]) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`, in rank order, where rank r's `x.shape[dim]` is `sizes[r]`.
+
+    Collectives want equal shapes: each rank pads to `max(sizes)`, the padding is dropped after.
+
+    Args:
+        x: this rank's part, `x.shape[dim] == sizes[rank]`; the other dims equal on every rank.
+        dim: the dimension to concatenate along.
+        sizes: every rank's size along `dim`.
+
+    Returns:
+        The whole tensor, `sum(sizes)` along `dim`, on `x`'s device.
+    """
+    if len(sizes) == 1:
+        return x
+    dim = dim % x.dim()
+    most = max(sizes)
+    if x.shape[dim] == most:
+        padded = x.contiguous()
+    else:
+        shape = list(x.shape)
+        shape[dim] = most
+        padded = x.new_zeros(shape)
+        padded.narrow(dim, 0, x.shape[dim]).copy_(x)
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded)
+    return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim=dim)

@@ -1,0 +1,189 @@
+"""Row-split multi-GPU Wan2.2 VAE decode against one GPU, same code path, in one job: time, speed-up, memory, equality.
+
+Usage: python scripts/bench_decode_multigpu.py [--gpus 2] [--latent-shape 1,48,31,44,78]
+       [--chunk-latent-frames 4] [--repeats 3] [--out results.json]
+       (smoke test of the script without GPUs: --device cpu --decoder-base-dim 16 --latent-shape 1,48,3,5,3)
+
+Launches itself under torch.distributed.run with `--gpus` processes (NCCL; NCCL_* settings such as
+NCCL_NVLS_ENABLE=0 pass through). Every rank builds the full-size decoder with random weights (γ and
+biases perturbed, `pan2cli.vae.random_weights`) in bf16 and the same random latents. The 1-GPU baseline
+is `pan2cli.decode.decode_latents` on rank 0 alone with the row split switched off
+(`decode_kernel_parallel=False`; the other ranks wait); the N-GPU run is the same function on every
+rank with the split on (uint8 rows all-gathered per chunk). Both collect the uint8 frames on the host,
+as the CLI does before writing. Timing: median decode seconds over `--repeats` runs after one warm-up
+(`DecodeStats.seconds`, CUDA-synchronised). Memory: `max_memory_allocated` / `max_memory_reserved`
+during the decode, weights included (1.11 GB bf16), per rank. Equality: N-GPU frames against the
+1-GPU frames, max |diff| in uint8 levels and the fraction of values that differ. Prints a markdown
+table last; rank 0 writes `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from pan2cli import distributed
+from pan2cli.decode import decode_latents
+from pan2cli.vae.config import WanVAEConfig
+from pan2cli.vae.model import WanVAEDecoder
+from pan2cli.vae.random_weights import random_vae_state_dict
+
+GIB = 2**30
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", type=int, default=2, help="GPUs of the split decode (≥ 2).  [default: 2]")
+    parser.add_argument("--latent-shape", default="1,48,31,44,78", help="B,C,T,H,W of the latents.  [default: 5 s at 704x1248]")
+    parser.add_argument("--chunk-latent-frames", type=int, default=4, help="Latent frames per pass after the first.  [default: 4]")
+    parser.add_argument("--repeats", type=int, default=3, help="Timed runs after the warm-up (median reported).  [default: 3]")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the weights and latents.  [default: 0]")
+    parser.add_argument("--out", default=None, help="Also write the results as JSON here.")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: gloo processes, to test the script.  [default: cuda]")
+    parser.add_argument("--decoder-base-dim", type=int, default=256, help="Decoder width unit (256 is the real model).  [default: 256]")
+    args = parser.parse_args(argv)
+    args.latent_shape = tuple(int(v) for v in args.latent_shape.split(","))
+    if len(args.latent_shape) != 5 or args.latent_shape[0] != 1:
+        parser.error("--latent-shape must be 1,48,T,H,W (one video)")
+    if args.gpus < 2 or args.repeats < 1 or args.chunk_latent_frames < 1:
+        parser.error("--gpus must be ≥ 2, --repeats and --chunk-latent-frames ≥ 1")
+    return args
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Check the machine, then run this script in `--gpus` processes under torchrun."""
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.device == "cuda" and visible < args.gpus:
+        print(f"error: --gpus {args.gpus} needs {args.gpus} CUDA GPUs; {visible} visible", file=sys.stderr)
+        return 2
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.gpus), __file__, *argv]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
+    return subprocess.run(cmd, env=env).returncode
+
+
+class FrameCollector:
+    """A writer that keeps the uint8 frames on the host (the CLI's writers take the same chunks)."""
+
+    def __init__(self):
+        self.chunks: list[torch.Tensor] = []
+
+    def write(self, frames: torch.Tensor) -> None:
+        self.chunks.append(frames.clone())
+
+    def video(self) -> torch.Tensor:
+        return torch.cat(self.chunks)
+
+
+def build_decoder(seed: int, device: torch.device, base_dim: int) -> WanVAEDecoder:
+    """The decoder (full size by default) in bf16 (fp32 on CPU) with random weights, built on the meta device and loaded in place."""
+    config = WanVAEConfig(decoder_base_dim=base_dim)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    state = random_vae_state_dict(config, seed=seed, dtype=dtype, encoder=False)
+    with torch.device("meta"):
+        decoder = WanVAEDecoder(config)
+    decoder.load_state_dict(state, strict=True, assign=True)
+    return decoder.to(device).eval()
+
+
+def timed_runs(decoder, z, args, keep_frames: bool) -> tuple[list[float], dict, torch.Tensor | None]:
+    """One warm-up and `--repeats` decodes; returns the seconds, the last run's peak memory, the frames (if kept)."""
+    seconds, frames = [], None
+    for i in range(1 + args.repeats):
+        writer = FrameCollector() if keep_frames else None
+        stats = decode_latents(decoder, z, writer, chunk_latent_frames=args.chunk_latent_frames)
+        if i > 0:
+            seconds.append(stats.seconds)
+        if writer is not None and i == 0:
+            frames = writer.video()
+        memory = {"allocated": stats.peak_allocated, "reserved": stats.peak_reserved}
+    return seconds, memory, frames
+
+
+def worker(args: argparse.Namespace) -> None:
+    with distributed.process_group(args.device) as device:
+        rank, world = distributed.rank(), distributed.world_size()
+        start = time.perf_counter()
+        decoder = build_decoder(args.seed, device, args.decoder_base_dim)
+        z = torch.randn(args.latent_shape, generator=torch.Generator().manual_seed(args.seed + 1))
+        load_s = time.perf_counter() - start
+        if rank == 0:
+            print(f"built the decoder in {load_s:.1f} s on {world} ranks; latents {list(args.latent_shape)}", flush=True)
+
+        # 1. One GPU: rank 0 alone, row split off (same function, no collectives); the others wait.
+        base = None
+        if rank == 0:
+            decoder.config = decoder.config.replace(decode_kernel_parallel=False)
+            base = timed_runs(decoder, z, args, keep_frames=True)
+            decoder.config = decoder.config.replace(decode_kernel_parallel=True)
+            print(f"1 GPU: {', '.join(f'{s:.3f}' for s in base[0])} s", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        dist.barrier()
+
+        # 2. N GPUs: every rank decodes its rows; rank 0 collects the gathered frames.
+        split = timed_runs(decoder, z, args, keep_frames=rank == 0)
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, {"rank": rank, "seconds": split[0], "memory": split[1]})
+        if rank != 0:
+            return
+        print(f"{world} GPUs: {', '.join(f'{s:.3f}' for s in split[0])} s (rank 0)", flush=True)
+        diff = (base[2].int() - split[2].int()).abs()
+        report(args, world, base, per_rank, {"max_abs_diff": int(diff.max()), "fraction_differing": float((diff > 0).double().mean())})
+
+
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / GIB:.2f}"
+
+
+def report(args, world: int, base, per_rank: list[dict], equality: dict) -> None:
+    base_s = statistics.median(base[0])
+    split_s = statistics.median(per_rank[0]["seconds"])  # every rank ends together at the last all-gather
+    results = {
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "latent_shape": list(args.latent_shape),
+        "chunk_latent_frames": args.chunk_latent_frames,
+        "repeats": args.repeats,
+        "one_gpu": {"seconds": base[0], "median_s": base_s, "memory": base[1]},
+        "n_gpus": {"gpus": world, "median_s": split_s, "per_rank": per_rank},
+        "speedup": base_s / split_s,
+        "equality_uint8": equality,
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    peak = max(r["memory"]["allocated"] or 0 for r in per_rank)
+    print()
+    print("| GPUs | median decode s | speed-up | peak allocated GiB | peak reserved GiB |")
+    print("| --- | --- | --- | --- | --- |")
+    print(f"| 1 | {base_s:.3f} | 1.00x | {_gib(base[1]['allocated'])} | {_gib(base[1]['reserved'])} |")
+    allocated = " / ".join(_gib(r["memory"]["allocated"]) for r in per_rank)
+    reserved = " / ".join(_gib(r["memory"]["reserved"]) for r in per_rank)
+    print(f"| {world} | {split_s:.3f} | {base_s / split_s:.2f}x | {allocated} (per rank) | {reserved} |")
+    print()
+    print(
+        f"uint8 frames, {world} GPUs vs 1: max |diff| {equality['max_abs_diff']}, "
+        f"{100 * equality['fraction_differing']:.4f} % of values differ; "
+        f"peak per rank {'≤' if peak <= (base[1]['allocated'] or 0) else '>'} 1-GPU peak"
+    )
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    args = parse_args(argv)
+    if not distributed.under_torchrun():
+        return launch(args, argv)
+    worker(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

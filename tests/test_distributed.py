@@ -1,0 +1,116 @@
+"""Row-split decode across processes (gloo on CPU): exact against one process, and the pieces it is built from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pan2cli import distributed
+from pan2cli.errors import InputError
+from pan2cli.vae.config import WanVAEConfig
+from pan2cli.vae.model import WanVAEDecoder
+from pan2cli.vae.parallel import RowSplit, row_split_for, split_rows
+from pan2cli.vae.random_weights import random_vae_state_dict
+
+SMALL = WanVAEConfig(base_dim=16, decoder_base_dim=16)
+
+
+def _decoder() -> WanVAEDecoder:
+    """The reduced-width decoder in float64 with random weights (γ and biases perturbed), the same in every process."""
+    decoder = WanVAEDecoder(SMALL).double()
+    decoder.load_state_dict(random_vae_state_dict(SMALL, seed=3, dtype=torch.float64, encoder=False), strict=True)
+    return decoder.eval()
+
+
+def _latents(shape) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+
+
+def _split_decode(rank: int, world: int, init_file: str, shape, chunk: int, out_prefix: str) -> None:
+    """One rank: decode its rows, all-gather them, save what it holds (every rank must hold the whole video)."""
+    torch.set_num_threads(1)  # the ranks share the CI machine's cores
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        decoder = _decoder()
+        rows = row_split_for(decoder.config, shape[-2])
+        assert rows is not None and rows.sizes == split_rows(shape[-2], world)
+        chunks = [rows.gather_rows(video, dim=3) for video in decoder.decode_chunks(_latents(shape), chunk, rows=rows)]
+        torch.save(torch.cat(chunks, dim=2), f"{out_prefix}{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "world, shape, chunk",
+    [
+        (2, (1, 48, 3, 3, 5), 2),  # rows 2/1
+        (3, (1, 48, 3, 7, 3), 4),  # rows 3/2/2, odd width
+        (3, (2, 48, 2, 4, 2), 1),  # rows 2/1/1, batch of 2
+    ],
+    ids=["2ranks-H3", "3ranks-H7", "3ranks-H4-batch2"],
+)
+def test_split_decode_equals_one_process_float64(tmp_path, world, shape, chunk):
+    expected = _decoder().decode(_latents(shape), chunk)
+    prefix = str(tmp_path / "rank")
+    mp.spawn(_split_decode, args=(world, str(tmp_path / "init"), shape, chunk, prefix), nprocs=world, join=True)
+    for rank in range(world):
+        got = torch.load(f"{prefix}{rank}.pt", weights_only=True)
+        assert got.shape == expected.shape
+        assert (got - expected).abs().max().item() <= 1e-9, f"rank {rank}"
+
+
+def test_one_rank_split_is_the_zero_padded_decode():
+    """A RowSplit over one rank has no neighbours: its halos are the reference's zero padding."""
+    decoder = _decoder()
+    z = _latents((1, 48, 2, 3, 4))
+    expected = decoder.decode(z, 1)
+    got = torch.cat(list(decoder.decode_chunks(z, 1, rows=RowSplit([3], 0))), dim=2)
+    assert (got - expected).abs().max().item() <= 1e-12
+
+
+def test_rows_are_split_contiguously_and_as_evenly_as_possible():
+    assert split_rows(44, 2) == (22, 22)
+    assert split_rows(44, 3) == (15, 15, 14)
+    assert split_rows(7, 3) == (3, 2, 2)
+    assert split_rows(3, 3) == (1, 1, 1)
+    split = RowSplit(split_rows(44, 3), 2)
+    assert (split.start, split.stop) == (30, 44)
+    assert split.take(torch.zeros(1, 48, 1, 44, 78)).shape[-2] == 14
+    with pytest.raises(InputError, match="cannot be split over 3"):
+        split_rows(2, 3)
+
+
+def test_halo_without_neighbours_pads_zeros():
+    x = torch.arange(2 * 3 * 4, dtype=torch.float32).view(1, 2, 3, 4)
+    out = RowSplit([3], 0).halo(x, pad_w=1)
+    assert torch.equal(out, torch.nn.functional.pad(x, (1, 1, 1, 1)))
+
+
+def test_no_split_in_one_process_or_when_switched_off():
+    assert row_split_for(SMALL, 44) is None
+    assert row_split_for(SMALL.replace(decode_kernel_parallel=False), 44) is None
+    assert distributed.agree_all(True) is True and distributed.agree_all(False) is False
+
+
+def test_decode_kernel_parallel_is_a_runtime_option():
+    assert "decode_kernel_parallel" not in SMALL.to_diffusers_config()
+    with pytest.raises(InputError):
+        WanVAEConfig(decode_kernel_parallel="yes")
+
+
+def test_strip_option_removes_both_spellings():
+    args = ["decode", "a.pt", "--gpus", "2", "-o", "v.mp4", "--gpus=3", "--device", "cpu"]
+    assert distributed.strip_option(args, "--gpus") == ["decode", "a.pt", "-o", "v.mp4", "--device", "cpu"]
+
+
+def test_torchrun_environment_is_detected(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert not distributed.under_torchrun()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not distributed.under_torchrun()
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert distributed.under_torchrun() and distributed.env_rank() == 1 and distributed.env_world_size() == 2

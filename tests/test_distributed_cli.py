@@ -1,0 +1,140 @@
+"""`pan2 decode --gpus N` and `torchrun -m pan2cli decode` on CPU processes (gloo): outputs, exit codes, one error line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Loaded by every process through PYTHONPATH: makes one rank fail (or hang) after its first chunk.
+_FAILING_RANK = '''
+import os
+if os.environ.get("RANK") == os.environ.get("PAN2_TEST_FAIL_RANK"):
+    import pan2cli.vae.model as model
+    real = model.WanVAEDecoder.decode_chunks
+
+    def decode_chunks(self, *args, **kwargs):
+        chunks = real(self, *args, **kwargs)
+        yield next(chunks)
+        if os.environ.get("PAN2_TEST_FAIL_KIND") == "hang":
+            import time
+            time.sleep(120)
+        raise __import__("torch").OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    model.WanVAEDecoder.decode_chunks = decode_chunks
+'''
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PAN2_DIST_TIMEOUT": "60", **extra})
+    return env
+
+
+def _python(*args, env, cwd, **kwargs):
+    return subprocess.run(
+        [sys.executable, *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd, timeout=120, **kwargs
+    )
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("Error:")]
+
+
+@pytest.fixture
+def latents(latents_file):
+    return latents_file((48, 3, 5, 3))  # 5 latent rows: 3/2 over 2 ranks
+
+
+def test_gpus_on_cpu_writes_the_frames_of_one_process(tiny_vae, latents, tmp_path):
+    env = _env(tmp_path)
+    one = _python("-m", "pan2cli", "decode", latents, "--vae", tiny_vae, "--device", "cpu", "-o", "one.pt", env=env, cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    two = _python("-m", "pan2cli", "decode", latents, "--vae", tiny_vae, "--device", "cpu", "--gpus", "2", "-o", "two.pt", env=env, cwd=tmp_path)
+    assert two.returncode == 0, two.stderr
+    assert two.stdout.strip() == "two.pt"  # rank 0 alone prints the path and the summary
+    assert two.stderr.count("9 frames, 48x80") == 1
+    a = torch.load(tmp_path / "one.pt", weights_only=True)
+    b = torch.load(tmp_path / "two.pt", weights_only=True)
+    assert a.shape == b.shape == (9, 80, 48, 3)
+    # fp32 sums in another order may move a pixel across a rounding boundary: at most 1 level
+    assert (a.int() - b.int()).abs().max().item() <= 1
+
+    # 3. The same command under a user's own torchrun.
+    direct = _python(
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "pan2cli", "decode", latents, "--vae", tiny_vae, "--device", "cpu", "-o", "three.pt",
+        env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert direct.returncode == 0, direct.stderr
+    assert torch.equal(torch.load(tmp_path / "three.pt", weights_only=True), b)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latents.pt", "one.pt", "three.pt", "two.pt"]
+
+
+def test_more_gpus_than_visible_is_bad_input(run_cli, tiny_vae, latents):
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 3:
+        pytest.skip("this machine has 3 GPUs")
+    result = run_cli("decode", latents, "--vae", tiny_vae, "--gpus", 3)
+    assert result.exit_code == 2
+    assert result.stderr.startswith("Error: --gpus 3: only")
+
+
+@pytest.mark.parametrize("kind", ["bad_latents", "too_few_rows"])
+def test_bad_input_under_gpus_exits_2_with_one_error_line(tiny_vae, tmp_path, kind):
+    path = tmp_path / "bad.pt"
+    if kind == "bad_latents":
+        path.write_text("not a tensor\n")
+    else:
+        torch.save(torch.randn(48, 2, 1, 3), path)  # one latent row for two ranks
+    proc = _python("-m", "pan2cli", "decode", path, "--vae", tiny_vae, "--device", "cpu", "--gpus", "2", "-o", "out.pt", env=_env(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert len(_error_lines(proc.stderr)) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pt"]
+
+
+@pytest.mark.parametrize("failing_rank", ["0", "1"])
+def test_one_rank_failing_stops_all_with_its_code(tiny_vae, latents, tmp_path, failing_rank):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_FAILING_RANK)
+    env = _env(tmp_path, PAN2_TEST_FAIL_RANK=failing_rank)
+    env["PYTHONPATH"] = f"{hook}{os.pathsep}{env['PYTHONPATH']}"
+    start = time.monotonic()
+    proc = _python("-m", "pan2cli", "decode", latents, "--vae", tiny_vae, "--device", "cpu", "--gpus", "2", "-o", "out.mp4", env=env, cwd=tmp_path)
+    assert time.monotonic() - start < 30  # not the collective timeout
+    assert proc.returncode == 1, proc.stderr
+    assert _error_lines(proc.stderr) == [
+        "Error: the GPU ran out of memory while decoding (1, 48, 3, 5, 3) latents with 4 latent frames "
+        "per chunk: CUDA out of memory. Tried to allocate 2.00 GiB"
+    ], proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hook", "latents.pt"]  # no partial output
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
+def test_ctrl_c_stops_every_rank_and_removes_the_partial_output(tiny_vae, latents, tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_FAILING_RANK)
+    env = _env(tmp_path, PAN2_TEST_FAIL_RANK="1", PAN2_TEST_FAIL_KIND="hang")
+    env["PYTHONPATH"] = f"{hook}{os.pathsep}{env['PYTHONPATH']}"
+    cmd = [sys.executable, "-m", "pan2cli", "decode", str(latents), "--vae", str(tiny_vae), "--device", "cpu", "--gpus", "2", "-o", "out.mp4"]
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(p.name.startswith(".out.mp4.partial") for p in tmp_path.iterdir()):  # rank 0 is writing
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)  # what the terminal sends to the launcher on Ctrl-C
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.count("Interrupted.") == 1 and not _error_lines(err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hook", "latents.pt"]

@@ -1,0 +1,44 @@
+"""`pan2 decode --gpus 2` on two CUDA GPUs (NCCL): the frames of one GPU, within one uint8 level."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+]
+
+
+def _pan2(*args, cwd) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(REPO)
+    return subprocess.run([sys.executable, "-m", "pan2cli", *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+
+
+def test_two_gpus_write_the_frames_of_one_gpu(tiny_vae, latents_file, tmp_path):
+    latents = latents_file((48, 5, 7, 6))  # 7 latent rows: 4/3
+    common = ("decode", latents, "--vae", tiny_vae, "--dtype", "bf16", "--format", "pt")
+    one = _pan2(*common, "--device", "cuda", "-o", "one.pt", cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    two = _pan2(*common, "--gpus", 2, "-o", "two.pt", cwd=tmp_path)
+    assert two.returncode == 0, two.stderr
+    assert two.stdout.strip() == "two.pt"
+    a = torch.load(tmp_path / "one.pt", weights_only=True)
+    b = torch.load(tmp_path / "two.pt", weights_only=True)
+    assert a.shape == b.shape
+    assert (a.int() - b.int()).abs().max().item() <= 1
+
+
+def test_one_named_gpu_with_several_processes_is_bad_input(tiny_vae, latents_file, tmp_path):
+    result = _pan2("decode", latents_file((48, 1, 2, 2)), "--vae", tiny_vae, "--device", "cuda:0", "--gpus", 2, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith("Error: --device cuda:0 names one GPU")
