@@ -14,9 +14,10 @@ import torch
 
 from pan2cli.errors import OutOfMemoryError
 from pan2cli.latents import unnormalize
+from pan2cli.vae.kernel_decoder import WanKernelDecoder
 from pan2cli.vae.model import WanVAEDecoder
 from pan2cli.vae.parallel import row_split_for
-from pan2cli.video import VideoWriter, copy_to_host, frames_to_uint8
+from pan2cli.video import VideoWriter, copy_to_host
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ def _synchronize(device: torch.device) -> None:
 
 
 def decode_latents(
-    decoder: WanVAEDecoder,
+    decoder: WanVAEDecoder | WanKernelDecoder,
     latents: torch.Tensor,
     writer: VideoWriter | None,
     *,
@@ -48,14 +49,14 @@ def decode_latents(
     """Decode one video's latents and hand its frames to `writer`, one host copy per chunk.
 
     Args:
-        decoder: the Wan2.2 VAE decoder (its device and dtype are used).
+        decoder: the Wan2.2 VAE decoder, reference or kernel path (`select_decode_path`); its device is used.
         latents: `(48, T, h, w)` or `(1, 48, T, h, w)` float latents, on any device.
         writer: receives uint8 `(f, 16h, 16w, 3)` CPU frames chunk by chunk; None decodes without
             writing (the other ranks of a split decode, which still all-gather the whole frames).
         normalized: the latents are the DiT's normalised ones (un-normalised here with the VAE
             config's per-channel mean/std: `z·std + mean`); False for raw VAE latents.
         chunk_latent_frames: latent frames per pass after the first (default: the decoder config's).
-        on_chunk: called with the number of latent frames each finished chunk consumed (progress).
+        on_chunk: called with the number of video frames of each finished chunk (progress).
 
     Returns:
         `DecodeStats` with the decode seconds (device-synchronised) and, on CUDA, the peak memory.
@@ -78,22 +79,18 @@ def decode_latents(
     start = time.perf_counter()
     frames = height = width = 0
     try:
-        consumed = 0
-        chunks = decoder.decode_chunks(z, chunk) if rows is None else decoder.decode_chunks(z, chunk, rows=rows)
-        for video in chunks:
-            # video: (1, 3, f, H, W) in [-1, 1] -> uint8 (f, H, W, 3) on the device, then ONE copy
-            pixels = frames_to_uint8(video[0])
+        for pixels in decoder.decode_uint8_chunks(z, chunk, rows=rows):
+            # pixels: (1, f, H, W, 3) uint8 on the device (the band of rows of this rank under a split)
+            pixels = pixels[0]
             if rows is not None:
                 # uint8 is per pixel, so converting before the gather is exact and moves 1 byte each
                 pixels = rows.gather_rows(pixels, dim=1)
             if writer is not None:
-                writer.write(copy_to_host(pixels))
+                writer.write(copy_to_host(pixels))  # ONE copy per chunk
             frames += pixels.shape[0]
             height, width = pixels.shape[1], pixels.shape[2]
-            step = 1 if consumed == 0 else min(chunk, z.shape[2] - consumed)
-            consumed += step
             if on_chunk is not None:
-                on_chunk(step)
+                on_chunk(pixels.shape[0])
         _synchronize(device)
     except torch.OutOfMemoryError as exc:
         raise OutOfMemoryError(

@@ -63,3 +63,33 @@ def test_doctor_reports_the_machine(run_cli):
     assert report["pan2cli"] == pan2cli.__version__
     assert "reference" in report["decode_path"]
     assert report["ffmpeg"] and "not found" not in report["ffmpeg"]
+
+
+def test_decode_kernel_require_without_a_gpu_is_refused(run_cli, tiny_vae, latents_file, tmp_path):
+    result = run_cli("decode", latents_file((48, 1, 2, 2)), "--vae", tiny_vae, "--device", "cpu", "--decode-kernel", "require")
+    assert result.exit_code == 2
+    assert "Error: --decode-kernel require: the decode runs on cpu" in result.stderr
+    assert not (tmp_path / "latents.mp4").exists()
+
+
+def test_decode_kernel_auto_on_cpu_says_why_it_uses_the_reference(run_cli, tiny_vae, latents_file):
+    result = run_cli("decode", latents_file((48, 1, 2, 2)), "--vae", tiny_vae, "--device", "cpu")
+    assert result.exit_code == 0, result.stderr
+    assert "Using the reference decoder: the decode runs on cpu" in result.stderr
+    assert "(reference decoder)" in result.stderr
+
+
+def test_kernels_status_and_clean(run_cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAN2_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "kernels" / "0.0" / "x").mkdir(parents=True)
+    status = json.loads(run_cli("kernels", "status", "--json").stdout)
+    assert status["built"] is False and "reference" in status["decode_path"]
+    cleaned = run_cli("kernels", "clean")
+    assert cleaned.exit_code == 0 and cleaned.stdout.strip() == str(tmp_path / "cache" / "kernels")
+    assert not (tmp_path / "cache" / "kernels").exists()
+
+
+def test_kernels_build_without_a_gpu_exits_1(run_cli):
+    result = run_cli("kernels", "build")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: ")

@@ -148,3 +148,38 @@ def test_compiled_kernel_chunk_size_invariance(reference):
     outputs = [_uint8(kernel, z, n) for n in (1, 2, 4, 8)]
     for out in outputs[1:]:
         assert (out - outputs[0]).abs().max().item() <= 1
+
+
+def _kernel_split_decode(rank: int, world: int, init_file: str, shape, out_prefix: str) -> None:
+    """One rank of a split kernel-path decode (gloo, emulated kernels): its band, all-gathered."""
+    import torch.distributed as dist
+
+    from pan2cli.vae.parallel import row_split_for
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        config = WanVAEConfig(base_dim=16, decoder_base_dim=16, chunk_latent_frames=2)
+        reference = WanVAEDecoder(config)
+        reference.load_state_dict(random_vae_state_dict(config, seed=2, encoder=False))
+        kernel = WanKernelDecoder(_bf16(reference), EMULATED_OPS)
+        z = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+        rows = row_split_for(config, shape[-2])
+        frames = [rows.gather_rows(f[0], dim=1) for f in kernel.decode_uint8_chunks(z, rows=rows)]
+        torch.save(torch.cat(frames), f"{out_prefix}{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world, shape", [(2, (1, 48, 3, 3, 4)), (3, (1, 48, 2, 5, 3))], ids=["2ranks", "3ranks"])
+def test_kernel_path_split_across_processes_equals_one_process(tmp_path, reference, world, shape):
+    import torch.multiprocessing as mp
+
+    z = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+    expected = _uint8(WanKernelDecoder(_bf16(reference), EMULATED_OPS), z)
+    prefix = str(tmp_path / "rank")
+    mp.spawn(_kernel_split_decode, args=(world, str(tmp_path / "init"), shape, prefix), nprocs=world, join=True)
+    for rank in range(world):
+        got = torch.load(f"{prefix}{rank}.pt", weights_only=True).int()
+        assert got.shape == expected.shape
+        assert (got - expected).abs().max().item() <= 1, f"rank {rank}"

@@ -13,6 +13,7 @@ import pan2cli
 from pan2cli.cli._errors import Pan2Group
 from pan2cli.cli.decode import decode_command
 from pan2cli.cli.doctor import doctor_command
+from pan2cli.cli.kernels import kernels_group
 from pan2cli.cli.presets import presets_group
 
 _EPILOG = """\b
@@ -37,12 +38,14 @@ def cli():
     Examples:
       pan2 decode latents.pt -o video.mp4
       pan2 presets list
+      pan2 kernels status
       pan2 doctor
     """
 
 
 cli.add_command(decode_command)
 cli.add_command(presets_group)
+cli.add_command(kernels_group)
 cli.add_command(doctor_command)
 
 

@@ -25,6 +25,9 @@ from pan2cli.decode import decode_latents
 from pan2cli.errors import InputError, OutOfMemoryError
 from pan2cli.latents import LatentInput, load_latents
 from pan2cli.vae.checkpoint import DEFAULT_VAE_REPO, load_vae_decoder
+from pan2cli.vae.config import DECODE_KERNEL_MODES
+from pan2cli.vae.kernel import kernel_status, select_decode_path, why_not_applicable
+from pan2cli.vae.kernel_decoder import WanKernelDecoder
 from pan2cli.vae.parallel import split_rows
 from pan2cli.video import DEFAULT_CRF, OUTPUT_FORMATS, check_output_path, default_output_path, open_video_writer
 
@@ -113,6 +116,15 @@ def plan_outputs(sources: list[LatentInput], output: Path | None, fmt: str) -> l
 @dtype_option
 @device_option
 @click.option(
+    "--decode-kernel",
+    type=click.Choice(DECODE_KERNEL_MODES),
+    default="auto",
+    show_default=True,
+    help="The compiled CUDA decoder (bf16, sm_90a/sm_100a/sm_103a; built on first use and cached): auto uses it "
+    "where it applies and says why not otherwise, off always runs the reference PyTorch decoder, require fails "
+    "when the kernel cannot run.",
+)
+@click.option(
     "--chunk-latent-frames",
     type=click.IntRange(min=1),
     default=4,
@@ -150,7 +162,7 @@ def plan_outputs(sources: list[LatentInput], output: Path | None, fmt: str) -> l
 @gpus_option
 @quiet_option
 @click.pass_context
-def decode_command(ctx, latents, output, vae, revision, dtype, device, chunk_latent_frames, fps, crf, fmt, raw_latents, overwrite, gpus, quiet):
+def decode_command(ctx, latents, output, vae, revision, dtype, device, decode_kernel, chunk_latent_frames, fps, crf, fmt, raw_latents, overwrite, gpus, quiet):
     """Decode Wan2.2 VAE latents (PAN 2 DiT output) into video.
 
     LATENTS are `.pt` files holding a tensor [48,T,H,W] or [B,48,T,H,W] (or a dict with `latents`
@@ -167,7 +179,7 @@ def decode_command(ctx, latents, output, vae, revision, dtype, device, chunk_lat
     """
     options = dict(
         latents=latents, output=output, vae=vae, revision=revision, dtype=dtype, device=device,
-        chunk_latent_frames=chunk_latent_frames, fps=fps, crf=crf, fmt=fmt, raw_latents=raw_latents,
+        decode_kernel=decode_kernel, chunk_latent_frames=chunk_latent_frames, fps=fps, crf=crf, fmt=fmt, raw_latents=raw_latents,
         overwrite=overwrite, quiet=quiet,
     )  # fmt: skip
     if gpus is not None and gpus > 1 and not distributed.under_torchrun():
@@ -188,7 +200,16 @@ def decode_command(ctx, latents, output, vae, revision, dtype, device, chunk_lat
         _decode(**{**options, "device": rank_device})
 
 
-def _decode(latents, output, vae, revision, dtype, device, chunk_latent_frames, fps, crf, fmt, raw_latents, overwrite, quiet):
+def _kernel_message(reference) -> str:
+    """The spinner line while the decode path is chosen: a first use builds the kernel (about a minute)."""
+    if reference.config.decode_kernel != "off" and why_not_applicable(reference.device, reference.dtype) is None:
+        status_now = kernel_status(reference.device)
+        if not status_now.built:
+            return f"Building the decode kernel for {status_now.arch} (first use, about a minute; `pan2 kernels build` prebuilds)…"
+    return "Choosing the decode path…"
+
+
+def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_latent_frames, fps, crf, fmt, raw_latents, overwrite, quiet):
     """The decode command's work in this process: the only one, or one rank of several (`device` then set)."""
     main = distributed.is_main()
     quiet = quiet or not main  # progress and summaries come from rank 0
@@ -216,16 +237,29 @@ def _decode(latents, output, vae, revision, dtype, device, chunk_latent_frames, 
     start = time.perf_counter()
     try:
         with status("Loading the VAE decoder…", quiet):
-            decoder = load_vae_decoder(
-                vae, revision, dtype=torch_dtype, device=device, chunk_latent_frames=chunk_latent_frames
+            reference = load_vae_decoder(
+                vae,
+                revision,
+                dtype=torch_dtype,
+                device=device,
+                chunk_latent_frames=chunk_latent_frames,
+                decode_kernel=decode_kernel,
             )
+        with status(_kernel_message(reference), quiet):
+            decoder, note = select_decode_path(reference)
     except torch.OutOfMemoryError as exc:
         error = OutOfMemoryError(f"the GPU ran out of memory while loading the VAE decoder: {str(exc).splitlines()[0]}")
     except Exception as exc:  # a Pan2Error or the unexpected: either way the other ranks must not wait
         error = exc
     distributed.raise_if_any_failed(error)
-    # Every rank takes the same decode path: the compiled kernel (issue 3) only if all of them have it.
-    distributed.agree_all(False)
+    # Every rank takes the same decode path: the compiled kernel only if all of them could load it.
+    if not distributed.agree_all(decoder is not reference):
+        if decoder is not reference:
+            note = "Using the reference decoder: another rank could not use the compiled kernel."
+        decoder = reference
+    del reference  # the kernel path holds its own copy of the weights
+    if note:
+        info(note, quiet)
     info(f"Loaded the VAE decoder in {time.perf_counter() - start:.1f} s ({device}, {str(torch_dtype).removeprefix('torch.')}).", quiet)
 
     # 3. Decode each video, writing it chunk by chunk (rank 0 writes; the others decode their rows).
@@ -234,14 +268,15 @@ def _decode(latents, output, vae, revision, dtype, device, chunk_latent_frames, 
         frame_rate = fps or job.source.fps or DEFAULT_FPS
         writing = open_video_writer(job.output, fmt, frame_rate, crf=crf, overwrite=overwrite) if main else nullcontext()
         with writing as writer, distributed.partial_output(writer.tmp_path if writer is not None else None):
-            with progress_bar(f"Decoding {job.source.path.name}", total=z.shape[1], unit="latent frames", quiet=quiet) as advance:
+            total = decoder.config.frames_out(z.shape[1])
+            with progress_bar(f"Decoding {job.source.path.name}", total=total, unit="frames", quiet=quiet) as advance:
                 stats = decode_latents(decoder, z, writer, normalized=not raw_latents, on_chunk=advance)
         if not main:
             continue
         result(str(job.output))
         summary = (
             f"{job.output}: {stats.frames} frames, {stats.width}x{stats.height}, {frame_rate:g} fps; "
-            f"decode {stats.seconds:.2f} s"
+            f"decode {stats.seconds:.2f} s ({'compiled kernel' if isinstance(decoder, WanKernelDecoder) else 'reference decoder'})"
         )
         if stats.peak_allocated is not None:
             summary += f"; peak GPU memory {gib(stats.peak_allocated)} allocated, {gib(stats.peak_reserved)} reserved"

@@ -13,6 +13,7 @@ import pan2cli
 from pan2cli.cli._options import resolve_dtype
 from pan2cli.cli._output import result
 from pan2cli.paths import cache_dir
+from pan2cli.vae.kernel import kernel_status
 
 
 def _ffmpeg() -> str:
@@ -56,8 +57,7 @@ def collect_report() -> dict:
         "cache_dir": str(cache_dir()),
         "hf_cache": _hf_cache(),
         "decode_default": f"{device}, {str(resolve_dtype(None, device)).removeprefix('torch.')}",
-        # The compiled CUDA decoder is a later issue; until then every decode is the reference.
-        "decode_path": "reference PyTorch decoder (this version has no compiled decode kernel)",
+        "decode_path": kernel_status().decode_path,
     }
 
 

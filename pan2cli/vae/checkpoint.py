@@ -342,6 +342,7 @@ def load_vae_decoder(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     chunk_latent_frames: int = 4,
+    decode_kernel: str = "auto",
 ) -> WanVAEDecoder:
     """Locate, check and load a Wan2.2 VAE decoder.
 
@@ -350,12 +351,13 @@ def load_vae_decoder(
         dtype: parameter dtype (`torch.float32`, `torch.bfloat16`, `torch.float64`).
         device: where the decoder runs.
         chunk_latent_frames: latent frames per decoder pass after the first.
+        decode_kernel: "auto" | "off" | "require", stored in the config for `select_decode_path`.
 
     Returns:
-        The decoder in eval mode, on `device`, in `dtype`.
+        The reference decoder in eval mode, on `device`, in `dtype`.
     """
     ckpt = resolve_vae_checkpoint(spec, revision)
-    return load_decoder_weights(
+    decoder = load_decoder_weights(
         ckpt.weights,
         ckpt.config,
         dtype=dtype,
@@ -363,6 +365,8 @@ def load_vae_decoder(
         source=ckpt.source,
         chunk_latent_frames=chunk_latent_frames,
     )
+    decoder.config = decoder.config.replace(decode_kernel=decode_kernel)
+    return decoder
 
 
 def _single_file_config(shapes: Mapping[str, tuple[int, ...]]) -> WanVAEConfig:

@@ -229,12 +229,12 @@ def clean_kernel_cache() -> Path:
     return folder
 
 
-def select_decode_path(decoder, mode: str = "auto"):
+def select_decode_path(decoder, mode: str | None = None):
     """The decoder to run: the compiled kernel path where it applies, else the reference one.
 
     Args:
         decoder: a loaded `WanVAEDecoder`.
-        mode: "auto" | "off" | "require" (`WanVAEConfig.decode_kernel`).
+        mode: "auto" | "off" | "require"; default the decoder config's `decode_kernel`.
 
     Returns:
         `(decoder, note)`: a `WanKernelDecoder` or the reference itself, and one line saying why the
@@ -244,6 +244,7 @@ def select_decode_path(decoder, mode: str = "auto"):
         InputError: "require" where the kernel cannot apply (CPU, fp32, another GPU).
         KernelBuildError: "require" and the build failed.
     """
+    mode = mode or decoder.config.decode_kernel
     if mode == "off":
         return decoder, None
     reason = why_not_applicable(decoder.device, decoder.dtype)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pan2cli.vae.model import WanResample, WanVAEDecoder, chunk_bounds
+from pan2cli.vae.parallel import RowSplit
 
 # (row or column parity, tap of the 2x2 phase kernel) -> taps of the 3x3 kernel that land on it after a
 # nearest x2 upsampling (wan22_vae.md §2.6).
@@ -117,30 +118,45 @@ class WanKernelDecoder:
             self._weights["attn.proj.weight"] = attention.proj.weight.reshape(c, c).to(torch.bfloat16).contiguous()
             self._weights["attn.proj.bias"] = attention.proj.bias.to(torch.bfloat16)
         self._history: dict[str, torch.Tensor] = {}
+        self._rows: RowSplit | None = None
 
     # -- building blocks ----------------------------------------------------------------------
     def _w(self, name: str) -> torch.Tensor:
         return self._weights[name]
 
-    def _buffer(self, key: str, like: torch.Tensor, channels: int) -> torch.Tensor:
-        """(B, 2 + t, H, W, C) conv input buffer whose first two frames hold the conv's history."""
+    def _buffer(self, key: str, like: torch.Tensor, channels: int, halo: bool = True) -> torch.Tensor:
+        """(B, 2 + t, H', W, C) conv input buffer whose first two frames hold the conv's history.
+
+        Under a row split (and `halo`), H' = h + 2: rows 0 and h + 1 are the neighbours' halo rows
+        (`_interior` is where this rank's rows go); otherwise H' = h and the conv pads H with zeros.
+        """
         b, t, h, w, _ = like.shape
+        rows = h + 2 if halo and self._rows is not None else h
         history = self._history.get(key)
         if history is None:
-            history = torch.zeros(b, 2, h, w, channels, dtype=torch.bfloat16, device=like.device)
+            history = torch.zeros(b, 2, rows, w, channels, dtype=torch.bfloat16, device=like.device)
             self._history[key] = history
-        buf = torch.empty(b, 2 + t, h, w, channels, dtype=torch.bfloat16, device=like.device)
+        buf = torch.empty(b, 2 + t, rows, w, channels, dtype=torch.bfloat16, device=like.device)
         buf[:, :2].copy_(history)
         return buf
+
+    def _interior(self, buf: torch.Tensor) -> torch.Tensor:
+        """The chunk's frames of a conv buffer, this rank's rows only: where the norm writes."""
+        return buf[:, 2:] if self._rows is None else buf[:, 2:, 1:-1]
+
+    def _halo(self, buf: torch.Tensor) -> None:
+        """Swap the halo rows of the chunk's frames with the neighbouring ranks (no-op in one process)."""
+        if self._rows is not None:
+            self._rows.fill_halo_rows(buf[:, 2:])
 
     def _keep_history(self, key: str, buf: torch.Tensor) -> None:
         t = buf.shape[1] - 2
         self._history[key].copy_(buf[:, t : t + 2])
 
     def _conv(self, buf: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal conv over a history buffer: (B, 2 + t, H, W, Cin) -> (B, t, H, W, Cout)."""
-        pad = (weight.shape[3] // 2, weight.shape[4] // 2)
-        out = F.conv3d(buf.permute(0, 4, 1, 2, 3), weight, bias, padding=(0, *pad))
+        """Causal conv over a history buffer: (B, 2 + t, H', W, Cin) -> (B, t, H, W, Cout)."""
+        pad_h = weight.shape[3] // 2 if self._rows is None else 0  # halo rows instead of zero padding
+        out = F.conv3d(buf.permute(0, 4, 1, 2, 3), weight, bias, padding=(0, pad_h, weight.shape[4] // 2))
         return out.permute(0, 2, 3, 4, 1)
 
     def _norm_into(self, x, gamma, out, *, bias=None, residual=None, sum_out=None, silu=True) -> None:
@@ -156,9 +172,10 @@ class WanKernelDecoder:
         buf = self._buffer(key, source, source.shape[-1])
         if isinstance(x, _Pending):
             sum_out = x.z if keep_sum else None
-            self._norm_into(x.z, gamma, buf[:, 2:], bias=x.bias, residual=x.residual, sum_out=sum_out)
+            self._norm_into(x.z, gamma, self._interior(buf), bias=x.bias, residual=x.residual, sum_out=sum_out)
         else:
-            self._norm_into(x, gamma, buf[:, 2:])
+            self._norm_into(x, gamma, self._interior(buf))
+        self._halo(buf)
         out = self._conv(buf, self._w(key + ".weight"))
         self._keep_history(key, buf)
         return out
@@ -195,6 +212,8 @@ class WanKernelDecoder:
         self._norm_into(x, self._w("decoder.mid_block.attentions.0.norm.gamma"), u, silu=False)
         qkv = F.linear(u.reshape(b * t, 1, h * w, c), self._w("attn.qkv.weight"), self._w("attn.qkv.bias"))
         q, k, v = qkv.chunk(3, dim=-1)
+        if self._rows is not None:
+            k, v = self._rows.gather_kv(k, v)  # the whole frame's keys and values, this rank's queries
         o = F.scaled_dot_product_attention(q, k, v)
         o = F.linear(o, self._w("attn.proj.weight"), self._w("attn.proj.bias"))
         return x.add_(o.reshape(b, t, h, w, c))
@@ -204,16 +223,23 @@ class WanKernelDecoder:
         factor_t = 2 if mode == "upsample3d" else 1
         if mode == "upsample3d" and not first_chunk:
             key = prefix + ".time_conv"
-            buf = self._buffer(key, x, c)
+            buf = self._buffer(key, x, c, halo=False)  # kernel (3, 1, 1): no spatial neighbours
             buf[:, 2:].copy_(x)
             y = self._conv(buf, self._w(key + ".weight"), self._w(key + ".bias").to(torch.bfloat16))
             self._keep_history(key, buf)
             # depth-to-time: channels [0, C) -> frame 2t, [C, 2C) -> frame 2t+1
             x = y.reshape(b, t, h, w, 2, c).permute(0, 1, 4, 2, 3, 5).reshape(b, 2 * t, h, w, c)
             t = 2 * t
-        phases = F.conv2d(
-            x.reshape(b * t, h, w, c).permute(0, 3, 1, 2), self._w(prefix + ".phases"), None, padding=1
-        ).permute(0, 2, 3, 1).contiguous()
+        frames = x.reshape(b * t, h, w, c)
+        if self._rows is not None:  # the 2x2 phase convs read one row above and below
+            padded = torch.empty(b * t, h + 2, w, c, dtype=x.dtype, device=x.device)
+            padded[:, 1:-1].copy_(frames)
+            self._rows.fill_halo_rows(padded)
+            frames, padding = padded, (0, 1)
+        else:
+            padding = (1, 1)
+        phases = F.conv2d(frames.permute(0, 3, 1, 2), self._w(prefix + ".phases"), None, padding=padding)
+        phases = phases.permute(0, 2, 3, 1).contiguous()
         out = torch.empty(b, t, 2 * h, 2 * w, c, dtype=torch.bfloat16, device=x.device)
         frame_offset = factor_t - 1 if first_chunk else 0
         self.ops.phase_interleave(phases, self._w(prefix + ".bias"), x_in, out, factor_t, frame_offset)
@@ -247,7 +273,8 @@ class WanKernelDecoder:
         its own history, so any such walk gives the same frames.
         """
         buf = self._buffer("decoder.conv_in", x, x.shape[-1])
-        buf[:, 2:].copy_(x)
+        self._interior(buf).copy_(x)
+        self._halo(buf)
         y = self._conv(buf, self._w("decoder.conv_in.weight"))
         self._keep_history("decoder.conv_in", buf)
         x = _Pending(y, self._w("decoder.conv_in.bias"), None)
@@ -274,10 +301,20 @@ class WanKernelDecoder:
 
     # -- public -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode_uint8_chunks(self, z: torch.Tensor, chunk_latent_frames: int | None = None) -> Iterator[torch.Tensor]:
-        """Decode un-normalised latents `(B, z_dim, T, h, w)`; yields uint8 `(B, f, 16h, 16w, 3)` on the GPU."""
+    def decode_uint8_chunks(
+        self, z: torch.Tensor, chunk_latent_frames: int | None = None, rows: RowSplit | None = None
+    ) -> Iterator[torch.Tensor]:
+        """Decode un-normalised latents `(B, z_dim, T, h, w)`; yields uint8 `(B, f, 16h, 16w, 3)` on the GPU.
+
+        With `rows` (a `pan2cli.vae.parallel.RowSplit`) this rank decodes its band of rows, exchanging
+        halo rows before every 3x3 convolution and the whole frame's keys/values in the attention;
+        the frames it yields are its band (`rows.gather_rows` puts them together).
+        """
         n = chunk_latent_frames or self.config.chunk_latent_frames
         self._history = {}
+        self._rows = rows
+        if rows is not None:
+            z = rows.take(z)
         x = z.to(self.device, torch.bfloat16).permute(0, 2, 3, 4, 1).contiguous()  # (B, T, h, w, z)
         w = self._w("post_quant_conv.weight")
         x = F.linear(x, w.reshape(w.shape[0], w.shape[1]), self._w("post_quant_conv.bias").to(torch.bfloat16))
@@ -286,3 +323,4 @@ class WanKernelDecoder:
                 yield from self._decoder_chunk(x[:, start:stop].contiguous(), first_chunk=start == 0)
         finally:
             self._history = {}
+            self._rows = None

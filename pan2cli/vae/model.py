@@ -16,13 +16,15 @@ forwards then take `rows` (a `pan2cli.vae.parallel.RowSplit`), which supplies th
 3x3 convolutions and the whole frame's keys/values in the attention. `rows=None` is one process.
 
 Numerics: every op runs in the model's dtype (fp32, bf16, float64); the norms normalise in fp32 when the
-input is 16-bit, as diffusers 0.42.1 does. The nearest upsampling goes through fp32 like the original
+input is 16-bit, as diffusers 0.42.1 does; fp32 on CUDA is IEEE fp32 (TF32 off while decoding). The nearest
+upsampling goes through fp32 like the original
 (`WanUpsample`), which is exact for fp32/bf16 and rounds float64 inputs to fp32 — kept, so that float64
 runs match diffusers to the last bit.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator
 
 import torch
@@ -280,6 +282,18 @@ class WanDecoder3d(nn.Module):
         return self.conv_out(F.silu(self.norm_out(x)), cache, rows)
 
 
+@contextmanager
+def _ieee_fp32() -> Iterator[None]:
+    """fp32 means IEEE fp32 here: PyTorch's default runs fp32 cuDNN convolutions as TF32 (10-bit mantissa)."""
+    matmul = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, allow_tf32=False):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul
+
+
 def unpatchify(x: torch.Tensor, patch_size: int) -> torch.Tensor:
     """(B, 3·p², T, H, W) -> (B, 3, T, p·H, p·W) with `out[c, t, p·h+q, p·w+r] = in[c·p² + r·p + q, t, h, w]`."""
     if patch_size == 1:
@@ -348,11 +362,22 @@ class WanVAEDecoder(nn.Module):
         n = chunk_latent_frames or self.config.chunk_latent_frames
         if rows is not None:
             z = rows.take(z)  # every later op keeps the row mapping: band [a, b) → [2a, 2b) at ×2
-        x = self.post_quant_conv(z.to(self.device, self.dtype))
+        with _ieee_fp32():
+            x = self.post_quant_conv(z.to(self.device, self.dtype))
         cache: CausalCache = {}
         for start, stop in chunk_bounds(x.shape[2], n):
-            out = self.decoder(x[:, :, start:stop], cache, first_chunk=start == 0, rows=rows)
+            with _ieee_fp32():
+                out = self.decoder(x[:, :, start:stop], cache, first_chunk=start == 0, rows=rows)
             yield unpatchify(out, self.config.patch_size).clamp_(-1.0, 1.0)
+
+    def decode_uint8_chunks(
+        self, z: torch.Tensor, chunk_latent_frames: int | None = None, rows: RowSplit | None = None
+    ) -> Iterator[torch.Tensor]:
+        """`decode_chunks` as uint8 frames `(B, f, 16h, 16w, 3)` on the decoder's device (the kernel path's signature)."""
+        from pan2cli.video import frames_to_uint8
+
+        for video in self.decode_chunks(z, chunk_latent_frames, rows=rows):
+            yield torch.stack([frames_to_uint8(v) for v in video])
 
     def decode(self, z: torch.Tensor, chunk_latent_frames: int | None = None) -> torch.Tensor:
         """Decode a whole video at once: `(B, 3, 1 + 4·(T − 1), 16h, 16w)`; see `decode_chunks`."""

@@ -90,6 +90,26 @@ class RowSplit:
             out[..., -1:, pad_w : pad_w + w] = below
         return out
 
+    def fill_halo_rows(self, buf: torch.Tensor) -> None:
+        """Fill the first and last row of a channels-last band `(…, h + 2, W, C)` from the neighbours, in place.
+
+        Row 0 gets the last interior row of the rank above, row h + 1 the first interior row of the
+        rank below; zeros at the frame's top and bottom (the reference's padding).
+        """
+        swap = distributed.NeighbourSwap(
+            buf[..., 1:2, :, :] if self.rank > 0 else None,
+            buf[..., -2:-1, :, :] if self.rank < self.world - 1 else None,
+        )
+        above, below = swap.wait()
+        if above is None:
+            buf[..., :1, :, :].zero_()
+        else:
+            buf[..., :1, :, :].copy_(above)
+        if below is None:
+            buf[..., -1:, :, :].zero_()
+        else:
+            buf[..., -1:, :, :].copy_(below)
+
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the whole frame from every rank's tokens (one collective for both).
 

@@ -1,0 +1,65 @@
+"""`pan2 kernels build | status | clean`: the compiled Wan2.2 decode kernel's build cache."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from pan2cli.cli._output import info, result, status
+from pan2cli.errors import KernelBuildError
+from pan2cli.vae.kernel import clean_kernel_cache, current_arch, kernel_status, load_kernel
+
+
+@click.group("kernels")
+def kernels_group():
+    """Build, inspect or empty the cache of the compiled decode kernel.
+
+    The kernel is built on first use for the GPU it runs on (sm_90a for H100/H200, sm_100a/sm_103a
+    for B200/B300) with torch.utils.cpp_extension and ninja, and cached under PAN2_CACHE_DIR
+    (default ~/.cache/pan2) by source hash, pan2cli, torch and CUDA versions and arch.
+
+    \b
+    Examples:
+      pan2 kernels build
+      pan2 kernels status --json
+      pan2 kernels clean
+    """
+
+
+@kernels_group.command("build")
+def build_command():
+    """Build the decode kernel for this machine's GPU now (a no-op when it is cached); prints its folder."""
+    if current_arch() is None:
+        why = kernel_status().decode_path.split(": ", 1)[-1]
+        raise KernelBuildError(f"nothing to build: {why}", hint="the kernel targets H100/H200 (sm_90a) and B200/B300 (sm_100a, sm_103a)")
+    start = time.perf_counter()
+    with status("Building the decode kernel (about a minute the first time)…"):
+        load_kernel()
+    info(f"Decode kernel ready in {time.perf_counter() - start:.1f} s.")
+    result(str(kernel_status().build_dir))
+
+
+@kernels_group.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+def status_command(as_json):
+    """Say what is built, where, and which decode path `pan2 decode` would run and why."""
+    report = kernel_status()
+    values = {
+        "arch": report.arch,
+        "built": report.built,
+        "build_dir": str(report.build_dir) if report.build_dir else None,
+        "decode_path": report.decode_path,
+    }
+    if as_json:
+        result(json.dumps(values, indent=2))
+        return
+    for key, value in values.items():
+        result(f"{key:<12} {value}")
+
+
+@kernels_group.command("clean")
+def clean_command():
+    """Remove every cached build of the decode kernel; prints the folder emptied."""
+    result(str(clean_kernel_cache()))
