@@ -1,3 +1,12 @@
 """pan2cli: run the PAN 2 world model and decode its Wan2.2 VAE latents to video."""
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Lazy: `pan2 --version` and `pan2 decode` do not import the pipeline (transformers is heavy).
+    if name in ("VideoGenerator", "PAN2PipelineConfig"):
+        import pan2cli.pipeline
+
+        return getattr(pan2cli.pipeline, name)
+    raise AttributeError(f"module 'pan2cli' has no attribute {name!r}")

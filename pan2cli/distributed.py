@@ -483,3 +483,36 @@ def all_gather_uneven(x: torch.Tensor, dim: int, sizes: Sequence[int]) -> torch.
     parts = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(parts, padded)
     return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim=dim)
+
+
+# -- helpers for `pan2 generate` ------------------------------------------------------------------
+def broadcast_from_main(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `x` on every rank (same shape and dtype everywhere), on `x`'s device; `x` itself in one process."""
+    if world_size() == 1:
+        return x
+    y = x.to(_comm_device()).contiguous()
+    dist.broadcast(y, 0)
+    return y.to(x.device)
+
+
+def sum_all(value: int) -> int:
+    """The sum of `value` over the ranks (all-reduce SUM); `value` itself in a single process."""
+    if world_size() == 1:
+        return value
+    total = torch.tensor([value], dtype=torch.int64, device=_comm_device())
+    dist.all_reduce(total)
+    return int(total.item())
+
+
+def wait_for_all(tag: str, poll_s: float = 1.0) -> None:
+    """Wait, without a collective's timeout, until every rank reached this point (ranks of a sharded batch
+    finish minutes apart, longer than PAN2_DIST_TIMEOUT). A counter in torchrun's store; no-op in one process."""
+    if world_size() == 1:
+        return
+    import time
+
+    store = dist.distributed_c10d._get_default_store()  # the rendezvous store every rank already shares
+    key = f"pan2/{tag}"
+    store.add(key, 1)
+    while store.add(key, 0) < world_size():
+        time.sleep(poll_s)

@@ -120,15 +120,44 @@ def ssim(a: torch.Tensor, b: torch.Tensor) -> float:
     return sum(values) / len(values)
 
 
-def profile_kernel_path(run, z) -> list[tuple[str, float]]:
-    """CUDA time of one decode by kernel group (seconds), largest first."""
+class _CountingOps:
+    """The extension's ops, counting the bytes each kernel must move (each input read once, each output written once)."""
+
+    def __init__(self, ops):
+        self.ops = ops
+        self.bytes = {"rms_norm": 0, "phase_interleave": 0, "head_to_uint8": 0}
+
+    def rms_norm_silu(self, x, gamma, bias, residual, sum_out, out, silu, history=None):
+        tensors = 2 + (residual is not None) + (sum_out is not None)
+        self.bytes["rms_norm"] += x.numel() * 2 * tensors + (history.numel() * 2 if history is not None else 0)
+        return self.ops.rms_norm_silu(x, gamma, bias, residual, sum_out, out, silu, history)
+
+    def phase_interleave(self, phases, bias, shortcut, out, factor_t, frame_offset):
+        self.bytes["phase_interleave"] += (phases.numel() + out.numel() + (shortcut.numel() if shortcut is not None else 0)) * 2
+        return self.ops.phase_interleave(phases, bias, shortcut, out, factor_t, frame_offset)
+
+    def head_to_uint8(self, y, bias, out):
+        self.bytes["head_to_uint8"] += y.numel() * 2 + out.numel()
+        return self.ops.head_to_uint8(y, bias, out)
+
+
+def profile_kernel_path(run, z, kernel=None) -> list[tuple[str, float]]:
+    """CUDA time of one decode by kernel group (seconds), largest first; with `kernel`, also the
+    bandwidth the fused kernels reach (bytes they must move over their time)."""
     from torch.profiler import ProfilerActivity, profile
 
+    counting = None
+    if kernel is not None:
+        counting = _CountingOps(kernel.ops)
+        kernel.ops = counting
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in run(z):
             pass
         torch.cuda.synchronize()
+    if counting is not None:
+        kernel.ops = counting.ops
     groups: dict[str, float] = {}
+    kernel_seconds: dict[str, float] = {}
     for event in prof.key_averages():
         name = event.key.lower()
         total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
@@ -147,7 +176,16 @@ def profile_kernel_path(run, z) -> list[tuple[str, float]]:
         else:
             group = "other elementwise"
         groups[group] = groups.get(group, 0.0) + total / 1e6
-    return sorted(groups.items(), key=lambda kv: -kv[1])
+        if counting is not None:
+            for op, moved in counting.bytes.items():
+                if op in name:
+                    kernel_seconds[op] = kernel_seconds.get(op, 0.0) + total / 1e6
+    rows = sorted(groups.items(), key=lambda kv: -kv[1])
+    if counting is not None:
+        for op, moved in counting.bytes.items():
+            if kernel_seconds.get(op):
+                rows.append((f"  {op}: {moved / 1e9:.1f} GB moved, {moved / kernel_seconds[op] / 1e12:.2f} TB/s", 0.0))
+    return rows
 
 
 def main() -> None:
@@ -159,8 +197,8 @@ def main() -> None:
     parser.add_argument(
         "--kernel-variants",
         default="4:4",
-        help="comma-separated CHUNK:TAIL pairs of the kernel path (latent frames per chunk : video frames per "
-        "pass through the high-resolution stages); one row each",
+        help="comma-separated CHUNK:TAIL[:bench] of the kernel path (latent frames per chunk : video frames per "
+        "pass through the high-resolution stages [: with torch.backends.cudnn.benchmark]); one row each",
     )
     parser.add_argument("--skip-diffusers", action="store_true", help="only our two paths")
     parser.add_argument("--skip-reference", action="store_true", help="no timing of our bf16 reference")
@@ -229,14 +267,18 @@ def main() -> None:
         return ours(ref), ref
 
     for variant in args.kernel_variants.split(","):
-        chunk, tail = (int(v) for v in variant.split(":"))
-        name = f"pan2cli kernel (bf16, chunk {chunk}, tail {tail})"
+        parts = variant.split(":")
+        chunk, tail = int(parts[0]), int(parts[1])
+        autotune = len(parts) > 2 and parts[2] == "bench"
+        torch.backends.cudnn.benchmark = autotune
+        name = f"pan2cli kernel (bf16, chunk {chunk}, tail {tail}{', cudnn.benchmark' if autotune else ''})"
         kernel_run, kernel = measure(name, lambda: build_kernel(chunk, tail))
         if args.profile:
-            results.setdefault("profile", {})[name] = profile = profile_kernel_path(kernel_run, z)
+            results.setdefault("profile", {})[name] = profile = profile_kernel_path(kernel_run, z, kernel)
             for group, seconds in profile:
                 print(f"  {group:<45} {seconds:7.3f} s", flush=True)
         del kernel_run, kernel
+        torch.backends.cudnn.benchmark = False
     if not args.skip_reference:
         measure("pan2cli reference (bf16)", build_reference)
     if not args.skip_diffusers:

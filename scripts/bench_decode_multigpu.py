@@ -33,6 +33,8 @@ import torch.distributed as dist
 from pan2cli import distributed
 from pan2cli.decode import decode_latents
 from pan2cli.vae.config import WanVAEConfig
+from pan2cli.vae.kernel import select_decode_path
+from pan2cli.vae.kernel_decoder import WanKernelDecoder
 from pan2cli.vae.model import WanVAEDecoder
 from pan2cli.vae.random_weights import random_vae_state_dict
 
@@ -47,6 +49,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="Timed runs after the warm-up (median reported).  [default: 3]")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the weights and latents.  [default: 0]")
     parser.add_argument("--out", default=None, help="Also write the results as JSON here.")
+    parser.add_argument(
+        "--decode-kernel",
+        choices=("auto", "off", "require"),
+        default="auto",
+        help="Decode path, the same for 1 and N GPUs: the compiled kernel (auto/require) or the reference (off).  [default: auto]",
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: gloo processes, to test the script.  [default: cuda]")
     parser.add_argument("--decoder-base-dim", type=int, default=256, help="Decoder width unit (256 is the real model).  [default: 256]")
     args = parser.parse_args(argv)
@@ -111,11 +119,16 @@ def worker(args: argparse.Namespace) -> None:
     with distributed.process_group(args.device) as device:
         rank, world = distributed.rank(), distributed.world_size()
         start = time.perf_counter()
-        decoder = build_decoder(args.seed, device, args.decoder_base_dim)
+        decoder, note = select_decode_path(build_decoder(args.seed, device, args.decoder_base_dim), args.decode_kernel)
+        path = "compiled kernel" if isinstance(decoder, WanKernelDecoder) else "reference decoder"
+        if not distributed.agree_all(path == "compiled kernel") and path == "compiled kernel":
+            raise SystemExit("not every rank could load the compiled kernel")
         z = torch.randn(args.latent_shape, generator=torch.Generator().manual_seed(args.seed + 1))
         load_s = time.perf_counter() - start
         if rank == 0:
-            print(f"built the decoder in {load_s:.1f} s on {world} ranks; latents {list(args.latent_shape)}", flush=True)
+            print(f"built the decoder ({path}) in {load_s:.1f} s on {world} ranks; latents {list(args.latent_shape)}", flush=True)
+            if note:
+                print(note, flush=True)
 
         # 1. One GPU: rank 0 alone, row split off (same function, no collectives); the others wait.
         base = None

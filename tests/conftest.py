@@ -59,3 +59,11 @@ def run_cli():
         return runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
 
     return invoke
+
+
+@pytest.fixture(scope="session")
+def tiny_pan2(tmp_path_factory) -> Path:
+    """A tiny random PAN 2 checkpoint folder: transformer/, text_encoder/, tokenizer/, vae/ (with encoder)."""
+    from tests._pan2_fixture import write_tiny_pan2
+
+    return write_tiny_pan2(tmp_path_factory.mktemp("pan2") / "PAN2")

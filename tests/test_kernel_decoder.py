@@ -20,7 +20,7 @@ from pan2cli.vae.random_weights import random_vae_state_dict
 from pan2cli.video import frames_to_uint8
 
 
-def _rms_norm_silu(x, gamma, bias, residual, sum_out, out, silu):
+def _rms_norm_silu(x, gamma, bias, residual, sum_out, out, silu, history=None):
     v = x.float()
     if bias is not None:
         v = v + bias
@@ -32,6 +32,8 @@ def _rms_norm_silu(x, gamma, bias, residual, sum_out, out, silu):
             sum_out.copy_(v)
     y = v / v.norm(dim=-1, keepdim=True).clamp_min(1e-12) * gamma
     out.copy_(F.silu(y) if silu else y)
+    if history is not None:
+        history.copy_(out[:, -2:])
 
 
 def _phase_interleave(phases, bias, shortcut, out, factor_t, frame_offset):

@@ -31,7 +31,7 @@ void check_frames(const Tensor& t, const char* name) {
 
 void rms_norm_silu(const Tensor& x, const Tensor& gamma, const c10::optional<Tensor>& bias,
                    const c10::optional<Tensor>& residual, const c10::optional<Tensor>& sum_out, Tensor out,
-                   bool silu) {
+                   bool silu, const c10::optional<Tensor>& history) {
     CHECK_BF16_CUDA(x, "x");
     CHECK_BF16_CUDA(out, "out");
     check_frames(x, "x");
@@ -61,6 +61,17 @@ void rms_norm_silu(const Tensor& x, const Tensor& gamma, const c10::optional<Ten
         p.sum_out = reinterpret_cast<__nv_bfloat16*>(sum_out->data_ptr());
     }
     p.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+    if (history) {
+        CHECK_BF16_CUDA(*history, "history");
+        check_frames(*history, "history");
+        TORCH_CHECK(x.size(1) >= 2 && history->size(1) == 2 && history->size(0) == x.size(0) &&
+                        history->size(2) == x.size(2) && history->size(3) == x.size(3) && history->size(4) == C,
+                    "history must be [B, 2, H, W, C] matching x ", x.sizes(), " (and x must hold >= 2 frames), got ",
+                    history->sizes());
+        p.history = reinterpret_cast<__nv_bfloat16*>(history->data_ptr());
+        p.history_batch_stride = history->stride(0);
+        p.history_frame_stride = history->stride(1);
+    }
     p.x_frame_stride = x.stride(1);
     p.out_batch_stride = out.stride(0);
     p.out_frame_stride = out.stride(1);
@@ -146,7 +157,7 @@ void head_to_uint8(const Tensor& y, const Tensor& bias, Tensor out) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "Fused bandwidth-bound kernels of the Wan2.2 VAE decoder (channels-last bf16, fp32 math)";
     m.def("rms_norm_silu", &rms_norm_silu, "(bias +)(residual +) RMS norm (+ SiLU) into `out`", py::arg("x"),
-          py::arg("gamma"), py::arg("bias"), py::arg("residual"), py::arg("sum_out"), py::arg("out"), py::arg("silu"));
+          py::arg("gamma"), py::arg("bias"), py::arg("residual"), py::arg("sum_out"), py::arg("out"), py::arg("silu"), py::arg("history") = py::none());
     m.def("phase_interleave", &phase_interleave, "four-phase resampler epilogue", py::arg("phases"), py::arg("bias"),
           py::arg("shortcut"), py::arg("out"), py::arg("factor_t"), py::arg("frame_offset"));
     m.def("head_to_uint8", &head_to_uint8, "conv_out epilogue: bias, unpatchify, clamp, uint8", py::arg("y"),

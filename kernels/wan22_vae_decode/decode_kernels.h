@@ -18,6 +18,11 @@ struct RmsNormParams {
     const float* gamma;             // [C], already multiplied by sqrt(C)
     __nv_bfloat16* sum_out;         // optional: x + bias + residual (bf16), same layout as x
     __nv_bfloat16* out;             // frame f = (b, t) at out + b * out_batch_stride + t * out_frame_stride
+    // Optional: the last two frames of `out` (t >= frames_per_batch - 2) are also written to the conv's
+    // causal history, frame t - (T - 2), so the history needs no copy after the conv.
+    __nv_bfloat16* history;
+    int64_t history_batch_stride;
+    int64_t history_frame_stride;
     int64_t x_frame_stride;
     int64_t out_batch_stride;
     int64_t out_frame_stride;

@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) rms_norm_silu_kernel(RmsN
     const bool add = p.bias != nullptr || p.residual != nullptr;
 
     float v[R][NV][8];
-    int64_t x_off[R], out_off[R];
+    int64_t x_off[R], out_off[R], hist_off[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const int64_t row = first_row + r;
@@ -49,6 +49,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) rms_norm_silu_kernel(RmsN
         const int64_t t = frame - b * p.frames_per_batch;
         x_off[r] = frame * p.x_frame_stride + pos * p.channels;
         out_off[r] = b * p.out_batch_stride + t * p.out_frame_stride + pos * p.channels;
+        const int64_t ht = t - (p.frames_per_batch - 2);
+        hist_off[r] = (p.history != nullptr && ht >= 0)
+                          ? b * p.history_batch_stride + ht * p.history_frame_stride + pos * p.channels
+                          : -1;
 #pragma unroll
         for (int k = 0; k < NV; ++k) {
             const int c = (k * 32 + lane) * 8;
@@ -98,26 +102,28 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) rms_norm_silu_kernel(RmsN
     for (int offset = 16; offset > 0; offset >>= 1)
 #pragma unroll
         for (int r = 0; r < R; ++r) sum_sq[r] += __shfl_xor_sync(0xffffffffu, sum_sq[r], offset);
+    // F.normalize: x / max(||x||, eps) with eps = 1e-12 on the norm.
+    float inv_norm[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const int64_t row = first_row + r;
-        // F.normalize: x / max(||x||, eps) with eps = 1e-12 on the norm.
-        const float inv_norm = 1.f / fmaxf(sqrtf(sum_sq[r]), 1e-12f);
+    for (int r = 0; r < R; ++r) inv_norm[r] = 1.f / fmaxf(sqrtf(sum_sq[r]), 1e-12f);
 #pragma unroll
-        for (int k = 0; k < NV; ++k) {
-            const int c = (k * 32 + lane) * 8;
-            if (row < total_rows && c < p.channels) {
-                const float4 g0 = *reinterpret_cast<const float4*>(p.gamma + c);
-                const float4 g1 = *reinterpret_cast<const float4*>(p.gamma + c + 4);
-                const float gamma[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
-                float y[8];
+    for (int k = 0; k < NV; ++k) {
+        const int c = (k * 32 + lane) * 8;
+        if (c >= p.channels) continue;
+        const float4 g0 = *reinterpret_cast<const float4*>(p.gamma + c);
+        const float4 g1 = *reinterpret_cast<const float4*>(p.gamma + c + 4);
+        const float gamma[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    const float n = v[r][k][i] * inv_norm * gamma[i];
-                    y[i] = p.silu ? n / (1.f + __expf(-n)) : n;
-                }
-                store8(p.out + out_off[r] + c, y);
+        for (int r = 0; r < R; ++r) {
+            if (first_row + r >= total_rows) continue;
+            float y[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const float n = v[r][k][i] * inv_norm[r] * gamma[i];
+                y[i] = p.silu ? n / (1.f + __expf(-n)) : n;
             }
+            store8(p.out + out_off[r] + c, y);
+            if (hist_off[r] >= 0) store8(p.history + hist_off[r] + c, y);
         }
     }
 }

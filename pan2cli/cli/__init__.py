@@ -13,6 +13,7 @@ import pan2cli
 from pan2cli.cli._errors import Pan2Group
 from pan2cli.cli.decode import decode_command
 from pan2cli.cli.doctor import doctor_command
+from pan2cli.cli.generate import generate_command
 from pan2cli.cli.kernels import kernels_group
 from pan2cli.cli.presets import presets_group
 
@@ -37,6 +38,7 @@ def cli():
     \b
     Examples:
       pan2 decode latents.pt -o video.mp4
+      pan2 generate "a skater drops into a bowl" --preset pan2-5s -o skater.mp4
       pan2 presets list
       pan2 kernels status
       pan2 doctor
@@ -44,6 +46,7 @@ def cli():
 
 
 cli.add_command(decode_command)
+cli.add_command(generate_command)
 cli.add_command(presets_group)
 cli.add_command(kernels_group)
 cli.add_command(doctor_command)

@@ -42,7 +42,7 @@ _DECODER_PREFIXES = ("decoder.", "post_quant_conv.")
 
 
 # -- original → diffusers key names (the one mapping table) ---------------------------------------
-# Top-level structure, first match wins. `{up}` is resolved by `_up_block_part`.
+# Top-level structure, first match wins. `{up}` and `{down}` are resolved in `original_to_diffusers_key`.
 _ORIGINAL_STRUCTURE = (
     (re.compile(r"^conv1\."), "quant_conv."),
     (re.compile(r"^conv2\."), "post_quant_conv."),
@@ -53,6 +53,13 @@ _ORIGINAL_STRUCTURE = (
     (re.compile(r"^decoder\.upsamples\.(\d+)\.upsamples\.(\d+)\."), "{up}"),
     (re.compile(r"^decoder\.head\.0\."), "decoder.norm_out."),
     (re.compile(r"^decoder\.head\.2\."), "decoder.conv_out."),
+    (re.compile(r"^encoder\.conv1\."), "encoder.conv_in."),
+    (re.compile(r"^encoder\.middle\.0\."), "encoder.mid_block.resnets.0."),
+    (re.compile(r"^encoder\.middle\.1\."), "encoder.mid_block.attentions.0."),
+    (re.compile(r"^encoder\.middle\.2\."), "encoder.mid_block.resnets.1."),
+    (re.compile(r"^encoder\.downsamples\.(\d+)\.downsamples\.(\d+)\."), "{down}"),
+    (re.compile(r"^encoder\.head\.0\."), "encoder.norm_out."),
+    (re.compile(r"^encoder\.head\.2\."), "encoder.conv_out."),
 )
 # Inside a residual block: Sequential indices of `residual` and the shortcut.
 _ORIGINAL_RESBLOCK = (
@@ -67,8 +74,9 @@ _ORIGINAL_RESBLOCK = (
 def original_to_diffusers_key(key: str, num_res_blocks: int = 2) -> str:
     """Map one original Wan2.2 VAE key (`Wan2.2_VAE.pth`, ComfyUI) to its diffusers name.
 
-    Encoder keys are returned unchanged (the decoder does not read them). Keys that match no rule are
-    returned unchanged, so that validation reports them as unexpected.
+    Encoder keys map the same way (`encoder.downsamples.i.downsamples.j` → `encoder.down_blocks.i.resnets.j`
+    for j < num_res_blocks, else `.downsampler`). Keys that match no rule are returned unchanged, so that
+    validation reports them as unexpected.
     """
     for pattern, replacement in _ORIGINAL_STRUCTURE:
         match = pattern.match(key)
@@ -79,6 +87,11 @@ def original_to_diffusers_key(key: str, num_res_blocks: int = 2) -> str:
             # Up_ResidualBlock.upsamples = [ResBlock × (num_res_blocks + 1), Resample]
             part = f"resnets.{j}." if j <= num_res_blocks else "upsampler."
             replacement = f"decoder.up_blocks.{i}.{part}"
+        elif replacement == "{down}":
+            i, j = int(match.group(1)), int(match.group(2))
+            # Down_ResidualBlock.downsamples = [ResBlock × num_res_blocks, Resample]
+            part = f"resnets.{j}." if j < num_res_blocks else "downsampler."
+            replacement = f"encoder.down_blocks.{i}.{part}"
         key = replacement + key[match.end() :]
         break
     if ".resnets." in key:
@@ -416,6 +429,67 @@ def load_decoder_weights(
         tensor = tensors.load(renamed[key])
         if not tensor.is_floating_point():
             raise CheckpointError(f"{source}: tensor {renamed[key]} has dtype {tensor.dtype}, expected a float")
+        state[key] = tensor.to(dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.to(device).eval().requires_grad_(False)
+
+
+# -- the encoder (image-to-video) -----------------------------------------------------------------
+_ENCODER_PREFIXES = ("encoder.", "quant_conv.")
+
+
+def load_vae_encoder(
+    spec: str | Path | None = None,
+    revision: str | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+):
+    """Locate, check and load the Wan2.2 VAE encoder (`encoder.*` + `quant_conv.*`) from a whole-VAE checkpoint.
+
+    Args:
+        spec, revision: see `resolve_vae_checkpoint` (the same files as the decoder).
+        dtype: parameter dtype.
+        device: where the encoder runs.
+
+    Returns:
+        A `pan2cli.vae.encoder.WanVAEEncoder` in eval mode, on `device`, in `dtype`.
+
+    Raises:
+        CheckpointError: the file holds no encoder (a decoder-only file), or its keys/shapes do not
+            match (named).
+    """
+    from pan2cli.vae.encoder import WanVAEEncoder
+
+    ckpt = resolve_vae_checkpoint(spec, revision)
+    tensors = _read_tensor_file(Path(ckpt.weights))
+    names = _key_names(list(tensors.shapes))
+    num_res_blocks = (ckpt.config or WanVAEConfig()).num_res_blocks
+    to_ours = (lambda k: original_to_diffusers_key(k, num_res_blocks)) if names == "original" else (lambda k: k)
+    renamed = {to_ours(k): k for k in tensors.shapes if to_ours(k).startswith(_ENCODER_PREFIXES)}
+    if not renamed:
+        raise CheckpointError(
+            f"{ckpt.source} holds no VAE encoder (encoder.* / quant_conv.* keys); image-to-video needs one",
+            hint="use a whole-VAE checkpoint (Wan2.2_VAE.pth or a diffusers vae/ folder)",
+        )
+    config = ckpt.config or _single_file_config({ours: tensors.shapes[orig] for ours, orig in renamed.items()})
+    with torch.device("meta"):
+        model = WanVAEEncoder(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    shapes = {ours: tuple(tensors.shapes[orig]) for ours, orig in renamed.items()}
+    missing = set(expected) - set(shapes)
+    unexpected = set(shapes) - set(expected)
+    misshaped = {k for k in set(expected) & set(shapes) if shapes[k] != expected[k]}
+    if missing or unexpected or misshaped:
+        problems = [f"missing keys: {_listing(missing)}"] if missing else []
+        problems += [f"unexpected keys: {_listing(unexpected)}"] if unexpected else []
+        problems += ["wrong shapes: " + _listing(f"{k} {list(shapes[k])} (expected {list(expected[k])})" for k in misshaped)] if misshaped else []
+        raise CheckpointError(f"{ckpt.source} does not match the Wan2.2 VAE encoder ({'; '.join(problems)})", hint=_VAE_HINT)
+    state = {}
+    for key in expected:
+        tensor = tensors.load(renamed[key])
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"{ckpt.source}: tensor {renamed[key]} has dtype {tensor.dtype}, expected a float")
         state[key] = tensor.to(dtype)
     model.load_state_dict(state, strict=True, assign=True)
     return model.to(device).eval().requires_grad_(False)

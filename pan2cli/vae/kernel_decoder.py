@@ -127,11 +127,12 @@ class WanKernelDecoder:
     def _buffer(self, key: str, like: torch.Tensor, channels: int, halo: bool = True) -> torch.Tensor:
         """(B, 2 + t, H', W, C) conv input buffer whose first two frames hold the conv's history.
 
-        Under a row split (and `halo`), H' = h + 2: rows 0 and h + 1 are the neighbours' halo rows
-        (`_interior` is where this rank's rows go); otherwise H' = h and the conv pads H with zeros.
+        With `halo` (every 3x3 conv), H' = h + 2: rows 0 and h + 1 hold the neighbouring ranks' rows
+        under a row split and zeros otherwise, and the conv pads only W. One process and a split thus
+        run the same convolution problem on different heights (`_interior` is where the rows go).
         """
         b, t, h, w, _ = like.shape
-        rows = h + 2 if halo and self._rows is not None else h
+        rows = h + 2 if halo else h
         history = self._history.get(key)
         if history is None:
             history = torch.zeros(b, 2, rows, w, channels, dtype=torch.bfloat16, device=like.device)
@@ -140,14 +141,18 @@ class WanKernelDecoder:
         buf[:, :2].copy_(history)
         return buf
 
-    def _interior(self, buf: torch.Tensor) -> torch.Tensor:
-        """The chunk's frames of a conv buffer, this rank's rows only: where the norm writes."""
-        return buf[:, 2:] if self._rows is None else buf[:, 2:, 1:-1]
+    @staticmethod
+    def _interior(buf: torch.Tensor) -> torch.Tensor:
+        """The chunk's frames of a conv buffer without the halo rows: where the norm writes."""
+        return buf[:, 2:, 1:-1]
 
     def _halo(self, buf: torch.Tensor) -> None:
-        """Swap the halo rows of the chunk's frames with the neighbouring ranks (no-op in one process)."""
+        """Fill the halo rows of the chunk's frames: the neighbours' rows, zeros at the frame's edges."""
         if self._rows is not None:
             self._rows.fill_halo_rows(buf[:, 2:])
+        else:
+            buf[:, 2:, :1].zero_()
+            buf[:, 2:, -1:].zero_()
 
     def _keep_history(self, key: str, buf: torch.Tensor) -> None:
         t = buf.shape[1] - 2
@@ -155,12 +160,12 @@ class WanKernelDecoder:
 
     def _conv(self, buf: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Causal conv over a history buffer: (B, 2 + t, H', W, Cin) -> (B, t, H, W, Cout)."""
-        pad_h = weight.shape[3] // 2 if self._rows is None else 0  # halo rows instead of zero padding
-        out = F.conv3d(buf.permute(0, 4, 1, 2, 3), weight, bias, padding=(0, pad_h, weight.shape[4] // 2))
+        # 3x3 convs read halo rows from the buffer (padding W only); (3, 1, 1) convs need none.
+        out = F.conv3d(buf.permute(0, 4, 1, 2, 3), weight, bias, padding=(0, 0, weight.shape[4] // 2))
         return out.permute(0, 2, 3, 4, 1)
 
-    def _norm_into(self, x, gamma, out, *, bias=None, residual=None, sum_out=None, silu=True) -> None:
-        self.ops.rms_norm_silu(x, gamma, bias, residual, sum_out, out, silu)
+    def _norm_into(self, x, gamma, out, *, bias=None, residual=None, sum_out=None, silu=True, history=None) -> None:
+        self.ops.rms_norm_silu(x, gamma, bias, residual, sum_out, out, silu, history)
 
     def _norm_conv(self, key: str, x, gamma: torch.Tensor, keep_sum: bool = True) -> torch.Tensor:
         """SiLU(RMS(x)) written behind the history of conv `key`, then the conv (no bias).
@@ -170,14 +175,21 @@ class WanKernelDecoder:
         """
         source = x.z if isinstance(x, _Pending) else x
         buf = self._buffer(key, source, source.shape[-1])
+        # The norm also writes the chunk's last two frames into the history (no copy after the conv),
+        # unless the chunk has one frame or the history carries halo rows that the swap fills.
+        direct = source.shape[1] >= 2 and self._rows is None
+        history = self._history[key][:, :, 1:-1] if direct else None  # its halo rows stay zero
         if isinstance(x, _Pending):
             sum_out = x.z if keep_sum else None
-            self._norm_into(x.z, gamma, self._interior(buf), bias=x.bias, residual=x.residual, sum_out=sum_out)
+            self._norm_into(
+                x.z, gamma, self._interior(buf), bias=x.bias, residual=x.residual, sum_out=sum_out, history=history
+            )
         else:
-            self._norm_into(x, gamma, self._interior(buf))
+            self._norm_into(x, gamma, self._interior(buf), history=history)
         self._halo(buf)
         out = self._conv(buf, self._w(key + ".weight"))
-        self._keep_history(key, buf)
+        if not direct:
+            self._keep_history(key, buf)
         return out
 
     @staticmethod
@@ -207,16 +219,19 @@ class WanKernelDecoder:
 
     def _attention(self, x) -> torch.Tensor:
         x = self._materialise(x)
-        b, t, h, w, c = x.shape
-        u = torch.empty_like(x)
-        self._norm_into(x, self._w("decoder.mid_block.attentions.0.norm.gamma"), u, silu=False)
+        # Under a row split every rank attends over the whole gathered frame (0.1 % of the decode's
+        # FLOPs) and keeps its rows: the same GEMM shapes as one process, hence the same rounding.
+        frame = x if self._rows is None else self._rows.gather_rows(x, dim=2)
+        b, t, h, w, c = frame.shape
+        u = torch.empty_like(frame)
+        self._norm_into(frame, self._w("decoder.mid_block.attentions.0.norm.gamma"), u, silu=False)
         qkv = F.linear(u.reshape(b * t, 1, h * w, c), self._w("attn.qkv.weight"), self._w("attn.qkv.bias"))
         q, k, v = qkv.chunk(3, dim=-1)
-        if self._rows is not None:
-            k, v = self._rows.gather_kv(k, v)  # the whole frame's keys and values, this rank's queries
         o = F.scaled_dot_product_attention(q, k, v)
-        o = F.linear(o, self._w("attn.proj.weight"), self._w("attn.proj.bias"))
-        return x.add_(o.reshape(b, t, h, w, c))
+        o = F.linear(o, self._w("attn.proj.weight"), self._w("attn.proj.bias")).reshape(b, t, h, w, c)
+        if self._rows is not None:
+            o = self._rows.take(o.permute(0, 1, 4, 2, 3)).permute(0, 1, 3, 4, 2)  # this rank's rows
+        return x.add_(o)
 
     def _upsample(self, prefix: str, mode: str, x: torch.Tensor, x_in: torch.Tensor, first_chunk: bool) -> torch.Tensor:
         b, t, h, w, c = x.shape
@@ -230,15 +245,15 @@ class WanKernelDecoder:
             # depth-to-time: channels [0, C) -> frame 2t, [C, 2C) -> frame 2t+1
             x = y.reshape(b, t, h, w, 2, c).permute(0, 1, 4, 2, 3, 5).reshape(b, 2 * t, h, w, c)
             t = 2 * t
-        frames = x.reshape(b * t, h, w, c)
-        if self._rows is not None:  # the 2x2 phase convs read one row above and below
-            padded = torch.empty(b * t, h + 2, w, c, dtype=x.dtype, device=x.device)
-            padded[:, 1:-1].copy_(frames)
-            self._rows.fill_halo_rows(padded)
-            frames, padding = padded, (0, 1)
+        # The 2x2 phase convs read one row above and below: halo rows as in `_buffer`.
+        frames = torch.empty(b * t, h + 2, w, c, dtype=x.dtype, device=x.device)
+        frames[:, 1:-1].copy_(x.reshape(b * t, h, w, c))
+        if self._rows is not None:
+            self._rows.fill_halo_rows(frames)
         else:
-            padding = (1, 1)
-        phases = F.conv2d(frames.permute(0, 3, 1, 2), self._w(prefix + ".phases"), None, padding=padding)
+            frames[:, :1].zero_()
+            frames[:, -1:].zero_()
+        phases = F.conv2d(frames.permute(0, 3, 1, 2), self._w(prefix + ".phases"), None, padding=(0, 1))
         phases = phases.permute(0, 2, 3, 1).contiguous()
         out = torch.empty(b, t, 2 * h, 2 * w, c, dtype=torch.bfloat16, device=x.device)
         frame_offset = factor_t - 1 if first_chunk else 0

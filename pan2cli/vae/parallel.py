@@ -4,8 +4,7 @@ Rank r holds latent rows `[a_r, b_r)` of every frame (contiguous, as even as pos
 the decoder keeps that mapping: pointwise ops and norms over channels are local, each spatial ×2
 (nearest upsampling, `DupUp3D`, unpatchify) sends band `[a, b)` to `[2a, 2b)`, each 3x3 convolution
 reads one halo row from each neighbour (zeros at the frame's top and bottom, as the reference's
-padding), and the mid-block attention takes its own query rows against the whole frame's keys and
-values. So the decode equals the single-process one up to the order of floating-point sums.
+padding), and the mid-block attention runs on the whole gathered frame, each rank keeping its rows. So the decode equals the single-process one up to the order of floating-point sums.
 """
 
 from __future__ import annotations
@@ -109,28 +108,6 @@ class RowSplit:
             buf[..., -1:, :, :].zero_()
         else:
             buf[..., -1:, :, :].copy_(below)
-
-    def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the whole frame from every rank's tokens (one collective for both).
-
-        Args:
-            k, v: `(N, heads, h·W, C)` this rank's tokens, row-major over (h, W).
-
-        Returns:
-            `(N, heads, H·W, C)` each: all ranks' tokens in row order.
-        """
-        c = k.shape[-1]
-        width = self._width_of_tokens(k.shape[-2])
-        sizes = [rows * width for rows in self._sizes_at(k.shape[-2] // width)]
-        kv = distributed.all_gather_uneven(torch.cat([k, v], dim=-1), dim=-2, sizes=sizes)
-        return kv[..., :c], kv[..., c:]
-
-    def _width_of_tokens(self, tokens: int) -> int:
-        # The attention runs at the latent resolution, where this rank holds sizes[rank] rows.
-        rows = self.sizes[self.rank]
-        if tokens % rows:
-            raise ValueError(f"{tokens} tokens do not form {rows} rows")
-        return tokens // rows
 
     def gather_rows(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's rows of `x` along `dim`, concatenated in rank order (an all-gather: every rank gets all).

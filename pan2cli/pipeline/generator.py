@@ -1,0 +1,578 @@
+"""`VideoGenerator`: prompt (and start image) → video, stage by stage, each model loaded once per batch.
+
+Stages (numbered as in `generate_batch`): 1. text encoding (the text encoder is released after it);
+2. start images through the VAE encoder (image-to-video only); 3. flow-matching Euler sampling with the
+MMDiT (released before the decode; `offload` streams its blocks from host memory); 4. VAE decode
+chunk by chunk into uint8 host frames (one device-to-host copy per chunk) and, optionally, an MP4,
+its JSON sidecar and a `latents.pt`.
+
+Several processes (torchrun): with `ranks_share_jobs` (one prompt, every rank given the same jobs)
+every rank samples the same latents (rank 0's are broadcast) and the ranks of one machine split the
+decode by rows (`vae_decode_kernel_parallel`), rank 0 writing; otherwise (a sharded prompt file) each
+rank generates and writes its own jobs alone.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+import pan2cli
+from pan2cli import distributed
+from pan2cli.decode import decode_latents
+from pan2cli.errors import CheckpointError, InputError, OutOfMemoryError, Pan2Error
+from pan2cli.pipeline.components import PAN2Components, resolve_components
+from pan2cli.pipeline.config import PAN2PipelineConfig
+from pan2cli.pipeline.image import encode_image, fit_image, load_image
+from pan2cli.pipeline.scheduler import euler_step, flow_sigmas, guided
+from pan2cli.presets import DEFAULT_PRESET, Preset, load_preset
+from pan2cli.video import DEFAULT_CRF, check_output_path, open_video_writer
+
+# Progress hook: (description, total, unit) → context manager yielding `advance(n)`.
+ProgressFactory = Callable[[str, int, str], "contextmanager"]
+_TEMPORAL, _SPATIAL, _SIZE_MULTIPLE, _CHANNELS = 4, 16, 32, 48
+
+
+@contextmanager
+def _no_progress(description: str, total: int, unit: str) -> Iterator[Callable[[int], None]]:
+    yield lambda n=1: None
+
+
+def frames_for_duration(duration: float, fps: float) -> int:
+    """Video frames for `duration` seconds: `4·round(duration·fps/4) + 1` (5 s at 24 fps → 121)."""
+    return 4 * round(duration * fps / 4) + 1
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """Everything that decides one video (the sidecar records it)."""
+
+    prompt: str
+    negative_prompt: str
+    seed: int
+    frames: int
+    height: int
+    width: int
+    fps: float
+    steps: int
+    guidance: float
+    shift: float
+    image: Path | None = None
+
+    def check(self) -> None:
+        """Bad input (exit 2) before any model loads: empty prompt, F not 1 mod 4, sizes not multiples of 32, ..."""
+        if not self.prompt.strip():
+            raise InputError("the prompt is empty", hint="pass the text to generate from, e.g. pan2 generate \"a cat on a skateboard\"")
+        if self.frames < 1 or self.frames % _TEMPORAL != 1:
+            raise InputError(
+                f"--frames {self.frames} is not 1 + 4·k (the Wan2.2 VAE decodes 1 + 4·(latent frames − 1) frames)",
+                hint="use e.g. 121 (5 s at 24 fps), 241 or 481, or --duration",
+            )
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value < _SIZE_MULTIPLE or value % _SIZE_MULTIPLE:
+                raise InputError(f"--size: {name} {value} is not a positive multiple of {_SIZE_MULTIPLE}", hint="e.g. --size 704x1248")
+        if self.steps < 1:
+            raise InputError(f"--steps {self.steps} must be ≥ 1")
+        if not (math.isfinite(self.guidance) and self.guidance > 0):
+            raise InputError(f"--guidance {self.guidance} must be a positive number")
+        if not (math.isfinite(self.shift) and self.shift > 0):
+            raise InputError(f"--shift {self.shift} must be a positive number")
+        if not (math.isfinite(self.fps) and self.fps > 0):
+            raise InputError(f"--fps {self.fps} must be a positive number")
+        if not 0 <= self.seed <= 2**64 - 1:
+            raise InputError(f"--seed {self.seed} must be from 0 to 2**64 - 1")
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int, int, int]:
+        """`[1, 48, 1 + (F − 1)/4, H/16, W/16]`."""
+        return (1, _CHANNELS, 1 + (self.frames - 1) // _TEMPORAL, self.height // _SPATIAL, self.width // _SPATIAL)
+
+
+def resolve_settings(
+    prompt: str,
+    preset: Preset,
+    *,
+    negative_prompt: str | None = None,
+    seed: int | None = None,
+    frames: int | None = None,
+    duration: float | None = None,
+    height: int | None = None,
+    width: int | None = None,
+    fps: float | None = None,
+    steps: int | None = None,
+    guidance: float | None = None,
+    shift: float | None = None,
+    image: str | Path | None = None,
+) -> GenerationSettings:
+    """Preset < overrides; `duration` (seconds) sets the frames from the fps. Checked (see `GenerationSettings.check`).
+
+    Raises:
+        InputError: both `frames` and `duration`, or any bad value.
+    """
+    if frames is not None and duration is not None:
+        raise InputError("--frames and --duration both set the length", hint="pass one of them")
+    fps = float(fps if fps is not None else preset.fps)
+    if duration is not None:
+        if not (math.isfinite(duration) and duration > 0):
+            raise InputError(f"--duration {duration} must be a positive number of seconds")
+        frames = frames_for_duration(duration, fps)
+    settings = GenerationSettings(
+        prompt=prompt.strip() if isinstance(prompt, str) else "",
+        negative_prompt=negative_prompt if negative_prompt is not None else preset.negative_prompt,
+        seed=seed if seed is not None else preset.seed,
+        frames=frames if frames is not None else preset.frames,
+        height=height if height is not None else preset.height,
+        width=width if width is not None else preset.width,
+        fps=fps,
+        steps=steps if steps is not None else preset.steps,
+        guidance=float(guidance if guidance is not None else preset.guidance),
+        shift=float(shift if shift is not None else preset.flow_shift),
+        image=Path(image) if image is not None else None,
+    )
+    settings.check()
+    return settings
+
+
+@dataclass
+class GenerationJob:
+    """One video: its settings and where it goes (all optional: frames are returned in memory)."""
+
+    settings: GenerationSettings
+    output: Path | None = None
+    latents_path: Path | None = None
+    sidecar: bool = True
+    overwrite: bool = False
+    crf: int = DEFAULT_CRF
+    return_frames: bool = True
+    metadata: dict = field(default_factory=dict)  # extra sidecar entries (preset, overrides, name)
+
+
+@dataclass
+class GenerationResult:
+    """What one job produced: uint8 frames `[F, H, W, 3]` on the host (if asked), the normalised latents, per-stage seconds."""
+
+    job: GenerationJob
+    frames: torch.Tensor | None = None
+    latents: torch.Tensor | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    output: Path | None = None
+    sidecar: Path | None = None
+    latents_path: Path | None = None
+    error: BaseException | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class _FrameSink:
+    """Collects the decoder's host chunks (and passes them on to a file writer)."""
+
+    def __init__(self, keep: bool, writer=None):
+        self.keep, self.writer, self.chunks = keep, writer, []
+
+    def write(self, frames: torch.Tensor) -> None:
+        if self.keep:
+            self.chunks.append(frames)
+        if self.writer is not None:
+            self.writer.write(frames)
+
+    def frames(self) -> torch.Tensor | None:
+        return torch.cat(self.chunks) if self.keep and self.chunks else None
+
+
+def _replace_into(path: Path, write: Callable[[Path], object]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def sidecar_path(output: Path) -> Path:
+    """`video.mp4` → `video.json`."""
+    return output.with_suffix(".json")
+
+
+class VideoGenerator:
+    """The PAN 2 pipeline. Build with `from_pretrained`, then call `generate` (or `generate_batch`).
+
+    Args:
+        components: the located checkpoint (`resolve_components`).
+        config: run-time choices (`PAN2PipelineConfig`).
+        progress: optional progress factory `(description, total, unit) → context manager yielding advance(n)`.
+        info: optional callable for one-line notes (fallbacks, load times).
+    """
+
+    def __init__(self, components: PAN2Components, config: PAN2PipelineConfig | None = None, progress=None, info=None):
+        from pan2cli.dit.checkpoint import resolve_pan2_checkpoint
+
+        self.components = components
+        self.config = config or PAN2PipelineConfig()
+        self.device = self.config.torch_device()
+        self.dtype = self.config.torch_dtype(self.device)
+        self.vae_dtype = self.config.torch_vae_dtype(self.device)
+        self.progress = progress or _no_progress
+        self.info = info or (lambda line: None)
+        self.dit_config = resolve_pan2_checkpoint(components.folder("transformer")).config  # cheap: config + headers
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo: str | Path | None = None, *, config: PAN2PipelineConfig | None = None, revision: str | None = None, **kwargs) -> "VideoGenerator":
+        """Locate a PAN 2 checkpoint (a folder, or a repo id fetched once; default `IFM/PAN2`); models load when used.
+
+        Raises:
+            CheckpointError / InputError (exit 2), DownloadError (exit 1): see `resolve_components`.
+        """
+        return cls(resolve_components(path_or_repo, revision), config, **kwargs)
+
+    # -- public API ---------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str,
+        *,
+        preset: str | Preset = DEFAULT_PRESET,
+        output: str | Path | None = None,
+        save_latents: str | Path | None = None,
+        overwrite: bool = False,
+        **overrides,
+    ) -> GenerationResult:
+        """Generate one video.
+
+        Args:
+            prompt: the text.
+            preset: a preset name or `Preset` (defaults `pan2-10s`); `overrides` (negative_prompt, seed,
+                frames, duration, height, width, fps, steps, guidance, shift, image) replace its values.
+            output: also write an MP4 there (and a JSON sidecar beside it).
+            save_latents: also write the normalised latents (`pan2 decode` reads the file).
+
+        Returns:
+            A `GenerationResult` whose `frames` are uint8 `[F, H, W, 3]` on the host.
+
+        Raises:
+            InputError: bad settings or paths (before any model loads); any error of the run.
+        """
+        preset = preset if isinstance(preset, Preset) else load_preset(preset)
+        job = GenerationJob(
+            resolve_settings(prompt, preset, **overrides),
+            output=Path(output) if output is not None else None,
+            latents_path=Path(save_latents) if save_latents is not None else None,
+            overwrite=overwrite,
+            metadata={"preset": preset.name},
+        )
+        self.check_job(job)
+        result = self.generate_batch([job])[0]
+        if result.error is not None:
+            raise result.error
+        return result
+
+    def check_job(self, job: GenerationJob) -> None:
+        """Inputs that can be checked before any model loads: settings, start image, output paths."""
+        job.settings.check()
+        if job.settings.image is not None:
+            load_image(job.settings.image)
+        for path in (job.output, job.latents_path):
+            if path is not None:
+                check_output_path(path, job.overwrite)
+        if job.output is not None and job.sidecar:
+            check_output_path(sidecar_path(job.output), job.overwrite)
+
+    def generate_batch(
+        self, jobs: list[GenerationJob], *, ranks_share_jobs: bool = True, on_result: Callable[[GenerationResult], None] | None = None
+    ) -> list[GenerationResult]:
+        """Run every job, loading each model once; a job that fails is recorded in its result and the others go on.
+
+        Args:
+            jobs: the videos to make (checked with `check_job` beforehand).
+            ranks_share_jobs: under torchrun, whether every rank was given the same jobs (they then
+                cooperate: same latents, decode split by rows, rank 0 writes); False for a sharded batch.
+            on_result: called with each result when its video is done (or has failed).
+
+        Raises:
+            Pan2Error: a model failed to load (not a per-job failure).
+        """
+        results = [GenerationResult(job) for job in jobs]
+        shared = ranks_share_jobs and distributed.world_size() > 1
+        # 1. Text encoding
+        self._encode_texts(results)
+        # 2. Start images (image-to-video)
+        self._encode_images(results)
+        # 3. Sampling
+        self._sample(results, shared)
+        # 4. Decode and write
+        self._decode(results, shared, on_result)
+        return results
+
+    # -- stages -----------------------------------------------------------------------------------------
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _release(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @contextmanager
+    def _timed(self, result: GenerationResult, stage: str) -> Iterator[None]:
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        except torch.OutOfMemoryError as exc:
+            raise OutOfMemoryError(f"the GPU ran out of memory during {stage.replace('_', ' ')}: {str(exc).splitlines()[0]}", hint="pass --offload, or a smaller size or duration") from exc
+        finally:
+            self._sync()
+            result.seconds[stage] = result.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+    def _run_job(self, result: GenerationResult, stage: str, work: Callable[[], None]) -> None:
+        """Run one job's stage; a failure is the job's (recorded, the batch goes on), Ctrl-C is everyone's."""
+        if result.error is not None:
+            return
+        try:
+            with self._timed(result, stage):
+                work()
+        except (Pan2Error, ValueError, RuntimeError, OSError) as exc:
+            if distributed.is_comm_error(exc):
+                raise
+            result.error = exc
+            self._release()
+
+    def _load_seconds(self, results: list[GenerationResult], stage: str, seconds: float) -> None:
+        for result in results:
+            result.seconds[stage] = seconds
+
+    def _encode_texts(self, results: list[GenerationResult]) -> None:
+        from pan2cli.pipeline.text import PAN2TextEncoder
+
+        start = time.perf_counter()
+        cfg = self.config
+        encoder = PAN2TextEncoder.load(
+            self.components.folder("text_encoder"), self.components.folder("tokenizer"),
+            dtype=self.dtype, device=self.device, hidden_layer=cfg.text_hidden_layer, max_length=cfg.text_max_length,
+        )  # fmt: skip
+        if encoder.hidden_size != self.dit_config.text_dim:
+            raise CheckpointError(
+                f"the text encoder's hidden size is {encoder.hidden_size}, the DiT expects text_dim {self.dit_config.text_dim}",
+                hint="text_encoder/ and transformer/ come from different checkpoints",
+            )
+        self._load_seconds(results, "load_text_encoder", time.perf_counter() - start)
+        todo = [r for r in results if r.error is None]
+        with self.progress("Encoding the prompts", len(todo), "prompts") as advance:
+            for result in todo:
+                settings = result.job.settings
+
+                def work(result=result, settings=settings):
+                    cond = encoder.encode(settings.prompt)
+                    uncond = encoder.encode(settings.negative_prompt) if settings.guidance != 1.0 else None
+                    result._text = (cond, uncond)
+
+                self._run_job(result, "text_encoding", work)
+                advance(1)
+        encoder.release()
+        del encoder
+        self._release()
+
+    def _encode_images(self, results: list[GenerationResult]) -> None:
+        todo = [r for r in results if r.error is None and r.job.settings.image is not None]
+        if not todo:
+            return
+        from pan2cli.vae.checkpoint import load_vae_encoder
+
+        start = time.perf_counter()
+        encoder = load_vae_encoder(self.components.folder("vae"), dtype=self.vae_dtype, device=self.device)
+        self._load_seconds(todo, "load_vae_encoder", time.perf_counter() - start)
+        for result in todo:
+            settings = result.job.settings
+
+            def work(result=result, settings=settings):
+                pixels = fit_image(load_image(settings.image), settings.height, settings.width)
+                result._image_latent = encode_image(encoder, pixels)  # [1, 48, 1, h, w] fp32, normalised
+
+            self._run_job(result, "image_encoding", work)
+        del encoder
+        self._release()
+
+    def _load_dit(self):
+        from pan2cli.dit.checkpoint import load_pan2_transformer
+        from pan2cli.dit.fusions import set_fused_kernels, triton_available
+        from pan2cli.pipeline.offload import enable_block_offload
+
+        cfg = self.config
+        folder = self.components.folder("transformer")
+        if cfg.offload:
+            model = load_pan2_transformer(folder, dtype=self.dtype, device="cpu")
+            enable_block_offload(model, self.device)
+        else:
+            model = load_pan2_transformer(folder, dtype=self.dtype, device=self.device)
+        fused = False
+        if cfg.dit_fused_kernels:
+            head_dim = self.dit_config.head_dim
+            reason = None
+            if self.device.type != "cuda":
+                reason = None  # the reference ops are the CPU path; nothing to say
+            elif not triton_available():
+                reason = "Triton is not installed"
+            elif head_dim & (head_dim - 1):
+                reason = f"head_dim {head_dim} is not a power of two"
+            else:
+                fused = True
+            if reason:
+                self.info(f"Using the PyTorch DiT ops: {reason}.")
+        set_fused_kernels(model, fused)
+        return model
+
+    def _sample(self, results: list[GenerationResult], shared: bool) -> None:
+        todo = [r for r in results if r.error is None]
+        if not todo:
+            return
+        start = time.perf_counter()
+        model = self._load_dit()
+        self._load_seconds(todo, "load_transformer", time.perf_counter() - start)
+        for result in todo:
+            settings = result.job.settings
+
+            def work(result=result, settings=settings):
+                with self.progress(f"Denoising ({settings.steps} steps)", settings.steps, "steps") as advance:
+                    result.latents = self.sample(model, settings, *result._text, getattr(result, "_image_latent", None), on_step=advance)
+
+            self._run_job(result, "denoising", work)
+            result._text = None
+        del model
+        self._release()  # the DiT's memory goes back before the decode
+        if shared:
+            # Every rank sampled the same latents; rank 0's are the ones everyone decodes (bit-identical decodes).
+            for result in results:
+                if result.latents is not None:
+                    result.latents = distributed.broadcast_from_main(result.latents.to(distributed.comm_device())).cpu()
+
+    @torch.inference_mode()
+    def sample(self, model, settings: GenerationSettings, cond: torch.Tensor, uncond: torch.Tensor | None, image_latent: torch.Tensor | None = None, on_step=None) -> torch.Tensor:
+        """Flow-matching Euler with classifier-free guidance; returns normalised latents `[1, 48, T, h, w]` float32 on the host.
+
+        Args:
+            model: the MMDiT.
+            settings: steps, shift, guidance, seed, size.
+            cond, uncond: `[1, L, text_dim]` prompt and negative-prompt states (`uncond` None when guidance is 1).
+            image_latent: `[1, 48, 1, h, w]` clean first latent frame (image-to-video): it enters with
+                timestep 0 and is put back after every step.
+            on_step: called after each step (progress).
+        """
+        shape = settings.latent_shape
+        # Noise from a seeded CPU generator: the same seed gives the same video on any device.
+        generator = torch.Generator(device="cpu").manual_seed(settings.seed)
+        latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
+        sigmas = flow_sigmas(settings.steps, settings.shift).tolist()
+        scale = float(self.components.num_train_timesteps)
+        clean = image_latent.to(self.device, torch.float32) if image_latent is not None else None
+        if clean is not None:
+            latents[:, :, :1] = clean
+        use_uncond = settings.guidance != 1.0 and uncond is not None
+        for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
+            if clean is None:
+                timestep = torch.full((1,), sigma * scale, device=self.device)
+            else:  # per latent frame: the clean start frame is at noise level 0
+                timestep = torch.full((1, shape[2]), sigma * scale, device=self.device)
+                timestep[:, 0] = 0.0
+            x = latents.to(self.dtype)
+            v_cond = model(x, timestep, cond)
+            v_uncond = model(x, timestep, uncond) if use_uncond else None
+            latents = euler_step(latents, guided(v_cond, v_uncond, settings.guidance), sigma, sigma_next)
+            if clean is not None:
+                latents[:, :, :1] = clean
+            if on_step is not None:
+                on_step(1)
+        return latents.cpu()
+
+    def _load_decoder(self, shared: bool):
+        from pan2cli.vae.checkpoint import load_vae_decoder
+        from pan2cli.vae.kernel import select_decode_path
+
+        cfg = self.config
+        world = distributed.world_size()
+        single_machine = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
+        reference = load_vae_decoder(
+            self.components.folder("vae"), dtype=self.vae_dtype, device=self.device,
+            chunk_latent_frames=cfg.chunk_latent_frames or 4, decode_kernel=cfg.vae_decode_kernel,
+        )  # fmt: skip
+        # Ranks split a decode by rows only when they share the job and sit on one machine.
+        parallel = cfg.vae_decode_kernel_parallel and shared and single_machine
+        reference.config = reference.config.replace(decode_kernel_parallel=parallel)
+        decoder, note = select_decode_path(reference)
+        if shared and not distributed.agree_all(decoder is not reference):
+            note, decoder = "Using the reference decoder: another rank could not use the compiled kernel.", reference
+        if note:
+            self.info(note)
+        return decoder, parallel
+
+    def _decode(self, results: list[GenerationResult], shared: bool, on_result) -> None:
+        todo = [r for r in results if r.error is None]
+        if todo:
+            start = time.perf_counter()
+            decoder, parallel = self._load_decoder(shared)
+            self._load_seconds(todo, "load_vae_decoder", time.perf_counter() - start)
+            # Shared jobs: rank 0 writes; the others decode their rows (parallel) or nothing.
+            writes = not shared or distributed.is_main()
+            decodes = writes or parallel
+            for result in todo:
+                if decodes:
+                    self._run_job(result, "decode", lambda result=result: self._decode_one(decoder, result, writes))
+                if writes and result.error is None:
+                    self._run_job(result, "write", lambda result=result: self._write_extras(result))
+            del decoder
+            self._release()
+        for result in results:
+            if on_result is not None:
+                on_result(result)
+
+    def _decode_one(self, decoder, result: GenerationResult, writes: bool) -> None:
+        job, settings = result.job, result.job.settings
+        writing = open_video_writer(job.output, "mp4", settings.fps, crf=job.crf, overwrite=job.overwrite) if writes and job.output is not None else nullcontext()
+        with writing as writer, distributed.partial_output(writer.tmp_path if writer is not None else None):
+            sink = _FrameSink(job.return_frames and writes, writer)
+            total = 1 + _TEMPORAL * (result.latents.shape[2] - 1)
+            with self.progress("Decoding", total, "frames") as advance:
+                decode_latents(decoder, result.latents, sink if writes else None, normalized=True, on_chunk=advance)
+        result.frames = sink.frames()
+        result.output = job.output if writes else None
+
+    def _write_extras(self, result: GenerationResult) -> None:
+        job, settings = result.job, result.job.settings
+        if job.latents_path is not None:
+            data = {
+                "latents": result.latents[0].contiguous(), "fps": float(settings.fps), "height": settings.height,
+                "width": settings.width, "frames": settings.frames, "seed": settings.seed, "prompt": settings.prompt,
+            }  # fmt: skip
+            _replace_into(job.latents_path, lambda p: torch.save(data, p))
+            result.latents_path = job.latents_path
+        if job.output is not None and job.sidecar:
+            path = sidecar_path(job.output)
+            text = json.dumps(self.sidecar(result), indent=2) + "\n"
+            _replace_into(path, lambda p: p.write_text(text))
+            result.sidecar = path
+
+    def sidecar(self, result: GenerationResult) -> dict:
+        """The JSON record of one video: settings, model, versions, per-stage seconds."""
+        settings = asdict(result.job.settings)
+        settings["image"] = str(settings["image"]) if settings["image"] is not None else None
+        return {
+            **settings,
+            **result.job.metadata,
+            "model": self.components.model_id,
+            "revision": self.components.revision,
+            "pan2cli_version": pan2cli.__version__,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "config": asdict(self.config),
+            "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
+        }

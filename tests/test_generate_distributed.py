@@ -1,0 +1,65 @@
+"""`pan2 generate` over several processes on CPU (gloo): a prompt file sharded over two "nodes", one prompt over --gpus 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["--steps", "1", "--frames", "5", "--size", "64x96", "--device", "cpu"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PAN2_DIST_TIMEOUT": "60", **extra})
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_prompt_file_sharded_over_two_nodes(tiny_pan2, tmp_path):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["a cat", "a dog", "the fox", "a red door"]))
+    out = tmp_path / "videos"
+    out.mkdir()
+    port = _free_port()
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "pan2test",
+             "-m", "pan2cli", "generate", "--prompts", str(prompts), "--model", str(tiny_pan2), *SMALL, "-o", str(out)],
+            env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    for node, (stdout, stderr) in zip(nodes, outputs):
+        assert node.returncode == 0, stderr
+    # global rank r takes prompts r, r + 2: each node wrote its own two
+    assert sorted(outputs[0][0].split()) == [str(out / "000_a-cat.mp4"), str(out / "002_the-fox.mp4")]
+    assert sorted(outputs[1][0].split()) == [str(out / "001_a-dog.mp4"), str(out / "003_a-red-door.mp4")]
+    assert len(list(out.glob("*.mp4"))) == 4 and len(list(out.glob("*.json"))) == 4
+    assert "4 video(s) written, 0 skipped, 0 failed." in outputs[0][1]
+
+
+def test_one_prompt_on_two_processes_matches_one(tiny_pan2, tmp_path):
+    common = ["-m", "pan2cli", "generate", "a cat", "--model", str(tiny_pan2), *SMALL, "--save-latents"]
+    one = subprocess.run([sys.executable, *common, "-o", "one.mp4"], env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, *common, "-o", "two.mp4", "--gpus", "2"], env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert two.returncode == 0, two.stderr
+    assert two.stdout.strip() == "two.mp4"  # rank 0 alone writes and prints
+    import torch
+
+    a = torch.load(tmp_path / "one.latents.pt", weights_only=True)["latents"]
+    b = torch.load(tmp_path / "two.latents.pt", weights_only=True)["latents"]
+    assert torch.equal(a, b)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.json", "one.latents.pt", "one.mp4", "two.json", "two.latents.pt", "two.mp4"]
