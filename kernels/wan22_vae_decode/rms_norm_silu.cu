@@ -33,30 +33,34 @@ __device__ __forceinline__ void store8(__nv_bfloat16* ptr, const float (&in)[8])
 // 256 channels is one load per lane, too little to cover the memory latency).
 template <int NV, int R>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) rms_norm_silu_kernel(RmsNormParams p) {
+    // Grid: x = blocks of rows within a frame, y = frame (b * T + t); no per-row division.
     const int lane = threadIdx.x & 31;
-    const int64_t first_row = (int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5)) * R;
-    const int64_t total_rows = p.rows_per_frame * p.num_frames;
+    const int frame = blockIdx.y;
+    const int b = frame / p.frames_per_batch;
+    const int t = frame - b * p.frames_per_batch;
+    const int64_t first_pos = (int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5)) * R;
+    const int64_t total_rows = p.rows_per_frame;  // rows are positions within this frame below
+    const int64_t first_row = first_pos;
     const bool add = p.bias != nullptr || p.residual != nullptr;
+    const int64_t x_base = int64_t(frame) * p.x_frame_stride;
+    const int64_t out_base = int64_t(b) * p.out_batch_stride + int64_t(t) * p.out_frame_stride;
+    const int ht = t - (p.frames_per_batch - 2);
+    const int64_t hist_base = (p.history != nullptr && ht >= 0)
+                                  ? int64_t(b) * p.history_batch_stride + int64_t(ht) * p.history_frame_stride
+                                  : -1;
 
     float v[R][NV][8];
     int64_t x_off[R], out_off[R], hist_off[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-        const int64_t row = first_row + r;
-        const int64_t frame = row / p.rows_per_frame;
-        const int64_t pos = row - frame * p.rows_per_frame;
-        const int64_t b = frame / p.frames_per_batch;
-        const int64_t t = frame - b * p.frames_per_batch;
-        x_off[r] = frame * p.x_frame_stride + pos * p.channels;
-        out_off[r] = b * p.out_batch_stride + t * p.out_frame_stride + pos * p.channels;
-        const int64_t ht = t - (p.frames_per_batch - 2);
-        hist_off[r] = (p.history != nullptr && ht >= 0)
-                          ? b * p.history_batch_stride + ht * p.history_frame_stride + pos * p.channels
-                          : -1;
+        const int64_t pos = first_pos + r;
+        x_off[r] = x_base + pos * p.channels;
+        out_off[r] = out_base + pos * p.channels;
+        hist_off[r] = hist_base >= 0 ? hist_base + pos * p.channels : -1;
 #pragma unroll
         for (int k = 0; k < NV; ++k) {
             const int c = (k * 32 + lane) * 8;
-            if (row < total_rows && c < p.channels) {
+            if (pos < total_rows && c < p.channels) {
                 load8(p.x + x_off[r] + c, v[r][k]);
                 if (p.residual != nullptr) {
                     float res[8];
@@ -130,9 +134,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) rms_norm_silu_kernel(RmsN
 
 template <int NV, int R>
 void launch(const RmsNormParams& p, cudaStream_t stream) {
-    const int64_t rows = p.rows_per_frame * p.num_frames;
     const int64_t rows_per_block = int64_t(kWarpsPerBlock) * R;
-    const dim3 grid(static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block));
+    const dim3 grid(static_cast<unsigned>((p.rows_per_frame + rows_per_block - 1) / rows_per_block),
+                    static_cast<unsigned>(p.num_frames));
     rms_norm_silu_kernel<NV, R><<<grid, kWarpsPerBlock * 32, 0, stream>>>(p);
 }
 

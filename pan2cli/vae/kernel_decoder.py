@@ -308,8 +308,10 @@ class WanKernelDecoder:
             up = self._upsample(
                 f"decoder.up_blocks.{n_up - 3}.upsampler", mode, x[:, a : a + step], x_in[:, a : a + step].contiguous(), first_chunk
             )
-            for c in range(0, up.shape[1], self.tail_frames):
-                tail = up[:, c : c + self.tail_frames]
+            pieces = list(up.split(self.tail_frames, dim=1))
+            del up  # a single piece is then freed as soon as up_blocks.2 has consumed it
+            while pieces:
+                tail = pieces.pop(0)
                 for i in range(n_up - 2, n_up):
                     tail, _ = self._up_block(i, tail, first_chunk)
                 yield self._head(tail)
