@@ -27,45 +27,26 @@ def _layer_norm_modulate_kernel(
     eps,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
-    ROW_STEPS: tl.constexpr,
-    SHARED_MODULATION: tl.constexpr,
 ):  # fmt: skip
-    # A program walks ROW_STEPS blocks of BLOCK_ROWS rows. With SHARED_MODULATION every row of the
-    # program is in one modulation group (per-sample or per-frame scale/shift), so scale and shift are
-    # read once per program instead of once per row: for per-sample modulation they are 4x the bytes of
-    # an x row in float32.
     pid = tl.program_id(0)
+    rows = (pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_COLS)
     col_ok = cols < n_cols
-    first_row = pid.to(tl.int64) * (BLOCK_ROWS * ROW_STEPS)
-    if SHARED_MODULATION:
-        group = first_row // rows_per_group
-        batch = group // groups_per_batch
-        group = group % groups_per_batch
-        scale = tl.load(SCALE + batch * stride_scale_batch + group * stride_scale_group + cols, mask=col_ok, other=0.0)
-        shift = tl.load(SHIFT + batch * stride_shift_batch + group * stride_shift_group + cols, mask=col_ok, other=0.0)
-        one_plus_scale = (1.0 + scale.to(tl.float32))[None, :]
-        shift = shift.to(tl.float32)[None, :]
-    for step in tl.static_range(ROW_STEPS):
-        rows = first_row + step * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        mask = (rows < n_rows)[:, None] & col_ok[None, :]
-        x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=1) / n_cols
-        centred = tl.where(mask, x - mean[:, None], 0.0)
-        var = tl.sum(centred * centred, axis=1) / n_cols
-        normed = centred * tl.rsqrt(var + eps)[:, None]
-        if SHARED_MODULATION:
-            y = normed * one_plus_scale + shift
-        else:
-            group_r = rows // rows_per_group
-            batch_r = group_r // groups_per_batch
-            group_r = group_r % groups_per_batch
-            scale_row = batch_r * stride_scale_batch + group_r * stride_scale_group
-            shift_row = batch_r * stride_shift_batch + group_r * stride_shift_group
-            scale_r = tl.load(SCALE + scale_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            shift_r = tl.load(SHIFT + shift_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = normed * (1.0 + scale_r) + shift_r
-        tl.store(Y + rows[:, None] * stride_y_row + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    mask = (rows < n_rows)[:, None] & col_ok[None, :]
+    x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / n_cols
+    centred = tl.where(mask, x - mean[:, None], 0.0)
+    var = tl.sum(centred * centred, axis=1) / n_cols
+    normed = centred * tl.rsqrt(var + eps)[:, None]
+    group = rows // rows_per_group
+    batch = group // groups_per_batch
+    group = group % groups_per_batch
+    scale_row = batch * stride_scale_batch + group * stride_scale_group
+    shift_row = batch * stride_shift_batch + group * stride_shift_group
+    scale = tl.load(SCALE + scale_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    shift = tl.load(SHIFT + shift_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = normed * (1.0 + scale) + shift
+    tl.store(Y + rows[:, None] * stride_y_row + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 def _interpreting() -> bool:
@@ -112,22 +93,13 @@ def layer_norm_modulate(
     block_cols = triton.next_power_of_2(dim)
     block_rows = block_rows or max(1, min(64, 8192 // block_cols))
     assert block_rows & (block_rows - 1) == 0, f"block_rows {block_rows} must be a power of two"
-    rows_per_group = n_tokens // groups
-    # Programs of up to 8 row blocks that stay inside one modulation group share its scale/shift.
-    # One group in all (per-sample modulation of one sample, the common case): any program shares it.
-    row_steps = 8 if batch * groups == 1 else 1
-    while row_steps < 8 and rows_per_group % (2 * row_steps * block_rows) == 0:
-        row_steps *= 2
-    shared = batch * groups == 1 or (row_steps > 1 and rows_per_group % (row_steps * block_rows) == 0)
-    if not shared:
-        row_steps = 1
-    grid = (triton.cdiv(n_rows, block_rows * row_steps),)
+    grid = (triton.cdiv(n_rows, block_rows),)
     _layer_norm_modulate_kernel[grid](
         x, out, scale, shift,
-        n_rows, dim, rows_per_group, groups,
+        n_rows, dim, n_tokens // groups, groups,
         x.stride(1), out.stride(1),
         scale.stride(0), scale.stride(1), shift.stride(0), shift.stride(1),
         eps,
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, ROW_STEPS=row_steps, SHARED_MODULATION=shared,
+        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
         num_warps=num_warps or min(8, max(1, block_rows * block_cols // 1024)),
     )  # fmt: skip
