@@ -50,6 +50,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="Seed of the weights and latents.  [default: 0]")
     parser.add_argument("--out", default=None, help="Also write the results as JSON here.")
     parser.add_argument(
+        "--dtype",
+        choices=("bf16", "fp32"),
+        default="bf16",
+        help="bf16, or IEEE fp32 (reference path only) to separate the split's exactness from bf16 rounding order.  [default: bf16]",
+    )
+    parser.add_argument(
         "--decode-kernel",
         choices=("auto", "off", "require"),
         default="auto",
@@ -90,10 +96,10 @@ class FrameCollector:
         return torch.cat(self.chunks)
 
 
-def build_decoder(seed: int, device: torch.device, base_dim: int) -> WanVAEDecoder:
-    """The decoder (full size by default) in bf16 (fp32 on CPU) with random weights, built on the meta device and loaded in place."""
+def build_decoder(seed: int, device: torch.device, base_dim: int, fp32: bool = False) -> WanVAEDecoder:
+    """The decoder (full size by default) in bf16 (fp32 on CPU or with `fp32`) with random weights, built on the meta device and loaded in place."""
     config = WanVAEConfig(decoder_base_dim=base_dim)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device.type == "cuda" and not fp32 else torch.float32
     state = random_vae_state_dict(config, seed=seed, dtype=dtype, encoder=False)
     with torch.device("meta"):
         decoder = WanVAEDecoder(config)
@@ -119,7 +125,8 @@ def worker(args: argparse.Namespace) -> None:
     with distributed.process_group(args.device) as device:
         rank, world = distributed.rank(), distributed.world_size()
         start = time.perf_counter()
-        decoder, note = select_decode_path(build_decoder(args.seed, device, args.decoder_base_dim), args.decode_kernel)
+        decoder = build_decoder(args.seed, device, args.decoder_base_dim, fp32=args.dtype == "fp32")
+        decoder, note = select_decode_path(decoder, args.decode_kernel)
         path = "compiled kernel" if isinstance(decoder, WanKernelDecoder) else "reference decoder"
         if not distributed.agree_all(path == "compiled kernel") and path == "compiled kernel":
             raise SystemExit("not every rank could load the compiled kernel")
