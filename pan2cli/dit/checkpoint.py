@@ -43,6 +43,7 @@ import torch
 from pan2cli.dit.config import PAN2TransformerConfig
 from pan2cli.dit.model import PAN2Transformer3DModel
 from pan2cli.errors import CheckpointError, InputError
+from pan2cli.jsonfile import read_json_object
 
 CONFIG_NAME = "config.json"
 WEIGHT_STEMS = ("diffusion_pytorch_model", "model")
@@ -77,16 +78,6 @@ def _model_folder(path: Path) -> Path:
     raise CheckpointError(f"{path} holds no {CONFIG_NAME} (looked in it and in transformer/)", hint=_HINT)
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path} is not readable JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
-    return raw
-
-
 def _safetensors_keys(path: Path) -> list[str]:
     from safetensors import safe_open
 
@@ -102,7 +93,7 @@ def _weight_files(folder: Path) -> dict[str, Path]:
     for stem in WEIGHT_STEMS:
         index = folder / f"{stem}.safetensors.index.json"
         if index.is_file():
-            weight_map = _read_json(index).get("weight_map")
+            weight_map = read_json_object(index).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CheckpointError(f"{index} has no weight_map")
             files: dict[str, Path] = {}
@@ -136,7 +127,7 @@ def resolve_pan2_checkpoint(path: str | Path) -> PAN2Checkpoint:
     if not path.is_dir():
         raise CheckpointError(f"{path} is a file; the DiT loads from a folder", hint=_HINT)
     folder = _model_folder(path)
-    config = PAN2TransformerConfig.from_config_dict(_read_json(folder / CONFIG_NAME), source=str(folder / CONFIG_NAME))
+    config = PAN2TransformerConfig.from_config_dict(read_json_object(folder / CONFIG_NAME), source=str(folder / CONFIG_NAME))
     return PAN2Checkpoint(folder, config, _weight_files(folder))
 
 

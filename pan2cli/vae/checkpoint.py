@@ -18,7 +18,6 @@ accepted (real files hold the whole VAE); any other key is an error that names i
 
 from __future__ import annotations
 
-import json
 import pickle
 import re
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Callable, Mapping
 import torch
 
 from pan2cli.errors import CheckpointError, DownloadError, InputError
+from pan2cli.jsonfile import read_json_object
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.model import WanVAEDecoder
 
@@ -214,13 +214,7 @@ def _diffusers_folder(folder: Path) -> Path | None:
 
 
 def _read_config_json(path: Path) -> WanVAEConfig:
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path} is not a readable JSON config: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
-    return WanVAEConfig.from_diffusers_config(raw, source=str(path))
+    return WanVAEConfig.from_diffusers_config(read_json_object(path), source=str(path))
 
 
 def _local_checkpoint(path: Path) -> VAECheckpoint:

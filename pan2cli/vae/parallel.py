@@ -1,10 +1,11 @@
-"""Row split of the VAE decode across ranks: which rows each rank holds, halo rows for 3x3 convs, whole-frame keys/values.
+"""Row split of the VAE decode across ranks: which rows each rank holds, halo rows for 3x3 convs, gathers.
 
 Rank r holds latent rows `[a_r, b_r)` of every frame (contiguous, as even as possible). Every op of
 the decoder keeps that mapping: pointwise ops and norms over channels are local, each spatial ×2
 (nearest upsampling, `DupUp3D`, unpatchify) sends band `[a, b)` to `[2a, 2b)`, each 3x3 convolution
 reads one halo row from each neighbour (zeros at the frame's top and bottom, as the reference's
-padding), and the mid-block attention runs on the whole gathered frame, each rank keeping its rows. So the decode equals the single-process one up to the order of floating-point sums.
+padding), and the mid-block attention runs on the whole gathered frame, each rank keeping its rows.
+So the decode equals the single-process one up to the order of floating-point sums.
 """
 
 from __future__ import annotations
