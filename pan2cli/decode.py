@@ -17,7 +17,7 @@ from pan2cli.latents import unnormalize
 from pan2cli.vae.kernel_decoder import WanKernelDecoder
 from pan2cli.vae.model import WanVAEDecoder
 from pan2cli.vae.parallel import row_split_for
-from pan2cli.video import VideoWriter, copy_to_host
+from pan2cli.video import HostCopy, VideoWriter, copy_to_host_async
 
 
 @dataclass(frozen=True)
@@ -78,19 +78,34 @@ def decode_latents(
     _synchronize(device)
     start = time.perf_counter()
     frames = height = width = 0
+    def deliver(copy: HostCopy) -> None:
+        host = copy.wait()
+        if writer is not None:
+            writer.write(host)
+        if on_chunk is not None:
+            on_chunk(host.shape[0])
+
     try:
+        pending = None
         for pixels in decoder.decode_uint8_chunks(z, chunk, rows=rows):
             # pixels: (1, f, H, W, 3) uint8 on the device (the band of rows of this rank under a split)
             pixels = pixels[0]
             if rows is not None:
                 # uint8 is per pixel, so converting before the gather is exact and moves 1 byte each
                 pixels = rows.gather_rows(pixels, dim=1)
-            if writer is not None:
-                writer.write(copy_to_host(pixels))  # ONE copy per chunk
+            # ONE copy per chunk, on a side stream: the previous chunk is handed to the writer while
+            # this one travels and the next one decodes. Ranks without a writer copy nothing.
+            copy = copy_to_host_async(pixels) if writer is not None else HostCopy(pixels, None)
+            if pending is not None:
+                deliver(pending)
+            pending = copy
+            if frames == 0:  # the first chunk (one frame) goes out at once: the output file starts now
+                deliver(pending)
+                pending = None
             frames += pixels.shape[0]
             height, width = pixels.shape[1], pixels.shape[2]
-            if on_chunk is not None:
-                on_chunk(pixels.shape[0])
+        if pending is not None:
+            deliver(pending)
         _synchronize(device)
     except torch.OutOfMemoryError as exc:
         raise OutOfMemoryError(

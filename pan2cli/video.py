@@ -72,6 +72,44 @@ def copy_to_host(frames: torch.Tensor) -> torch.Tensor:
     return host
 
 
+class HostCopy:
+    """A chunk of frames on its way to pinned host memory: `wait()` returns it once it has landed."""
+
+    def __init__(self, host: torch.Tensor, ready: "torch.cuda.Event | None"):
+        self._host = host
+        self._ready = ready
+
+    def wait(self) -> torch.Tensor:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host
+
+
+def copy_to_host_async(frames: torch.Tensor) -> HostCopy:
+    """Start ONE copy of a whole chunk to pinned host memory on a side stream, and return at once.
+
+    The GPU goes on with the next chunk while the copy runs; `HostCopy.wait()` hands the frames over.
+
+    Args:
+        frames: any tensor (typically uint8 [f, H, W, 3]) on any device.
+    """
+    if frames.device.type != "cuda":
+        return HostCopy(frames.to("cpu"), None)
+    stream = _copy_streams.setdefault(frames.device, torch.cuda.Stream(frames.device))
+    stream.wait_stream(torch.cuda.current_stream(frames.device))  # the frames are computed
+    host = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)
+    with torch.cuda.stream(stream):
+        host.copy_(frames, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(stream)
+    # The caching allocator must not hand the frames' memory to the decode before the copy is done.
+    frames.record_stream(stream)
+    return HostCopy(host, ready)
+
+
+_copy_streams: dict = {}
+
+
 def default_output_path(input_path: Path, fmt: str) -> Path:
     """The output path used when none is given: next to the input, with the same stem.
 
