@@ -454,7 +454,7 @@ class VideoGenerator:
             # Every rank sampled the same latents; rank 0's are the ones everyone decodes (bit-identical decodes).
             for result in results:
                 if result.latents is not None:
-                    result.latents = distributed.broadcast_from_main(result.latents.to(distributed.comm_device())).cpu()
+                    result.latents = distributed.broadcast_from_main(result.latents)
 
     @torch.inference_mode()
     def sample(self, model, settings: GenerationSettings, cond: torch.Tensor, uncond: torch.Tensor | None, image_latent: torch.Tensor | None = None, on_step=None) -> torch.Tensor:
