@@ -21,14 +21,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pan2cli.dit.checkpoint import save_pan2_transformer  # noqa: E402
-from pan2cli.dit.config import PAN2TransformerConfig  # noqa: E402
-from pan2cli.dit.model import PAN2Transformer3DModel  # noqa: E402
-from pan2cli.pipeline import PAN2PipelineConfig, VideoGenerator  # noqa: E402
-from pan2cli.vae.config import WanVAEConfig  # noqa: E402
-from pan2cli.vae.random_weights import write_test_checkpoints  # noqa: E402
+from pan2cli.dit.checkpoint import save_pan2_transformer
+from pan2cli.dit.config import PAN2TransformerConfig
+from pan2cli.dit.model import PAN2Transformer3DModel
+from pan2cli.pipeline import PAN2PipelineConfig, VideoGenerator
+from pan2cli.vae.config import WanVAEConfig
+from pan2cli.vae.random_weights import write_test_checkpoints
 
 
 def build_checkpoint(root: Path, hidden: int, layers: int, heads: int, text_dim: int) -> None:
