@@ -1,13 +1,10 @@
-"""Options and value resolution shared by several commands (device, dtype, quiet, gpus)."""
+"""Options shared by several commands (device, dtype, quiet, gpus); their values resolve in pan2cli.devices."""
 
 from __future__ import annotations
 
 import click
-import torch
 
-from pan2cli.errors import InputError
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from pan2cli.devices import DTYPES
 
 device_option = click.option(
     "--device",
@@ -33,28 +30,3 @@ gpus_option = click.option(
 quiet_option = click.option(
     "-q", "--quiet", is_flag=True, help="No progress bar and no summary on stderr (errors are still printed)."
 )
-
-
-def resolve_device(name: str | None) -> torch.device:
-    """`None` → cuda when available, else cpu; a CUDA device that does not exist is bad input."""
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise InputError(f"--device {name!r} is not a device name", hint="use cuda, cuda:N or cpu") from exc
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InputError("--device cuda: CUDA is not available on this machine", hint="pass --device cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise InputError(f"--device {name}: only {torch.cuda.device_count()} GPU(s) visible")
-    elif device.type != "cpu":
-        raise InputError(f"--device {name!r} is not supported", hint="use cuda, cuda:N or cpu")
-    return device
-
-
-def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """`None` → bf16 on CUDA, fp32 on CPU."""
-    if name is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]

@@ -65,7 +65,7 @@ class PAN2PipelineConfig:
 
     def torch_device(self) -> torch.device:
         """The device to run on (checked: a CUDA device that does not exist is bad input)."""
-        from pan2cli.cli._options import resolve_device
+        from pan2cli.devices import resolve_device
 
         return resolve_device(self.device)
 
