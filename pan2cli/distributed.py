@@ -21,6 +21,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Iterator, Sequence
@@ -329,9 +330,10 @@ def process_group(device: str | None) -> Iterator[torch.device]:
     # After a failure a collective may still be in flight (a peer waits for our halo rows): NCCL's
     # teardown could then hang, so the group is left to the process's end. gloo's is safe and needed:
     # left alone, its threads abort the process at exit, which loses the exit code.
-    destroy = True
+    destroy, succeeded = True, False
     try:
         yield this_device
+        succeeded = True
     except KeyboardInterrupt as exc:  # Ctrl-C or torchrun's SIGTERM; outputs were aborted on the way
         destroy = False
         raise WorkerExit(*_interrupted_exit()) from exc
@@ -344,6 +346,29 @@ def process_group(device: str | None) -> Iterator[torch.device]:
         _device = None
         signal.signal(signal.SIGTERM, previous)
         if destroy and dist.is_initialized():
+            # After a failure, leave at once: the peers' pending collectives then fail fast.
+            _leave_together() if succeeded else dist.destroy_process_group()
+
+
+def _leave_together() -> None:
+    """Tear the group down on every rank before any rank exits.
+
+    A rank that exits closes its sockets; a peer still inside gloo's teardown can then abort
+    (SIGABRT, "terminate called without an active exception"), seen with two torchrun agents on one
+    machine. So: all ranks arrive, all destroy the group, all confirm through the store, then exit.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    world = dist.get_world_size()
+    try:
+        store.add("pan2/teardown/arrived", 1)
+        while store.add("pan2/teardown/arrived", 0) < world:
+            time.sleep(0.05)
+        dist.destroy_process_group()
+        store.add("pan2/teardown/left", 1)
+        while store.add("pan2/teardown/left", 0) < world:
+            time.sleep(0.05)
+    except Exception:  # a peer already gone: nothing left to coordinate with
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 
