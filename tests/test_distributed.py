@@ -48,8 +48,9 @@ def _split_decode(rank: int, world: int, init_file: str, shape, chunk: int, out_
         (2, (1, 48, 3, 3, 5), 2),  # rows 2/1
         (3, (1, 48, 3, 7, 3), 4),  # rows 3/2/2, odd width
         (3, (2, 48, 2, 4, 2), 1),  # rows 2/1/1, batch of 2
+        (4, (1, 48, 2, 6, 2), 4),  # rows 2/2/1/1: halos at 1-row bands (larger N, issue 7)
     ],
-    ids=["2ranks-H3", "3ranks-H7", "3ranks-H4-batch2"],
+    ids=["2ranks-H3", "3ranks-H7", "3ranks-H4-batch2", "4ranks-H6"],
 )
 def test_split_decode_equals_one_process_float64(tmp_path, world, shape, chunk):
     expected = _decoder().decode(_latents(shape), chunk)
