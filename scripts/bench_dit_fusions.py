@@ -27,8 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pan2cli.dit import PAN2TransformerConfig, set_fused_kernels  # noqa: E402
-from pan2cli.dit import fusions  # noqa: E402
+from pan2cli.dit import (  # noqa: E402
+    PAN2TransformerConfig,
+    fusions,  # noqa: E402
+    set_fused_kernels,
+)
 from pan2cli.dit.model import PAN2TransformerBlock  # noqa: E402
 from pan2cli.dit.rope import rope_table  # noqa: E402
 

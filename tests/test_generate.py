@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from pan2cli.errors import InputError
+from pan2cli.latents import normalize
 from pan2cli.pipeline import PAN2PipelineConfig, VideoGenerator
 from pan2cli.pipeline.image import fit_image, load_image
 from pan2cli.vae.checkpoint import load_vae_decoder, load_vae_encoder
-from pan2cli.latents import normalize
 
 SMALL = dict(preset="pan2-5s", steps=2, frames=5, height=64, width=96)
 CLI_SMALL = ("--steps", 2, "--frames", 5, "--size", "64x96", "--device", "cpu")

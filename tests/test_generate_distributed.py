@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--steps", "1", "--frames", "5", "--size", "64x96", "--device", "cpu"]
 

@@ -20,9 +20,9 @@ import torch
 
 from pan2cli import distributed
 from pan2cli.cli._options import device_option, dtype_option, gpus_option, quiet_option
-from pan2cli.devices import resolve_device, resolve_dtype
 from pan2cli.cli._output import gib, info, progress_bar, result, status
 from pan2cli.decode import decode_latents
+from pan2cli.devices import resolve_device, resolve_dtype
 from pan2cli.errors import InputError, OutOfMemoryError
 from pan2cli.latents import LatentInput, load_latents
 from pan2cli.vae.checkpoint import DEFAULT_VAE_REPO, load_vae_decoder

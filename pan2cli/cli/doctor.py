@@ -10,8 +10,8 @@ import click
 import torch
 
 import pan2cli
-from pan2cli.devices import resolve_dtype
 from pan2cli.cli._output import result
+from pan2cli.devices import resolve_dtype
 from pan2cli.paths import cache_dir
 from pan2cli.vae.kernel import kernel_status
 

@@ -15,7 +15,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pan2cli.errors import CheckpointError, DownloadError, InputError
+from pan2cli.errors import CheckpointError, InputError
+from pan2cli.hub import hub_errors
 
 DEFAULT_MODEL_REPO = "IFM/PAN2"
 COMPONENTS = ("transformer", "text_encoder", "tokenizer", "vae")
@@ -67,27 +68,10 @@ def _num_train_timesteps(root: Path) -> int:
 
 def _download(repo_id: str, revision: str | None) -> Path:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import GatedRepoError, HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
-    where = f"{repo_id}@{revision}" if revision else repo_id
-    try:
+    local_hint = "pass --model PATH to a local PAN 2 folder (or connect to the hub / unset HF_HUB_OFFLINE)"
+    with hub_errors(repo_id, revision, what="the PAN 2 checkpoint", local_hint=local_hint):
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(ALLOW_PATTERNS)))
-    except GatedRepoError as exc:
-        raise DownloadError(
-            f"{where} is gated and this machine has no access to it",
-            hint="accept the licence on huggingface.co and log in (`hf auth login`, or set HF_TOKEN), or pass --model PATH",
-        ) from exc
-    except (RepositoryNotFoundError, HFValidationError) as exc:
-        raise InputError(f"no Hugging Face repository {repo_id!r} (or no access to it)", hint=_HINT) from exc
-    except RevisionNotFoundError as exc:
-        raise InputError(f"{repo_id} has no revision {revision!r}", hint="check --revision") from exc
-    except LocalEntryNotFoundError as exc:
-        raise DownloadError(
-            f"could not download {where} and no copy is cached (offline, or the hub is unreachable)",
-            hint="connect to the hub (or unset HF_HUB_OFFLINE), or pass --model PATH to a local PAN 2 folder",
-        ) from exc
-    except OSError as exc:  # network and disk errors below huggingface_hub
-        raise DownloadError(f"download of {where} failed: {exc}", hint="pass --model PATH to a local PAN 2 folder") from exc
 
 
 def _looks_like_path(spec: str) -> bool:

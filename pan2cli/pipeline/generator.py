@@ -20,7 +20,7 @@ import math
 import os
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -28,6 +28,7 @@ import torch
 
 import pan2cli
 from pan2cli import distributed
+from pan2cli.atomic import replace_into
 from pan2cli.decode import decode_latents
 from pan2cli.errors import CheckpointError, InputError, OutOfMemoryError, Pan2Error
 from pan2cli.pipeline.components import PAN2Components, resolve_components
@@ -189,15 +190,6 @@ class _FrameSink:
 
     def frames(self) -> torch.Tensor | None:
         return torch.cat(self.chunks) if self.keep and self.chunks else None
-
-
-def _replace_into(path: Path, write: Callable[[Path], object]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def sidecar_path(output: Path) -> Path:
@@ -553,12 +545,12 @@ class VideoGenerator:
                 "latents": result.latents[0].contiguous(), "fps": float(settings.fps), "height": settings.height,
                 "width": settings.width, "frames": settings.frames, "seed": settings.seed, "prompt": settings.prompt,
             }  # fmt: skip
-            _replace_into(job.latents_path, lambda p: torch.save(data, p))
+            replace_into(job.latents_path, lambda p: torch.save(data, p))
             result.latents_path = job.latents_path
         if job.output is not None and job.sidecar:
             path = sidecar_path(job.output)
             text = json.dumps(self.sidecar(result), indent=2) + "\n"
-            _replace_into(path, lambda p: p.write_text(text))
+            replace_into(path, lambda p: p.write_text(text))
             result.sidecar = path
 
     def sidecar(self, result: GenerationResult) -> dict:

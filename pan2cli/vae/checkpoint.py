@@ -26,7 +26,8 @@ from typing import Callable, Mapping
 
 import torch
 
-from pan2cli.errors import CheckpointError, DownloadError, InputError
+from pan2cli.errors import CheckpointError, InputError
+from pan2cli.hub import hub_errors
 from pan2cli.jsonfile import read_json_object
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.model import WanVAEDecoder
@@ -231,46 +232,29 @@ def _local_checkpoint(path: Path) -> VAECheckpoint:
 
 def _hub_checkpoint(repo_id: str, revision: str | None) -> VAECheckpoint:
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        GatedRepoError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    where = f"{repo_id}@{revision}" if revision else repo_id
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     def fetch(subfolder: str | None) -> tuple[Path, Path]:
         files = [hf_hub_download(repo_id, name, subfolder=subfolder, revision=revision) for name in (DIFFUSERS_CONFIG, DIFFUSERS_WEIGHTS)]
         return Path(files[0]), Path(files[1])
 
-    try:
+    local_hint = "pass --vae PATH to a local Wan2.2_VAE.pth, wan2.2_vae.safetensors or diffusers vae/ folder"
+    with hub_errors(repo_id, revision, what="the VAE", local_hint=local_hint) as where:
+        # LocalEntryNotFoundError (offline, nothing cached) is a subclass of EntryNotFoundError in
+        # huggingface_hub >= 1.0: let it through to hub_errors.
         try:
             config_path, weights = fetch("vae")
         except EntryNotFoundError as exc:  # a VAE-only repository keeps the files at its root
-            if isinstance(exc, LocalEntryNotFoundError):  # a subclass in huggingface_hub ≥ 1.0
+            if isinstance(exc, LocalEntryNotFoundError):
                 raise
-            config_path, weights = fetch(None)
-    except GatedRepoError as exc:
-        raise DownloadError(
-            f"{where} is gated and this machine has no access to it",
-            hint="accept the licence on huggingface.co and log in (`hf auth login`, or set HF_TOKEN), or pass --vae PATH",
-        ) from exc
-    except (RepositoryNotFoundError, HFValidationError) as exc:
-        raise InputError(f"no Hugging Face repository {repo_id!r} (or no access to it)", hint=_VAE_HINT) from exc
-    except RevisionNotFoundError as exc:
-        raise InputError(f"{repo_id} has no revision {revision!r}", hint="check --revision") from exc
-    except LocalEntryNotFoundError as exc:
-        raise DownloadError(
-            f"could not download the VAE from {where} and no copy is cached (offline, or the hub is unreachable)",
-            hint="pass --vae PATH to a local Wan2.2_VAE.pth, wan2.2_vae.safetensors or diffusers vae/ folder",
-        ) from exc
-    except EntryNotFoundError as exc:
-        raise CheckpointError(f"{where} has no {DIFFUSERS_CONFIG} + {DIFFUSERS_WEIGHTS} in vae/ or at its root", hint=_VAE_HINT) from exc
-    except OSError as exc:  # network and disk errors below huggingface_hub
-        raise DownloadError(f"download of the VAE from {where} failed: {exc}", hint="pass --vae PATH to a local checkpoint") from exc
+            try:
+                config_path, weights = fetch(None)
+            except EntryNotFoundError as exc2:
+                if isinstance(exc2, LocalEntryNotFoundError):
+                    raise
+                raise CheckpointError(
+                    f"{where} has no {DIFFUSERS_CONFIG} + {DIFFUSERS_WEIGHTS} in vae/ or at its root", hint=_VAE_HINT
+                ) from exc2
     return VAECheckpoint(weights, _read_config_json(config_path), where, "diffusers folder")
 
 

@@ -7,7 +7,7 @@ included), so a config file maps onto this class one to one.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from pan2cli.errors import CheckpointError, InputError

@@ -6,13 +6,13 @@ import collections
 import hashlib
 import json
 import math
-import os
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch
 from safetensors.torch import save_file
 
+from pan2cli.atomic import replace_into
 from pan2cli.vae.checkpoint import DIFFUSERS_CONFIG, DIFFUSERS_WEIGHTS, original_to_diffusers_key
 from pan2cli.vae.config import WanVAEConfig
 
@@ -289,16 +289,6 @@ def random_vae_state_dict(
 
 
 # -- files ------------------------------------------------------------------------------------------
-def _replace_into(path: Path, write: Callable[[Path], object]) -> None:
-    """Write through a temporary name in the same folder, then rename, so no half-written file is left."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def write_test_checkpoints(
     out_dir: Path,
     config: WanVAEConfig,
@@ -346,16 +336,16 @@ def write_test_checkpoints(
     for fmt in dict.fromkeys(formats):
         if fmt == "pth":
             path = out_dir / PTH_NAME
-            _replace_into(path, lambda p: torch.save(collections.OrderedDict(original), p))
+            replace_into(path, lambda p: torch.save(collections.OrderedDict(original), p))
         elif fmt == "safetensors":
             path = out_dir / SAFETENSORS_NAME
-            _replace_into(path, lambda p: save_file(original, str(p)))
+            replace_into(path, lambda p: save_file(original, str(p)))
         else:
             path = out_dir / "diffusers" / "vae"
             path.mkdir(parents=True, exist_ok=True)
             text = json.dumps(config.to_diffusers_config(), indent=2) + "\n"
-            _replace_into(path / DIFFUSERS_CONFIG, lambda p: p.write_text(text))
+            replace_into(path / DIFFUSERS_CONFIG, lambda p: p.write_text(text))
             # diffusers' save_pretrained tags its files with format "pt".
-            _replace_into(path / DIFFUSERS_WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+            replace_into(path / DIFFUSERS_WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
         written[fmt] = path
     return written
