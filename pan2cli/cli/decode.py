@@ -9,7 +9,6 @@ alone writing and printing.
 
 from __future__ import annotations
 
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import click
 import torch
 
 from pan2cli import distributed
+from pan2cli.cli._launch import run_on_ranks
 from pan2cli.cli._options import device_option, dtype_option, gpus_option, quiet_option
 from pan2cli.cli._output import gib, info, progress_bar, result, status
 from pan2cli.decode import decode_latents
@@ -183,22 +183,7 @@ def decode_command(ctx, latents, output, vae, revision, dtype, device, decode_ke
         decode_kernel=decode_kernel, chunk_latent_frames=chunk_latent_frames, fps=fps, crf=crf, fmt=fmt, raw_latents=raw_latents,
         overwrite=overwrite, quiet=quiet,
     )  # fmt: skip
-    if gpus is not None and gpus > 1 and not distributed.under_torchrun():
-        # 0. Several GPUs: run this same command in `gpus` processes and exit with their outcome.
-        distributed.check_gpus(gpus, device)
-        root = ctx.find_root()
-        argv = root.obj["argv"] if isinstance(root.obj, dict) and "argv" in root.obj else sys.argv[1:]
-        ctx.exit(distributed.launch(gpus, distributed.strip_option(argv, "--gpus")))
-    if not distributed.under_torchrun():
-        _decode(**options)
-        return
-    if gpus is not None and gpus != distributed.env_world_size():
-        raise InputError(
-            f"--gpus {gpus} differs from torchrun's {distributed.env_world_size()} processes",
-            hint="leave --gpus out under torchrun",
-        )
-    with distributed.process_group(device) as rank_device:
-        _decode(**{**options, "device": rank_device})
+    run_on_ranks(ctx, gpus, device, lambda d: _decode(**{**options, "device": d}))
 
 
 def _kernel_message(reference) -> str:

@@ -12,12 +12,12 @@ by the ranks together (rows split), rank 0 writing.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 
 from pan2cli import distributed
+from pan2cli.cli._launch import run_on_ranks
 from pan2cli.cli._options import device_option, dtype_option, gpus_option, quiet_option
 from pan2cli.cli._output import info, progress_bar, result, status, warn
 from pan2cli.errors import InputError
@@ -146,18 +146,7 @@ def generate_command(ctx, prompt, prompts_file, output, model, revision, preset,
         dit_fused_kernels=dit_fused_kernels, decode_kernel=decode_kernel, decode_kernel_parallel=decode_kernel_parallel,
         chunk_latent_frames=chunk_latent_frames, crf=crf, dtype=dtype, device=device, quiet=quiet,
     )  # fmt: skip
-    if gpus is not None and gpus > 1 and not distributed.under_torchrun():
-        # 0. Several GPUs: run this same command in `gpus` processes and exit with their outcome.
-        distributed.check_gpus(gpus, device)
-        root = ctx.find_root()
-        argv = root.obj["argv"] if isinstance(root.obj, dict) and "argv" in root.obj else sys.argv[1:]
-        ctx.exit(distributed.launch(gpus, distributed.strip_option(argv, "--gpus")))
-    if not distributed.under_torchrun():
-        return _generate(**options)
-    if gpus is not None and gpus != distributed.env_world_size():
-        raise InputError(f"--gpus {gpus} differs from torchrun's {distributed.env_world_size()} processes", hint="leave --gpus out under torchrun")
-    with distributed.process_group(device) as rank_device:
-        return _generate(**{**options, "device": str(rank_device)})
+    return run_on_ranks(ctx, gpus, device, lambda d: _generate(**{**options, "device": None if d is None else str(d)}))
 
 
 def _progress(quiet: bool):

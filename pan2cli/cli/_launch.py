@@ -1,0 +1,38 @@
+"""Run a command's work in this process, or in N processes under torchrun (`--gpus N`), the same way for every command."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, TypeVar
+
+import click
+
+from pan2cli import distributed
+from pan2cli.errors import InputError
+
+T = TypeVar("T")
+
+
+def run_on_ranks(ctx: click.Context, gpus: int | None, device: str | None, work: Callable[[object], T]) -> T:
+    """`work(device)` here; under torchrun `work(rank_device)` inside the process group.
+
+    With `--gpus N` (N ≥ 2) outside torchrun, the same command is re-launched in N processes and this
+    process exits with their outcome (`ctx.exit`).
+
+    Raises:
+        InputError: more GPUs than visible, or `--gpus` different from torchrun's world size.
+    """
+    if gpus is not None and gpus > 1 and not distributed.under_torchrun():
+        distributed.check_gpus(gpus, device)
+        root = ctx.find_root()
+        argv = root.obj["argv"] if isinstance(root.obj, dict) and "argv" in root.obj else sys.argv[1:]
+        ctx.exit(distributed.launch(gpus, distributed.strip_option(argv, "--gpus")))
+    if not distributed.under_torchrun():
+        return work(device)
+    if gpus is not None and gpus != distributed.env_world_size():
+        raise InputError(
+            f"--gpus {gpus} differs from torchrun's {distributed.env_world_size()} processes",
+            hint="leave --gpus out under torchrun",
+        )
+    with distributed.process_group(device) as rank_device:
+        return work(rank_device)
