@@ -43,8 +43,8 @@ def _latents_path(output: Path) -> Path:
 
 def _jobs(prompt, prompts_file, output, preset, overrides, save_latents, overwrite, skip_existing, crf, world, rank):
     """(jobs of this rank, skipped outputs, warnings, is_batch); everything checked, nothing loaded."""
-    from pan2cli.pipeline.generator import GenerationJob, resolve_settings
     from pan2cli.pipeline.prompts import read_prompt_file, shard, slugify
+    from pan2cli.pipeline.settings import GenerationJob, resolve_settings
 
     warnings: list[str] = []
     if prompts_file is not None:

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import os
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -30,150 +29,29 @@ import pan2cli
 from pan2cli import distributed
 from pan2cli.atomic import replace_into
 from pan2cli.decode import decode_latents
-from pan2cli.errors import CheckpointError, InputError, OutOfMemoryError, Pan2Error
+from pan2cli.errors import CheckpointError, OutOfMemoryError, Pan2Error
 from pan2cli.pipeline.components import PAN2Components, resolve_components
 from pan2cli.pipeline.config import PAN2PipelineConfig
 from pan2cli.pipeline.image import encode_image, fit_image, load_image
 from pan2cli.pipeline.scheduler import euler_step, flow_sigmas, guided
+from pan2cli.pipeline.settings import (
+    GenerationJob,
+    GenerationResult,
+    GenerationSettings,
+    resolve_settings,
+    sidecar_path,
+)
 from pan2cli.presets import DEFAULT_PRESET, Preset, load_preset
-from pan2cli.video import DEFAULT_CRF, check_output_path, open_video_writer
+from pan2cli.video import check_output_path, open_video_writer
 
 # Progress hook: (description, total, unit) → context manager yielding `advance(n)`.
 ProgressFactory = Callable[[str, int, str], "contextmanager"]
-_TEMPORAL, _SPATIAL, _SIZE_MULTIPLE, _CHANNELS = 4, 16, 32, 48
+_TEMPORAL = 4  # Wan2.2 VAE: 4 video frames per latent frame after the first
 
 
 @contextmanager
 def _no_progress(description: str, total: int, unit: str) -> Iterator[Callable[[int], None]]:
     yield lambda n=1: None
-
-
-def frames_for_duration(duration: float, fps: float) -> int:
-    """Video frames for `duration` seconds: `4·round(duration·fps/4) + 1` (5 s at 24 fps → 121)."""
-    return 4 * round(duration * fps / 4) + 1
-
-
-@dataclass(frozen=True)
-class GenerationSettings:
-    """Everything that decides one video (the sidecar records it)."""
-
-    prompt: str
-    negative_prompt: str
-    seed: int
-    frames: int
-    height: int
-    width: int
-    fps: float
-    steps: int
-    guidance: float
-    shift: float
-    image: Path | None = None
-
-    def check(self) -> None:
-        """Bad input (exit 2) before any model loads: empty prompt, F not 1 mod 4, sizes not multiples of 32, ..."""
-        if not self.prompt.strip():
-            raise InputError("the prompt is empty", hint="pass the text to generate from, e.g. pan2 generate \"a cat on a skateboard\"")
-        if self.frames < 1 or self.frames % _TEMPORAL != 1:
-            raise InputError(
-                f"--frames {self.frames} is not 1 + 4·k (the Wan2.2 VAE decodes 1 + 4·(latent frames − 1) frames)",
-                hint="use e.g. 121 (5 s at 24 fps), 241 or 481, or --duration",
-            )
-        for name in ("height", "width"):
-            value = getattr(self, name)
-            if value < _SIZE_MULTIPLE or value % _SIZE_MULTIPLE:
-                raise InputError(f"--size: {name} {value} is not a positive multiple of {_SIZE_MULTIPLE}", hint="e.g. --size 704x1248")
-        if self.steps < 1:
-            raise InputError(f"--steps {self.steps} must be ≥ 1")
-        if not (math.isfinite(self.guidance) and self.guidance > 0):
-            raise InputError(f"--guidance {self.guidance} must be a positive number")
-        if not (math.isfinite(self.shift) and self.shift > 0):
-            raise InputError(f"--shift {self.shift} must be a positive number")
-        if not (math.isfinite(self.fps) and self.fps > 0):
-            raise InputError(f"--fps {self.fps} must be a positive number")
-        if not 0 <= self.seed <= 2**64 - 1:
-            raise InputError(f"--seed {self.seed} must be from 0 to 2**64 - 1")
-
-    @property
-    def latent_shape(self) -> tuple[int, int, int, int, int]:
-        """`[1, 48, 1 + (F − 1)/4, H/16, W/16]`."""
-        return (1, _CHANNELS, 1 + (self.frames - 1) // _TEMPORAL, self.height // _SPATIAL, self.width // _SPATIAL)
-
-
-def resolve_settings(
-    prompt: str,
-    preset: Preset,
-    *,
-    negative_prompt: str | None = None,
-    seed: int | None = None,
-    frames: int | None = None,
-    duration: float | None = None,
-    height: int | None = None,
-    width: int | None = None,
-    fps: float | None = None,
-    steps: int | None = None,
-    guidance: float | None = None,
-    shift: float | None = None,
-    image: str | Path | None = None,
-) -> GenerationSettings:
-    """Preset < overrides; `duration` (seconds) sets the frames from the fps. Checked (see `GenerationSettings.check`).
-
-    Raises:
-        InputError: both `frames` and `duration`, or any bad value.
-    """
-    if frames is not None and duration is not None:
-        raise InputError("--frames and --duration both set the length", hint="pass one of them")
-    fps = float(fps if fps is not None else preset.fps)
-    if duration is not None:
-        if not (math.isfinite(duration) and duration > 0):
-            raise InputError(f"--duration {duration} must be a positive number of seconds")
-        frames = frames_for_duration(duration, fps)
-    settings = GenerationSettings(
-        prompt=prompt.strip() if isinstance(prompt, str) else "",
-        negative_prompt=negative_prompt if negative_prompt is not None else preset.negative_prompt,
-        seed=seed if seed is not None else preset.seed,
-        frames=frames if frames is not None else preset.frames,
-        height=height if height is not None else preset.height,
-        width=width if width is not None else preset.width,
-        fps=fps,
-        steps=steps if steps is not None else preset.steps,
-        guidance=float(guidance if guidance is not None else preset.guidance),
-        shift=float(shift if shift is not None else preset.flow_shift),
-        image=Path(image) if image is not None else None,
-    )
-    settings.check()
-    return settings
-
-
-@dataclass
-class GenerationJob:
-    """One video: its settings and where it goes (all optional: frames are returned in memory)."""
-
-    settings: GenerationSettings
-    output: Path | None = None
-    latents_path: Path | None = None
-    sidecar: bool = True
-    overwrite: bool = False
-    crf: int = DEFAULT_CRF
-    return_frames: bool = True
-    metadata: dict = field(default_factory=dict)  # extra sidecar entries (preset, overrides, name)
-
-
-@dataclass
-class GenerationResult:
-    """What one job produced: uint8 frames `[F, H, W, 3]` on the host (if asked), the normalised latents, per-stage seconds."""
-
-    job: GenerationJob
-    frames: torch.Tensor | None = None
-    latents: torch.Tensor | None = None
-    seconds: dict[str, float] = field(default_factory=dict)
-    output: Path | None = None
-    sidecar: Path | None = None
-    latents_path: Path | None = None
-    error: BaseException | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
 
 
 class _FrameSink:
@@ -190,11 +68,6 @@ class _FrameSink:
 
     def frames(self) -> torch.Tensor | None:
         return torch.cat(self.chunks) if self.keep and self.chunks else None
-
-
-def sidecar_path(output: Path) -> Path:
-    """`video.mp4` → `video.json`."""
-    return output.with_suffix(".json")
 
 
 class VideoGenerator:
