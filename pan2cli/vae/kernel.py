@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -159,7 +158,6 @@ def load_kernel(device: torch.device | None = None) -> ModuleType:
         # other process is building here, so a leftover one is stale.
         (spec.build_dir / "lock").unlink(missing_ok=True)
         # MAX_JOBS: honoured when set; ninja's default otherwise.
-        start = time.perf_counter()
         if not spec.library.exists():
             with open(spec.log_path, "w") as log:
                 log.write(f"# pan2 {pan2cli.__version__}: building {EXTENSION} for {arch} ({spec.source_hash})\n")
@@ -181,16 +179,7 @@ def load_kernel(device: torch.device | None = None) -> ModuleType:
                 hint="set PAN2_KERNEL_VERBOSE=1 to see the compiler output; --decode-kernel off uses the reference decoder",
             ) from exc
         _loaded[arch] = module
-        _build_seconds[arch] = time.perf_counter() - start
     return module
-
-
-_build_seconds: dict[str, float] = {}
-
-
-def last_load_seconds(arch: str) -> float | None:
-    """Seconds the last `load_kernel` for `arch` took in this process (build included if it built)."""
-    return _build_seconds.get(arch)
 
 
 @dataclass(frozen=True)
