@@ -44,6 +44,7 @@ from pan2cli.dit.config import PAN2TransformerConfig
 from pan2cli.dit.model import PAN2Transformer3DModel
 from pan2cli.errors import CheckpointError, InputError
 from pan2cli.jsonfile import read_json_object
+from pan2cli.statedict import key_problems, listing
 
 CONFIG_NAME = "config.json"
 WEIGHT_STEMS = ("diffusion_pytorch_model", "model")
@@ -107,7 +108,7 @@ def _weight_files(folder: Path) -> dict[str, Path]:
                     files[key] = shard_path
             wrong = sorted(k for k, shard in weight_map.items() if k not in files or files[k].name != shard)
             if wrong:
-                raise CheckpointError(f"{index} maps keys to shards that do not hold them: {_listing(wrong)}")
+                raise CheckpointError(f"{index} maps keys to shards that do not hold them: {listing(wrong)}")
             return files
         single = folder / f"{stem}.safetensors"
         if single.is_file():
@@ -129,11 +130,6 @@ def resolve_pan2_checkpoint(path: str | Path) -> PAN2Checkpoint:
     folder = _model_folder(path)
     config = PAN2TransformerConfig.from_config_dict(read_json_object(folder / CONFIG_NAME), source=str(folder / CONFIG_NAME))
     return PAN2Checkpoint(folder, config, _weight_files(folder))
-
-
-def _listing(keys, limit: int = 8) -> str:
-    keys = sorted(keys)
-    return ", ".join(keys[:limit]) + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
 
 
 def _open_all(files: dict[str, Path]) -> tuple[dict[str, tuple[int, ...]], Callable[[str], torch.Tensor], list]:
@@ -180,15 +176,8 @@ def load_pan2_transformer(
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     shapes, read, _handles = _open_all(ckpt.files)
     shapes = {ours: shapes[theirs] for ours, theirs in renamed.items()}
-    missing = set(expected) - set(shapes)
-    unexpected = set(shapes) - set(expected)
-    misshaped = {k for k in set(expected) & set(shapes) if shapes[k] != expected[k]}
-    if missing or unexpected or misshaped:
-        problems = [f"missing keys: {_listing(missing)}"] if missing else []
-        problems += [f"unexpected keys: {_listing(unexpected)}"] if unexpected else []
-        problems += [
-            "wrong shapes: " + _listing(f"{k} {list(shapes[k])} (expected {list(expected[k])})" for k in misshaped)
-        ] if misshaped else []
+    problems = key_problems(shapes, expected)
+    if problems:
         raise CheckpointError(
             f"{ckpt.folder} does not match its config.json ({'; '.join(problems)})",
             hint="check that config.json belongs to these weights",

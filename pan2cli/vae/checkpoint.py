@@ -29,6 +29,7 @@ import torch
 from pan2cli.errors import CheckpointError, InputError
 from pan2cli.hub import hub_errors
 from pan2cli.jsonfile import read_json_object
+from pan2cli.statedict import key_problems, listing
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.model import WanVAEDecoder
 
@@ -280,12 +281,6 @@ def resolve_vae_checkpoint(spec: str | Path | None = None, revision: str | None 
 
 
 # -- checking and loading -----------------------------------------------------------------------
-def _listing(keys, limit: int = 8) -> str:
-    keys = sorted(keys)
-    shown = ", ".join(keys[:limit])
-    return shown + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
-
-
 def check_decoder_keys(
     shapes: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], source: str
 ) -> None:
@@ -298,27 +293,14 @@ def check_decoder_keys(
     Raises:
         CheckpointError: naming the missing, unexpected and mis-shaped keys.
     """
-    present = set(shapes)
-    missing = set(expected) - present
-    unexpected = {k for k in present - set(expected) if not k.startswith(_ACCEPTED_EXTRA_PREFIXES)}
-    misshaped = {k for k in present & set(expected) if tuple(shapes[k]) != tuple(expected[k])}
-    if not (missing or unexpected or misshaped):
+    problems = key_problems(shapes, expected, _ACCEPTED_EXTRA_PREFIXES)
+    if not problems:
         return
-    if not present & set(expected):
+    if not set(shapes) & set(expected):
         raise CheckpointError(
             f"{source} is not a Wan2.2 VAE checkpoint: none of the decoder's keys are in it "
-            f"(it holds {_listing(present, 5)})",
+            f"(it holds {listing(shapes, 5)})",
             hint=_VAE_HINT,
-        )
-    problems = []
-    if missing:
-        problems.append(f"missing keys: {_listing(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys: {_listing(unexpected)}")
-    if misshaped:
-        problems.append(
-            "wrong shapes: "
-            + _listing(f"{k} {list(shapes[k])} (expected {list(expected[k])})" for k in misshaped)
         )
     raise CheckpointError(
         f"{source} does not match the Wan2.2 VAE decoder ({'; '.join(problems)})",
@@ -389,10 +371,7 @@ def load_decoder_weights(
     """
     source = source or str(weights)
     tensors = _read_tensor_file(Path(weights))
-    names = _key_names(list(tensors.shapes))
-    num_res_blocks = (config or WanVAEConfig()).num_res_blocks
-    to_ours = (lambda k: original_to_diffusers_key(k, num_res_blocks)) if names == "original" else (lambda k: k)
-    renamed = {to_ours(k): k for k in tensors.shapes}
+    renamed = _our_names(tensors, config)
     if len(renamed) != len(tensors.shapes):
         raise CheckpointError(f"{source} holds the same tensor under two key names", hint=_VAE_HINT)
     if config is None:
@@ -402,8 +381,21 @@ def load_decoder_weights(
         model = WanVAEDecoder(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     check_decoder_keys({ours: tensors.shapes[orig] for ours, orig in renamed.items()}, expected, source)
+    return _load_into(model, tensors, renamed, dtype=dtype, device=device, source=source)
+
+
+def _our_names(tensors: _TensorFile, config: WanVAEConfig | None) -> dict[str, str]:
+    """Our (diffusers) key -> the file's key, whichever naming the file uses."""
+    num_res_blocks = (config or WanVAEConfig()).num_res_blocks
+    if _key_names(list(tensors.shapes)) == "original":
+        return {original_to_diffusers_key(k, num_res_blocks): k for k in tensors.shapes}
+    return {k: k for k in tensors.shapes}
+
+
+def _load_into(model, tensors: _TensorFile, renamed: Mapping[str, str], *, dtype, device, source: str):
+    """Load the model's tensors (checked keys; `renamed` maps our names to the file's) in `dtype` on `device`."""
     state = {}
-    for key in expected:
+    for key in model.state_dict():
         tensor = tensors.load(renamed[key])
         if not tensor.is_floating_point():
             raise CheckpointError(f"{source}: tensor {renamed[key]} has dtype {tensor.dtype}, expected a float")
@@ -441,10 +433,7 @@ def load_vae_encoder(
 
     ckpt = resolve_vae_checkpoint(spec, revision)
     tensors = _read_tensor_file(Path(ckpt.weights))
-    names = _key_names(list(tensors.shapes))
-    num_res_blocks = (ckpt.config or WanVAEConfig()).num_res_blocks
-    to_ours = (lambda k: original_to_diffusers_key(k, num_res_blocks)) if names == "original" else (lambda k: k)
-    renamed = {to_ours(k): k for k in tensors.shapes if to_ours(k).startswith(_ENCODER_PREFIXES)}
+    renamed = {ours: theirs for ours, theirs in _our_names(tensors, ckpt.config).items() if ours.startswith(_ENCODER_PREFIXES)}
     if not renamed:
         raise CheckpointError(
             f"{ckpt.source} holds no VAE encoder (encoder.* / quant_conv.* keys); image-to-video needs one",
@@ -454,20 +443,7 @@ def load_vae_encoder(
     with torch.device("meta"):
         model = WanVAEEncoder(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    shapes = {ours: tuple(tensors.shapes[orig]) for ours, orig in renamed.items()}
-    missing = set(expected) - set(shapes)
-    unexpected = set(shapes) - set(expected)
-    misshaped = {k for k in set(expected) & set(shapes) if shapes[k] != expected[k]}
-    if missing or unexpected or misshaped:
-        problems = [f"missing keys: {_listing(missing)}"] if missing else []
-        problems += [f"unexpected keys: {_listing(unexpected)}"] if unexpected else []
-        problems += ["wrong shapes: " + _listing(f"{k} {list(shapes[k])} (expected {list(expected[k])})" for k in misshaped)] if misshaped else []
+    problems = key_problems({ours: tensors.shapes[orig] for ours, orig in renamed.items()}, expected)
+    if problems:
         raise CheckpointError(f"{ckpt.source} does not match the Wan2.2 VAE encoder ({'; '.join(problems)})", hint=_VAE_HINT)
-    state = {}
-    for key in expected:
-        tensor = tensors.load(renamed[key])
-        if not tensor.is_floating_point():
-            raise CheckpointError(f"{ckpt.source}: tensor {renamed[key]} has dtype {tensor.dtype}, expected a float")
-        state[key] = tensor.to(dtype)
-    model.load_state_dict(state, strict=True, assign=True)
-    return model.to(device).eval().requires_grad_(False)
+    return _load_into(model, tensors, renamed, dtype=dtype, device=device, source=ckpt.source)
