@@ -59,17 +59,7 @@ def copy_to_host(frames: torch.Tensor) -> torch.Tensor:
         The same tensor if it is already on CPU; otherwise a CPU copy (pinned for CUDA),
         complete when this function returns.
     """
-    if frames.device.type == "cpu":
-        return frames
-    if frames.device.type != "cuda":
-        return frames.to("cpu")
-    # Pinned memory makes the copy a single DMA at full bus speed; torch's caching host
-    # allocator reuses the pinned blocks, so allocating one per chunk is cheap.
-    host = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)
-    host.copy_(frames, non_blocking=True)
-    # non_blocking returns before the copy lands; wait on the stream that queued it.
-    torch.cuda.current_stream(frames.device).synchronize()
-    return host
+    return copy_to_host_async(frames).wait()
 
 
 class HostCopy:
