@@ -20,9 +20,10 @@ import os
 import re
 import shutil
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import torch
 
@@ -35,7 +36,7 @@ EXTENSION = "wan22_vae_decode"
 # Compute capability -> the arch-specific target we compile for (wgmma/TMA need the `a` variants).
 SUPPORTED_ARCHS = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
 
-_loaded: dict[str, ModuleType] = {}
+_loaded: dict[str, SimpleNamespace] = {}
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,11 @@ class KernelSpec:
         cuda = (torch.version.cuda or "none").replace(".", "")
         torch_version = torch.__version__.split("+")[0]
         return (
-            cache_dir() / "kernels" / pan2cli.__version__ / f"torch{torch_version}-cu{cuda}-{self.arch}" / self.source_hash
+            cache_dir()
+            / "kernels"
+            / pan2cli.__version__
+            / f"torch{torch_version}-cu{cuda}-{self.arch}"
+            / self.source_hash
         )
 
     @property
@@ -113,17 +118,34 @@ def _first_compiler_error(log: str) -> str:
 
 @contextlib.contextmanager
 def _output_to(log_path: Path, echo: bool):
-    """Send the build's stdout/stderr (ours and the compiler's, at the fd level) to the log."""
+    """Send the build's stdout/stderr (ours and the compiler's, at the fd level) to the log.
+
+    With `echo` the output also reaches the terminal (stderr): a pipe and a thread copy it to both, so
+    the log keeps the whole output either way.
+    """
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "a") as log:
-        if echo:
-            yield
-            return
+    with open(log_path, "ab") as log:
         sys.stdout.flush()
         sys.stderr.flush()
         saved = os.dup(1), os.dup(2)
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
+        tee = None
+        if echo:
+            read_end, write_end = os.pipe()
+
+            def copy() -> None:
+                while chunk := os.read(read_end, 65536):
+                    log.write(chunk)
+                    os.write(saved[1], chunk)
+
+            tee = threading.Thread(target=copy, daemon=True)
+            tee.start()
+            target = write_end
+        else:
+            target = log.fileno()
+        os.dup2(target, 1)
+        os.dup2(target, 2)
+        if echo:
+            os.close(write_end)  # fds 1 and 2 hold the pipe now
         try:
             yield
         finally:
@@ -131,12 +153,83 @@ def _output_to(log_path: Path, echo: bool):
             sys.stderr.flush()
             os.dup2(saved[0], 1)
             os.dup2(saved[1], 2)
+            if tee is not None:
+                tee.join()  # the pipe's last writer is gone: the copy ends
+                os.close(read_end)
             os.close(saved[0])
             os.close(saved[1])
 
 
-def load_kernel(device: torch.device | None = None) -> ModuleType:
-    """Build (once, cached) and import the extension for this GPU.
+def _register_ops(module: ModuleType) -> SimpleNamespace:
+    """Expose the extension's three ops as `torch.ops.pan2.*` custom ops with shape-only fakes.
+
+    Every op writes into tensors the caller allocated (`out`, and `sum_out` / `history` where given) and
+    returns nothing, so each fake is a no-op; `torch.compile` sees the mutations through `mutates_args`.
+    No argument has a default: torch 2.11 drops defaulted arguments before bumping the version counters
+    of mutated ones and then indexes past the end (seen with `history=None`).
+    Shapes (channels-last bf16, fp32 vectors) are checked in binding.cpp.
+    """
+    if not hasattr(torch.ops.pan2, "rms_norm_silu"):
+
+        @torch.library.custom_op("pan2::rms_norm_silu", mutates_args=("sum_out", "out", "history"))
+        def rms_norm_silu(
+            x: torch.Tensor,
+            gamma: torch.Tensor,
+            bias: torch.Tensor | None,
+            residual: torch.Tensor | None,
+            sum_out: torch.Tensor | None,
+            out: torch.Tensor,
+            silu: bool,
+            history: torch.Tensor | None,
+            normalize: bool,
+        ) -> None:
+            """out = SiLU?(RMS(x + bias + residual) * gamma) over C, or the plain sum without `normalize`.
+
+            x, residual, sum_out, out: [B, T, H, W, C] bf16, dense over (H, W, C) (frames may be strided);
+            gamma, bias: [C] fp32 (gamma already times sqrt(C)); history: [B, 2, H, W, C] bf16, receives the
+            last two frames of out. fp32 statistics; the sum is rounded to bf16 once before the norm.
+            """
+            _ops().rms_norm_silu(x, gamma, bias, residual, sum_out, out, silu, history, normalize)
+
+        @torch.library.custom_op("pan2::phase_interleave", mutates_args=("out",))
+        def phase_interleave(
+            phases: torch.Tensor,
+            bias: torch.Tensor,
+            shortcut: torch.Tensor | None,
+            out: torch.Tensor,
+            factor_t: int,
+            frame_offset: int,
+        ) -> None:
+            """out [B, T, 2h, 2w, C] bf16 = interleaved phases [B*T, h+1, w+1, 4C] + bias [C] fp32 + DupUp3D(shortcut).
+
+            shortcut: the block input [B, T_in, h, w, C_in] bf16; fp32 sum, one bf16 rounding.
+            """
+            _ops().phase_interleave(phases, bias, shortcut, out, factor_t, frame_offset)
+
+        @torch.library.custom_op("pan2::head_to_uint8", mutates_args=("out",))
+        def head_to_uint8(y: torch.Tensor, bias: torch.Tensor, out: torch.Tensor) -> None:
+            """out [N, 2H, 2W, 3] uint8 = round((clamp(unpatchify(y [N, H, W, 12] bf16 + bias [12] fp32)) + 1) * 127.5)."""
+            _ops().head_to_uint8(y, bias, out)
+
+        for op in (rms_norm_silu, phase_interleave, head_to_uint8):
+            op.register_fake(lambda *args, **kwargs: None)
+    _extension.append(module)
+    return SimpleNamespace(
+        rms_norm_silu=torch.ops.pan2.rms_norm_silu,
+        phase_interleave=torch.ops.pan2.phase_interleave,
+        head_to_uint8=torch.ops.pan2.head_to_uint8,
+    )
+
+
+_extension: list[ModuleType] = []
+
+
+def _ops() -> ModuleType:
+    return _extension[-1]
+
+
+def load_kernel(device: torch.device | None = None) -> SimpleNamespace:
+    """Build (once, cached) and import the extension for this GPU; returns its ops (`torch.ops.pan2.*`).
 
     Raises:
         KernelBuildError: unsupported GPU, missing compiler, or a failed build; names the first compiler
@@ -178,8 +271,8 @@ def load_kernel(device: torch.device | None = None) -> ModuleType:
                 f"building the decode kernel failed: {first} (full log: {spec.log_path})",
                 hint="set PAN2_KERNEL_VERBOSE=1 to see the compiler output; --decode-kernel off uses the reference decoder",
             ) from exc
-        _loaded[arch] = module
-    return module
+        _loaded[arch] = _register_ops(module)
+    return _loaded[arch]
 
 
 @dataclass(frozen=True)
