@@ -31,7 +31,7 @@ void check_frames(const Tensor& t, const char* name) {
 
 void rms_norm_silu(const Tensor& x, const Tensor& gamma, const c10::optional<Tensor>& bias,
                    const c10::optional<Tensor>& residual, const c10::optional<Tensor>& sum_out, Tensor out,
-                   bool silu, const c10::optional<Tensor>& history) {
+                   bool silu, const c10::optional<Tensor>& history, bool normalize) {
     CHECK_BF16_CUDA(x, "x");
     CHECK_BF16_CUDA(out, "out");
     check_frames(x, "x");
@@ -80,6 +80,7 @@ void rms_norm_silu(const Tensor& x, const Tensor& gamma, const c10::optional<Ten
     p.num_frames = static_cast<int>(x.size(0) * x.size(1));
     p.channels = static_cast<int>(C);
     p.silu = silu;
+    p.normalize = normalize;
     if (x.numel() == 0) return;
     const c10::cuda::CUDAGuard guard(x.device());
     wan22::rms_norm_silu(p, c10::cuda::getCurrentCUDAStream());
@@ -156,8 +157,9 @@ void head_to_uint8(const Tensor& y, const Tensor& bias, Tensor out) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "Fused bandwidth-bound kernels of the Wan2.2 VAE decoder (channels-last bf16, fp32 math)";
-    m.def("rms_norm_silu", &rms_norm_silu, "(bias +)(residual +) RMS norm (+ SiLU) into `out`", py::arg("x"),
-          py::arg("gamma"), py::arg("bias"), py::arg("residual"), py::arg("sum_out"), py::arg("out"), py::arg("silu"), py::arg("history") = py::none());
+    m.def("rms_norm_silu", &rms_norm_silu, "(bias +)(residual +) RMS norm (+ SiLU), or the plain sum, into `out`", py::arg("x"),
+          py::arg("gamma"), py::arg("bias"), py::arg("residual"), py::arg("sum_out"), py::arg("out"), py::arg("silu"),
+          py::arg("history") = py::none(), py::arg("normalize") = true);
     m.def("phase_interleave", &phase_interleave, "four-phase resampler epilogue", py::arg("phases"), py::arg("bias"),
           py::arg("shortcut"), py::arg("out"), py::arg("factor_t"), py::arg("frame_offset"));
     m.def("head_to_uint8", &head_to_uint8, "conv_out epilogue: bias, unpatchify, clamp, uint8", py::arg("y"),

@@ -11,6 +11,8 @@ namespace wan22 {
 
 // y = SiLU?(RMS(x [+ bias] [+ residual]) * gamma), RMS = x / max(||x||_2, 1e-12) over the C channels.
 // Statistics and math in fp32; one bf16 rounding of the sum (if stored) and of the output.
+// With normalize = false the kernel only adds: y = x [+ bias] [+ residual] (a block output written
+// straight into the next conv's input buffer).
 struct RmsNormParams {
     const __nv_bfloat16* x;         // rows of C; frame f at x + f * x_frame_stride
     const __nv_bfloat16* residual;  // optional, same layout as x
@@ -31,6 +33,7 @@ struct RmsNormParams {
     int num_frames;          // B * T
     int channels;            // C, a multiple of 8, at most 1024
     bool silu;
+    bool normalize;
 };
 void rms_norm_silu(const RmsNormParams& p, cudaStream_t stream);
 

@@ -1,4 +1,4 @@
-// Fused (bias +) (residual +) RMS norm (+ SiLU) over the channels of channels-last bf16 rows.
+// Fused (bias +) (residual +) RMS norm (+ SiLU), or the plain sum, over the channels of channels-last bf16 rows.
 // One warp per row (R rows per warp); a lane holds up to 4 vectors of 8 bf16 per row in registers (C <= 1024).
 #include "decode_kernels.h"
 
@@ -101,6 +101,21 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) rms_norm_silu_kernel(RmsN
                 for (int i = 0; i < 8; ++i) sum_sq[r] += v[r][k][i] * v[r][k][i];
             }
         }
+    }
+    if (!p.normalize) {
+        // Plain sum (already rounded to bf16 above when anything was added).
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (first_row + r >= total_rows) continue;
+#pragma unroll
+            for (int k = 0; k < NV; ++k) {
+                const int c = (k * 32 + lane) * 8;
+                if (c >= p.channels) continue;
+                store8(p.out + out_off[r] + c, v[r][k]);
+                if (hist_off[r] >= 0) store8(p.history + hist_off[r] + c, v[r][k]);
+            }
+        }
+        return;
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1)
