@@ -1,0 +1,79 @@
+"""The fixed-order implicit-GEMM conv (Triton) against PyTorch's conv, and its shape invariance on a GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    # Before the kernel is built (triton.jit reads it at decoration time): the interpreter runs on CPU.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from pan2cli.vae.conv_kernel import conv_channels_last
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(shape, c_out, kernel, seed=0, bias=False):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen).to(torch.bfloat16).to(DEVICE)
+    c_in = shape[-1]
+    w = (torch.randn(c_out, c_in, *kernel, generator=gen) / (c_in * torch.tensor(kernel).prod()).sqrt()).to(
+        torch.bfloat16
+    )
+    fmt = torch.channels_last_3d if len(kernel) == 3 else torch.channels_last
+    w = w.to(DEVICE).contiguous(memory_format=fmt)
+    b = torch.randn(c_out, generator=gen).to(DEVICE) if bias else None
+    return x, w, b
+
+
+def _reference(x, w, b, pad_w):
+    """fp32 conv of the same bf16 values, channels-last out, rounded once to bf16."""
+    if x.dim() == 5:
+        out = F.conv3d(x.float().permute(0, 4, 1, 2, 3), w.float(), b, padding=(0, 0, pad_w)).permute(0, 2, 3, 4, 1)
+    else:
+        out = F.conv2d(x.float().permute(0, 3, 1, 2), w.float(), b, padding=(0, pad_w)).permute(0, 2, 3, 1)
+    return out.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "shape, c_out, kernel, pad_w, bias",
+    [
+        ((1, 4, 5, 6, 64), 32, (3, 3, 3), 1, False),  # causal 3x3x3 over a history buffer with halo rows
+        ((2, 3, 4, 5, 128), 160, (3, 3, 3), 1, False),  # batch, several reduction steps per tap, N tail
+        ((1, 4, 3, 5, 64), 96, (3, 1, 1), 0, True),  # the upsampler's time conv, with bias
+        ((3, 4, 5, 64), 64, (2, 2), 1, False),  # four-phase resampler conv: frames as batch
+        ((1, 1, 4, 6, 64), 32, (1, 3, 3), 1, False),  # one tap in time (first chunk)
+        ((1, 4, 5, 6, 48), 64, (3, 3, 3), 1, False),  # conv_in: 48 latent channels, steps of 16
+        ((1, 3, 4, 5, 48), 48, (1, 1, 1), 0, True),  # post_quant_conv: 1x1x1 with bias
+    ],
+    ids=["3x3x3", "batch", "time-conv", "phase-2x2", "one-tap", "conv-in", "post-quant"],
+)
+def test_matches_pytorch_conv(shape, c_out, kernel, pad_w, bias):
+    x, w, b = _inputs(shape, c_out, kernel, bias=bias)
+    got = conv_channels_last(x, w, b, pad_w=pad_w)
+    expected = _reference(x, w, b, pad_w)
+    assert got.shape == expected.shape and got.dtype == torch.bfloat16
+    # One bf16 rounding each (the interpreter truncates where GPUs round to nearest): ≤ 1 ulp apart.
+    err = (got.float() - expected.float()).abs().max().item()
+    assert err <= 2**-7 * expected.float().abs().max().item(), err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bands_and_frame_counts_give_bit_identical_outputs():
+    """A band of rows (one rank's share) and one output frame (a shorter chunk) equal the whole problem's
+    rows and frame bit for bit, at the decoder's 1024-channel low-resolution shape."""
+    x, w, _ = _inputs((1, 6, 46, 78, 1024), 1024, (3, 3, 3), seed=1)
+    whole = conv_channels_last(x, w, pad_w=1)  # (1, 4, 44, 78, 1024)
+    top = conv_channels_last(x[:, :, :24].contiguous(), w, pad_w=1)  # rows 0..21 with their halo
+    bottom = conv_channels_last(x[:, :, 22:].contiguous(), w, pad_w=1)  # rows 22..43
+    one_frame = conv_channels_last(x[:, :3].contiguous(), w, pad_w=1)
+    assert torch.equal(top, whole[:, :, :22])
+    assert torch.equal(bottom, whole[:, :, 22:])
+    assert torch.equal(one_frame, whole[:, :1])
