@@ -3,7 +3,8 @@
 Same function as `WanVAEDecoder` (docs/wan22_vae.md), organised so that the time goes to convolutions:
 
 * activations are channels-last bf16 `(B, T, H, W, C)` end to end; convolutions run in cuDNN through
-  ATen on channels-last views (fp32 accumulation), with zero spatial padding implicit in the conv;
+  ATen on channels-last views (fp32 accumulation) or, at low resolution, in `conv_kernel`, with zero
+  width padding implicit in the conv and explicit halo rows;
 * every causal conv reads one buffer `(B, 2 + t, H, W, C)` whose first two frames are its history: the
   fused RMS norm + SiLU kernel writes the chunk straight behind them (no `cat`, no `pad`); conv biases,
   residual adds and the next norm are one kernel (`rms_norm_silu` with `bias`, `residual`, `sum_out`);
@@ -12,19 +13,20 @@ Same function as `WanVAEDecoder` (docs/wan22_vae.md), organised so that the time
   upsampled frame;
 * the head is conv_out then one kernel for bias + unpatchify + clamp + uint8.
 
-Numerics: bf16 storage, fp32 accumulation in the convolutions (cuDNN) and fp32 math in every norm and
-epilogue, one bf16 rounding per stored tensor. Frames leave as uint8 `(B, f, 16h, 16w, 3)`.
+Numerics: bf16 storage, fp32 accumulation in the convolutions (cuDNN at the two highest resolutions; the
+fixed-order Triton kernel of `conv_kernel` below them, whose sums do not depend on the problem's shape)
+and fp32 math in every norm and epilogue, one bf16 rounding per stored tensor. Frames leave as uint8 `(B, f, 16h, 16w, 3)`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
+from pan2cli.vae import conv_kernel
 from pan2cli.vae.model import WanResample, WanVAEDecoder, chunk_bounds
 from pan2cli.vae.parallel import RowSplit
 
@@ -62,11 +64,26 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
 
 @dataclass
 class _Pending:
-    """`z + bias + residual`, not yet materialised: the next norm kernel adds it as it reads."""
+    """`z + bias + residual`, not yet materialised: the next norm kernel adds it as it reads.
 
-    z: torch.Tensor  # (B, t, H, W, C) bf16
-    bias: torch.Tensor | None  # (C,) fp32
-    residual: torch.Tensor | None  # like z
+    Also the unit of ownership between stages: a stage that consumes its input clears the fields it no
+    longer needs, so a tensor is freed after its last read rather than when the caller's frame ends
+    (the high-resolution activations are 112-225 MB per frame).
+    """
+
+    z: torch.Tensor | None  # (B, t, H, W, C) bf16
+    bias: torch.Tensor | None = None  # (C,) fp32
+    residual: torch.Tensor | None = None  # like z
+
+    def take(self) -> torch.Tensor:
+        """The materialised sum; the pending object gives up its references."""
+        z = self.z
+        if self.residual is not None:
+            z.add_(self.residual)
+        if self.bias is not None:
+            z.add_(self.bias.to(z.dtype))
+        self.z = self.bias = self.residual = None
+        return z
 
 
 class WanKernelDecoder:
@@ -75,19 +92,33 @@ class WanKernelDecoder:
     Args:
         reference: a `WanVAEDecoder` on a CUDA device (any dtype; weights are re-laid out in bf16 and the
             reference is not kept).
-        ops: the loaded extension (`pan2cli.vae.kernel.load_kernel`).
+        ops: the loaded kernel ops (`pan2cli.vae.kernel.load_kernel`).
         tail_frames: video frames per pass through the high-resolution stages (up_blocks.2, up_blocks.3,
             head). Within a chunk the decode goes depth first: up_blocks.1's upsampler and everything
             after it walk the chunk `tail_frames` frames at a time, which bounds the memory of the
             largest activations (225 MB per frame at 512 x 352 x 624) without changing the output.
+            2 keeps the decode of 704x1248 under 6 GiB; 4 is ~1 % faster and peaks near 6.5 GiB.
+        fixed_order_convs: run the convs at the latent and 2x-latent resolutions (and post_quant_conv) in
+            the fixed-order Triton kernel (`pan2cli.vae.conv_kernel`), so that chunk sizes and row splits
+            round alike; cuDNN otherwise (~5 % faster on an H200, but chunk sizes and splits then differ by
+            a few uint8 levels with random weights). Default: on for CUDA where Triton is installed.
     """
 
-    def __init__(self, reference: WanVAEDecoder, ops: ModuleType, tail_frames: int = 4):
+    # A resampler's stacked phase output is 4x its output frame at the input resolution (227 MB per
+    # frame in up_blocks.2): the phase conv and interleave run on groups of frames below this size.
+    phase_bytes_per_pass = 256 * 2**20
+
+    def __init__(self, reference: WanVAEDecoder, ops, tail_frames: int = 2, fixed_order_convs: bool | None = None):
         self.config = reference.config
         self.device = reference.device
         self.dtype = torch.bfloat16
         self.ops = ops
         self.tail_frames = tail_frames
+        # On CUDA with Triton by default; elsewhere only when asked (tests, under the Triton interpreter).
+        if fixed_order_convs is None:
+            fixed_order_convs = self.device.type == "cuda" and conv_kernel.available()
+        self.fixed_order_convs = fixed_order_convs
+        self._fixed_order_width = 0  # set per decode: twice the latent width
         # The structure we walk; the weights are copied below in the kernel's layout, so the caller can
         # drop the reference (and its copy of the weights).
         self._up_blocks = [
@@ -119,106 +150,156 @@ class WanKernelDecoder:
             self._weights["attn.proj.bias"] = attention.proj.bias.to(torch.bfloat16)
         self._history: dict[str, torch.Tensor] = {}
         self._rows: RowSplit | None = None
+        # The decode's largest conv input is that of the last up-block's first conv (512 channels at full
+        # resolution, 225 MB per frame), and the memory peak sits there: that conv keeps its history inside
+        # one persistent (2 + t)-frame buffer instead of a 2-frame history plus a transient buffer.
+        self._in_place_history = {f"decoder.up_blocks.{len(self._up_blocks) - 1}.resnets.0.conv1"}
+        self._rings: dict[str, torch.Tensor] = {}
 
     # -- building blocks ----------------------------------------------------------------------
     def _w(self, name: str) -> torch.Tensor:
         return self._weights[name]
 
-    def _buffer(self, key: str, like: torch.Tensor, channels: int, halo: bool = True) -> torch.Tensor:
+    def _buffer(self, key: str, like: torch.Tensor, channels: int, halo: bool = True) -> tuple[torch.Tensor, bool]:
         """(B, 2 + t, H', W, C) conv input buffer whose first two frames hold the conv's history.
 
         With `halo` (every 3x3 conv), H' = h + 2: rows 0 and h + 1 hold the neighbouring ranks' rows
         under a row split and zeros otherwise, and the conv pads only W. One process and a split thus
         run the same convolution problem on different heights (`_interior` is where the rows go).
+        Returns the buffer and whether the history is fresh (all zeros: the decode's first chunk).
         """
         b, t, h, w, _ = like.shape
         rows = h + 2 if halo else h
         history = self._history.get(key)
-        if history is None:
+        fresh = history is None
+        if key in self._in_place_history:
+            # Sized once for the longest pass (one batch: shorter passes use a prefix, still dense).
+            ring = self._rings.get(key)
+            if ring is None or ring.shape[1] < 2 + t or (b > 1 and ring.shape[1] != 2 + t):
+                frames = max(t, self.tail_frames) if b == 1 else t
+                ring = torch.empty(b, 2 + frames, rows, w, channels, dtype=torch.bfloat16, device=like.device)
+                if fresh:
+                    ring[:, :2].zero_()
+                else:
+                    ring[:, :2].copy_(history)
+                self._rings[key] = ring
+                self._history[key] = ring[:, :2]
+            return ring[:, : 2 + t], fresh
+        if fresh:
             history = torch.zeros(b, 2, rows, w, channels, dtype=torch.bfloat16, device=like.device)
             self._history[key] = history
         buf = torch.empty(b, 2 + t, rows, w, channels, dtype=torch.bfloat16, device=like.device)
-        buf[:, :2].copy_(history)
-        return buf
+        if not (fresh and t == 1):  # a one-frame first chunk skips the zero history (`_conv`)
+            buf[:, :2].copy_(history)
+        return buf, fresh
 
     @staticmethod
     def _interior(buf: torch.Tensor) -> torch.Tensor:
         """The chunk's frames of a conv buffer without the halo rows: where the norm writes."""
         return buf[:, 2:, 1:-1]
 
-    def _halo(self, buf: torch.Tensor) -> None:
-        """Fill the halo rows of the chunk's frames: the neighbours' rows, zeros at the frame's edges."""
+    def _halo(self, frames: torch.Tensor) -> None:
+        """Fill the halo rows of `(…, h + 2, W, C)` frames: the neighbours' rows, zeros at the frame's edges."""
         if self._rows is not None:
-            self._rows.fill_halo_rows(buf[:, 2:])
+            self._rows.fill_halo_rows(frames)
         else:
-            buf[:, 2:, :1].zero_()
-            buf[:, 2:, -1:].zero_()
+            frames[..., :: frames.shape[-3] - 1, :, :].zero_()  # rows 0 and h + 1 in one kernel
 
     def _keep_history(self, key: str, buf: torch.Tensor) -> None:
-        t = buf.shape[1] - 2
-        self._history[key].copy_(buf[:, t : t + 2])
+        history, t = self._history[key], buf.shape[1] - 2
+        if t == 1:  # the buffer's history frames may not have been filled (`_buffer`): shift, then append
+            history[:, :1].copy_(history[:, 1:])
+            history[:, 1:].copy_(buf[:, 2:])
+        else:
+            history.copy_(buf[:, t : t + 2])
 
-    def _conv(self, buf: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal conv over a history buffer: (B, 2 + t, H', W, Cin) -> (B, t, H, W, Cout)."""
+    def _fixed_order(self, width: int, c_in: int) -> bool:
+        """Whether a conv on frames `width` wide runs in the fixed-order kernel (`conv_kernel`) or in cuDNN.
+
+        The latent and 2x-latent resolutions (1024 channels): there cuDNN's algorithm, hence its rounding,
+        changes with the band height and the frame count. Decided by the width, which a row split leaves
+        whole, so every rank and every chunk size decide alike.
+        """
+        return self.fixed_order_convs and width <= self._fixed_order_width and conv_kernel.applies(c_in)
+
+    def _conv(
+        self, buf: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fresh: bool = False
+    ) -> torch.Tensor:
+        """Causal conv over a history buffer: (B, 2 + t, H', W, Cin) -> (B, t, H, W, Cout); bias fp32.
+
+        With a fresh (zero) history and one frame, only the kernel's last time tap sees non-zero input:
+        the conv runs with that tap alone (a third of the FLOPs; the same sum without the zero terms).
+        """
+        if fresh and buf.shape[1] == 3:
+            buf, weight = buf[:, 2:], weight[:, :, 2:].contiguous(memory_format=torch.channels_last_3d)
         # 3x3 convs read halo rows from the buffer (padding W only); (3, 1, 1) convs need none.
-        out = F.conv3d(buf.permute(0, 4, 1, 2, 3), weight, bias, padding=(0, 0, weight.shape[4] // 2))
+        pad_w = weight.shape[4] // 2
+        if self._fixed_order(buf.shape[3], buf.shape[4]):
+            return conv_kernel.conv_channels_last(buf, weight, bias, pad_w=pad_w)
+        bias = None if bias is None else bias.to(torch.bfloat16)
+        out = F.conv3d(buf.permute(0, 4, 1, 2, 3), weight, bias, padding=(0, 0, pad_w))
         return out.permute(0, 2, 3, 4, 1)
 
-    def _norm_into(self, x, gamma, out, *, bias=None, residual=None, sum_out=None, silu=True, history=None) -> None:
-        self.ops.rms_norm_silu(x, gamma, bias, residual, sum_out, out, silu, history)
+    def _norm_into(
+        self, x, gamma, out, *, bias=None, residual=None, sum_out=None, silu=True, history=None, normalize=True
+    ) -> None:
+        self.ops.rms_norm_silu(x, gamma, bias, residual, sum_out, out, silu, history, normalize)
 
-    def _norm_conv(self, key: str, x, gamma: torch.Tensor, keep_sum: bool = True) -> torch.Tensor:
+    def _sum_into(self, x: _Pending, out: torch.Tensor) -> None:
+        """Write `x` (bias and residual added, one bf16 rounding) into `out`; `x` gives up its tensors."""
+        c = x.z.shape[-1]
+        gamma = self._weights.get(f"ones.{c}")  # unused without normalize; the op wants a [C] vector
+        if gamma is None:
+            gamma = self._weights[f"ones.{c}"] = torch.ones(c, dtype=torch.float32, device=x.z.device)
+        self._norm_into(x.z, gamma, out, bias=x.bias, residual=x.residual, silu=False, normalize=False)
+        x.z = x.bias = x.residual = None
+
+    def _norm_conv(self, key: str, x: _Pending, gamma: torch.Tensor, keep_sum: bool = True) -> torch.Tensor:
         """SiLU(RMS(x)) written behind the history of conv `key`, then the conv (no bias).
 
-        `x` is a tensor or a `_Pending` sum; with `keep_sum` the sum is also stored in place of `x.z`
-        (it is the next block's residual input).
+        `x` is consumed: with `keep_sum` the sum is stored in place of `x.z`, which stays (it is the next
+        block's residual input); its other tensors are released.
         """
-        source = x.z if isinstance(x, _Pending) else x
-        buf = self._buffer(key, source, source.shape[-1])
+        source = x.z
+        buf, fresh = self._buffer(key, source, source.shape[-1])
         # The norm also writes the chunk's last two frames into the history (no copy after the conv),
         # unless the chunk has one frame or the history carries halo rows that the swap fills.
-        direct = source.shape[1] >= 2 and self._rows is None
+        direct = source.shape[1] >= 2 and self._rows is None and key not in self._in_place_history
         history = self._history[key][:, :, 1:-1] if direct else None  # its halo rows stay zero
-        if isinstance(x, _Pending):
-            sum_out = x.z if keep_sum else None
-            self._norm_into(
-                x.z, gamma, self._interior(buf), bias=x.bias, residual=x.residual, sum_out=sum_out, history=history
-            )
-        else:
-            self._norm_into(x, gamma, self._interior(buf), history=history)
-        self._halo(buf)
-        out = self._conv(buf, self._w(key + ".weight"))
+        sum_out = source if keep_sum and (x.bias is not None or x.residual is not None) else None
+        self._norm_into(
+            source, gamma, self._interior(buf), bias=x.bias, residual=x.residual, sum_out=sum_out, history=history
+        )
+        x.bias = x.residual = None
+        if not keep_sum:
+            x.z = None
+        del source
+        self._halo(buf[:, 2:])
+        out = self._conv(buf, self._w(key + ".weight"), fresh=fresh)
         if not direct:
             self._keep_history(key, buf)
         return out
 
-    @staticmethod
-    def _materialise(x) -> torch.Tensor:
-        if not isinstance(x, _Pending):
-            return x
-        z = x.z
-        if x.residual is not None:
-            z.add_(x.residual)
-        if x.bias is not None:
-            z.add_(x.bias.to(z.dtype))
-        return z
-
-    def _resblock(self, prefix: str, has_shortcut: bool, x) -> _Pending:
-        x_in = self._materialise(x) if has_shortcut else x
+    def _resblock(self, prefix: str, has_shortcut: bool, x: _Pending) -> _Pending:
+        """One residual block; consumes `x` (its input is freed once the first norm has read it)."""
         if has_shortcut:
+            x_in = x.take()
             w = self._w(prefix + ".conv_shortcut.weight")
             bias = self._w(prefix + ".conv_shortcut.bias").to(torch.bfloat16)
             h = F.linear(x_in, w.reshape(w.shape[0], w.shape[1]), bias)
-            y = self._norm_conv(prefix + ".conv1", x_in, self._w(prefix + ".norm1.gamma"))
+            x = _Pending(x_in)
+            del x_in  # the norm below is its last reader: freed before conv1 runs
+            y = self._norm_conv(prefix + ".conv1", x, self._w(prefix + ".norm1.gamma"), keep_sum=False)
         else:
             y = self._norm_conv(prefix + ".conv1", x, self._w(prefix + ".norm1.gamma"))
-            h = x.z if isinstance(x, _Pending) else x  # materialised in place by the norm above
-        y = _Pending(y, self._w(prefix + ".conv1.bias"), None)
+            h = x.z  # the materialised sum is the residual
+            x.z = None
+        y = _Pending(y, self._w(prefix + ".conv1.bias"))
         z = self._norm_conv(prefix + ".conv2", y, self._w(prefix + ".norm2.gamma"), keep_sum=False)
         return _Pending(z, self._w(prefix + ".conv2.bias"), h)
 
-    def _attention(self, x) -> torch.Tensor:
-        x = self._materialise(x)
+    def _attention(self, x: _Pending) -> _Pending:
+        x = x.take()
         # Under a row split every rank attends over the whole gathered frame (0.1 % of the decode's
         # FLOPs) and keeps its rows: the same GEMM shapes as one process, hence the same rounding.
         frame = x if self._rows is None else self._rows.gather_rows(x, dim=2)
@@ -231,49 +312,73 @@ class WanKernelDecoder:
         o = F.linear(o, self._w("attn.proj.weight"), self._w("attn.proj.bias")).reshape(b, t, h, w, c)
         if self._rows is not None:
             o = self._rows.take(o.permute(0, 1, 4, 2, 3)).permute(0, 1, 3, 4, 2)  # this rank's rows
-        return x.add_(o)
+        return _Pending(x.add_(o))
 
-    def _upsample(self, prefix: str, mode: str, x: torch.Tensor, x_in: torch.Tensor, first_chunk: bool) -> torch.Tensor:
-        b, t, h, w, c = x.shape
+    def _upsample(self, prefix: str, mode: str, x: _Pending, x_in: torch.Tensor, first_chunk: bool) -> torch.Tensor:
+        """Resampler on the block output `x` (consumed) with the DupUp3D shortcut of the block input `x_in`."""
+        b, t, h, w, c = x.z.shape
         factor_t = 2 if mode == "upsample3d" else 1
         if mode == "upsample3d" and not first_chunk:
             key = prefix + ".time_conv"
-            buf = self._buffer(key, x, c, halo=False)  # kernel (3, 1, 1): no spatial neighbours
-            buf[:, 2:].copy_(x)
-            y = self._conv(buf, self._w(key + ".weight"), self._w(key + ".bias").to(torch.bfloat16))
+            # Kernel (3, 1, 1): no spatial neighbours. Fresh on the second chunk (the first skips it).
+            buf, fresh = self._buffer(key, x.z, c, halo=False)
+            self._sum_into(x, buf[:, 2:])
+            y = self._conv(buf, self._w(key + ".weight"), self._w(key + ".bias"), fresh=fresh)
             self._keep_history(key, buf)
-            # depth-to-time: channels [0, C) -> frame 2t, [C, 2C) -> frame 2t+1
-            x = y.reshape(b, t, h, w, 2, c).permute(0, 1, 4, 2, 3, 5).reshape(b, 2 * t, h, w, c)
+            del buf
+            # depth-to-time: channels [0, C) -> frame 2t, [C, 2C) -> frame 2t+1; written with halo rows
+            frames = torch.empty(b, 2 * t, h + 2, w, c, dtype=torch.bfloat16, device=y.device)
+            interior = frames[:, :, 1:-1].view(b, t, 2, h, w, c)
+            interior.copy_(y.reshape(b, t, h, w, 2, c).permute(0, 1, 4, 2, 3, 5))
+            del y
             t = 2 * t
-        # The 2x2 phase convs read one row above and below: halo rows as in `_buffer`.
-        frames = torch.empty(b * t, h + 2, w, c, dtype=x.dtype, device=x.device)
-        frames[:, 1:-1].copy_(x.reshape(b * t, h, w, c))
-        if self._rows is not None:
-            self._rows.fill_halo_rows(frames)
         else:
-            frames[:, :1].zero_()
-            frames[:, -1:].zero_()
-        phases = F.conv2d(frames.permute(0, 3, 1, 2), self._w(prefix + ".phases"), None, padding=(0, 1))
-        phases = phases.permute(0, 2, 3, 1).contiguous()
-        out = torch.empty(b, t, 2 * h, 2 * w, c, dtype=torch.bfloat16, device=x.device)
+            frames = torch.empty(b, t, h + 2, w, c, dtype=torch.bfloat16, device=x.z.device)
+            self._sum_into(x, frames[:, :, 1:-1])
+        # The 2x2 phase convs read one row above and below: halo rows as in `_buffer`.
+        self._halo(frames)
+        frames = frames.view(b * t, h + 2, w, c)
+        out = torch.empty(b, t, 2 * h, 2 * w, c, dtype=torch.bfloat16, device=frames.device)
         frame_offset = factor_t - 1 if first_chunk else 0
-        self.ops.phase_interleave(phases, self._w(prefix + ".bias"), x_in, out, factor_t, frame_offset)
+        # Frames per phase conv, from the whole frame's height: a row split must not change the conv's
+        # batch (cuDNN's algorithm, hence its rounding, depends on it).
+        full_h = h if self._rows is None else self._rows.total_rows(h)
+        group = max(1, self.phase_bytes_per_pass // ((full_h + 1) * (w + 1) * 4 * c * 2)) if b == 1 else t
+        fixed_order = self._fixed_order(w, c)
+        for f in range(0, t, group):
+            if fixed_order:
+                phases = conv_kernel.conv_channels_last(frames[f : f + group], self._w(prefix + ".phases"), pad_w=1)
+            else:
+                phases = F.conv2d(
+                    frames[f : f + group].permute(0, 3, 1, 2), self._w(prefix + ".phases"), None, padding=(0, 1)
+                )
+                phases = phases.permute(0, 2, 3, 1).contiguous()
+            self.ops.phase_interleave(
+                phases, self._w(prefix + ".bias"), x_in, out[:, f : f + group], factor_t, frame_offset + f
+            )
+            del phases  # before the next group's conv allocates its own
         return out
 
-    def _up_block(self, i: int, x, first_chunk: bool, upsample: bool = True):
-        """Residual blocks of up-block `i` (and its upsampler if `upsample`); returns (output, block input)."""
+    def _up_block(
+        self, i: int, x: _Pending, first_chunk: bool, upsample: bool = True
+    ) -> tuple[_Pending, torch.Tensor | None]:
+        """Residual blocks of up-block `i` (and its upsampler if `upsample`); consumes `x`.
+
+        Returns the output and the block input (kept for the upsampler's DupUp3D shortcut).
+        """
         shortcuts, mode = self._up_blocks[i]
         prefix = f"decoder.up_blocks.{i}"
-        x_in = self._materialise(x).contiguous() if mode is not None else None
-        if x_in is not None:
-            x = x_in
+        x_in = None
+        if mode is not None:
+            x_in = x.take().contiguous()
+            x = _Pending(x_in)
         for j, has_shortcut in enumerate(shortcuts):
             x = self._resblock(f"{prefix}.resnets.{j}", has_shortcut, x)
         if mode is not None and upsample:
-            x = self._upsample(f"{prefix}.upsampler", mode, self._materialise(x), x_in, first_chunk)
+            x = _Pending(self._upsample(f"{prefix}.upsampler", mode, x, x_in, first_chunk))
         return x, x_in
 
-    def _head(self, x) -> torch.Tensor:
+    def _head(self, x: _Pending) -> torch.Tensor:
         y = self._norm_conv("decoder.conv_out", x, self._w("decoder.norm_out.gamma"), keep_sum=False)
         b, t, h, w, _ = y.shape
         frames = torch.empty(b * t, 2 * h, 2 * w, 3, dtype=torch.uint8, device=y.device)
@@ -287,33 +392,39 @@ class WanKernelDecoder:
         up_blocks.1's upsampler on, the chunk is walked depth first. Every stage is causal per frame with
         its own history, so any such walk gives the same frames.
         """
-        buf = self._buffer("decoder.conv_in", x, x.shape[-1])
+        buf, fresh = self._buffer("decoder.conv_in", x, x.shape[-1])
         self._interior(buf).copy_(x)
-        self._halo(buf)
-        y = self._conv(buf, self._w("decoder.conv_in.weight"))
+        self._halo(buf[:, 2:])
+        y = self._conv(buf, self._w("decoder.conv_in.weight"), fresh=fresh)
         self._keep_history("decoder.conv_in", buf)
-        x = _Pending(y, self._w("decoder.conv_in.bias"), None)
+        del buf, x
+        x = _Pending(y, self._w("decoder.conv_in.bias"))
         x = self._resblock("decoder.mid_block.resnets.0", False, x)
         x = self._attention(x)
         x = self._resblock("decoder.mid_block.resnets.1", False, x)
         n_up = len(self._up_blocks)
         for i in range(n_up - 3):  # blocks before the last upsampler that doubles time
-            x, _ = self._up_block(i, x, first_chunk)
+            x = self._up_block(i, x, first_chunk)[0]
         # up_blocks[-3] (up_blocks.1 in TI2V-5B): residual blocks on the chunk, upsampler per slice
         x, x_in = self._up_block(n_up - 3, x, first_chunk, upsample=False)
-        x = self._materialise(x)
+        x = x.take()
         _, mode = self._up_blocks[n_up - 3]
         step = max(1, self.tail_frames // 2) if mode == "upsample3d" and not first_chunk else self.tail_frames
         for a in range(0, x.shape[1], step):
             up = self._upsample(
-                f"decoder.up_blocks.{n_up - 3}.upsampler", mode, x[:, a : a + step], x_in[:, a : a + step].contiguous(), first_chunk
+                f"decoder.up_blocks.{n_up - 3}.upsampler",
+                mode,
+                _Pending(x[:, a : a + step]),
+                x_in[:, a : a + step].contiguous(),
+                first_chunk,
             )
-            pieces = list(up.split(self.tail_frames, dim=1))
-            del up  # a single piece is then freed as soon as up_blocks.2 has consumed it
+            # Each piece is owned by its pending sum only: freed as soon as up_blocks.2 has read it.
+            pieces = [_Pending(piece) for piece in up.split(self.tail_frames, dim=1)]
+            del up
             while pieces:
                 tail = pieces.pop(0)
                 for i in range(n_up - 2, n_up):
-                    tail, _ = self._up_block(i, tail, first_chunk)
+                    tail = self._up_block(i, tail, first_chunk)[0]  # (the block input is not kept alive)
                 yield self._head(tail)
 
     # -- public -----------------------------------------------------------------------------
@@ -328,16 +439,20 @@ class WanKernelDecoder:
         the frames it yields are its band (`rows.gather_rows` puts them together).
         """
         n = chunk_latent_frames or self.config.chunk_latent_frames
-        self._history = {}
+        self._history, self._rings = {}, {}
         self._rows = rows
+        self._fixed_order_width = 2 * z.shape[-1]
         if rows is not None:
             z = rows.take(z)
         x = z.to(self.device, torch.bfloat16).permute(0, 2, 3, 4, 1).contiguous()  # (B, T, h, w, z)
         w = self._w("post_quant_conv.weight")
-        x = F.linear(x, w.reshape(w.shape[0], w.shape[1]), self._w("post_quant_conv.bias").to(torch.bfloat16))
+        if self._fixed_order(x.shape[3], x.shape[4]):  # 1x1x1: the row split must not change its GEMM either
+            x = conv_kernel.conv_channels_last(x, w, self._w("post_quant_conv.bias"))
+        else:
+            x = F.linear(x, w.reshape(w.shape[0], w.shape[1]), self._w("post_quant_conv.bias").to(torch.bfloat16))
         try:
             for start, stop in chunk_bounds(x.shape[1], n):
                 yield from self._decoder_chunk(x[:, start:stop].contiguous(), first_chunk=start == 0)
         finally:
-            self._history = {}
+            self._history, self._rings = {}, {}
             self._rows = None

@@ -64,6 +64,10 @@ class RowSplit:
             raise ValueError(f"{local_rows} rows is not a multiple of this rank's {self.sizes[self.rank]} latent rows")
         return [size * scale for size in self.sizes]
 
+    def total_rows(self, local_rows: int) -> int:
+        """The whole frame's rows at the resolution where this rank holds `local_rows`."""
+        return sum(self._sizes_at(local_rows))
+
     def halo(self, x: torch.Tensor, pad_w: int = 0) -> torch.Tensor:
         """`x` with one row above and one below from the neighbouring ranks, and `pad_w` zero columns each side.
 
