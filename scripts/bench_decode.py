@@ -127,10 +127,10 @@ class _CountingOps:
         self.ops = ops
         self.bytes = {"rms_norm": 0, "phase_interleave": 0, "head_to_uint8": 0}
 
-    def rms_norm_silu(self, x, gamma, bias, residual, sum_out, out, silu, history=None):
+    def rms_norm_silu(self, x, gamma, bias, residual, sum_out, out, silu, history, normalize):
         tensors = 2 + (residual is not None) + (sum_out is not None)
         self.bytes["rms_norm"] += x.numel() * 2 * tensors + (history.numel() * 2 if history is not None else 0)
-        return self.ops.rms_norm_silu(x, gamma, bias, residual, sum_out, out, silu, history)
+        return self.ops.rms_norm_silu(x, gamma, bias, residual, sum_out, out, silu, history, normalize)
 
     def phase_interleave(self, phases, bias, shortcut, out, factor_t, frame_offset):
         self.bytes["phase_interleave"] += (phases.numel() + out.numel() + (shortcut.numel() if shortcut is not None else 0)) * 2
@@ -161,7 +161,9 @@ def profile_kernel_path(run, z, kernel=None) -> list[tuple[str, float]]:
     for event in prof.key_averages():
         name = event.key.lower()
         total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-        if any(s in name for s in ("conv", "xmma", "cutlass", "implicit", "gemm", "sm90", "cudnn", "nhwc")):
+        if "implicit_gemm_conv" in name:
+            group = "fixed-order convs (Triton, low resolution)"
+        elif any(s in name for s in ("conv", "xmma", "cutlass", "implicit", "gemm", "sm90", "cudnn", "nhwc")):
             group = "convolutions / GEMMs (cuDNN, cuBLAS)"
         elif "rms_norm" in name:
             group = "fused RMS norm + SiLU (+ bias, residual)"
@@ -196,9 +198,10 @@ def main() -> None:
     parser.add_argument("--chunk-latent-frames", type=int, default=4)
     parser.add_argument(
         "--kernel-variants",
-        default="4:4",
-        help="comma-separated CHUNK:TAIL[:bench] of the kernel path (latent frames per chunk : video frames per "
-        "pass through the high-resolution stages [: with torch.backends.cudnn.benchmark]); one row each",
+        default="4:2",
+        help="comma-separated CHUNK:TAIL[:bench][:det][:cudnn] of the kernel path (latent frames per chunk : video "
+        "frames per pass through the high-resolution stages [: torch.backends.cudnn.benchmark] [: cudnn.deterministic] "
+        "[: cuDNN also for the low-resolution convs instead of the fixed-order kernel]); one row each",
     )
     parser.add_argument("--skip-diffusers", action="store_true", help="only our two paths")
     parser.add_argument("--skip-reference", action="store_true", help="no timing of our bf16 reference")
@@ -255,10 +258,10 @@ def main() -> None:
         print(name, json.dumps(row), flush=True)
         return run, keep
 
-    def build_kernel(chunk: int, tail: int):
+    def build_kernel(chunk: int, tail: int, fixed_order: bool):
         ref = reference_decoder(state, torch.bfloat16)
         ref.config = ref.config.replace(chunk_latent_frames=chunk)
-        kernel = WanKernelDecoder(ref, load_kernel(), tail_frames=tail)
+        kernel = WanKernelDecoder(ref, load_kernel(), tail_frames=tail, fixed_order_convs=fixed_order)
         return ours(kernel), kernel
 
     def build_reference():
@@ -269,16 +272,21 @@ def main() -> None:
     for variant in args.kernel_variants.split(","):
         parts = variant.split(":")
         chunk, tail = int(parts[0]), int(parts[1])
-        autotune = len(parts) > 2 and parts[2] == "bench"
+        autotune = "bench" in parts[2:]
+        deterministic = "det" in parts[2:]
+        fixed_order = "cudnn" not in parts[2:]
         torch.backends.cudnn.benchmark = autotune
-        name = f"pan2cli kernel (bf16, chunk {chunk}, tail {tail}{', cudnn.benchmark' if autotune else ''})"
-        kernel_run, kernel = measure(name, lambda: build_kernel(chunk, tail))
+        torch.backends.cudnn.deterministic = deterministic
+        flags = (", cudnn.benchmark" if autotune else "") + (", cudnn.deterministic" if deterministic else "")
+        flags += "" if fixed_order else ", cuDNN for every conv"
+        name = f"pan2cli kernel (bf16, chunk {chunk}, tail {tail}{flags})"
+        kernel_run, kernel = measure(name, lambda: build_kernel(chunk, tail, fixed_order))
         if args.profile:
             results.setdefault("profile", {})[name] = profile = profile_kernel_path(kernel_run, z, kernel)
             for group, seconds in profile:
                 print(f"  {group:<45} {seconds:7.3f} s", flush=True)
         del kernel_run, kernel
-        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.benchmark = torch.backends.cudnn.deterministic = False
     if not args.skip_reference:
         measure("pan2cli reference (bf16)", build_reference)
     if not args.skip_diffusers:
