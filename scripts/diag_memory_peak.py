@@ -16,8 +16,7 @@ import torch
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.kernel import load_kernel
 from pan2cli.vae.kernel_decoder import WanKernelDecoder
-from pan2cli.vae.model import WanVAEDecoder
-from pan2cli.vae.random_weights import random_vae_state_dict
+from pan2cli.vae.random_weights import random_decoder
 
 
 def _where(frames) -> str:
@@ -33,13 +32,7 @@ def main() -> None:
     parser.add_argument("--tail-frames", type=int, default=2)
     args = parser.parse_args()
     shape = tuple(int(v) for v in args.latent_shape.split(","))
-    config = WanVAEConfig()
-    state = random_vae_state_dict(config, seed=0, encoder=False)
-    with torch.device("meta"):
-        reference = WanVAEDecoder(config)
-    reference.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()}, assign=True)
-    decoder = WanKernelDecoder(reference.to("cuda").eval(), load_kernel(), tail_frames=args.tail_frames)
-    del reference, state
+    decoder = WanKernelDecoder(random_decoder(WanVAEConfig()), load_kernel(), tail_frames=args.tail_frames)
     torch.cuda.empty_cache()
     z = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     for _ in decoder.decode_uint8_chunks(z):  # warm-up

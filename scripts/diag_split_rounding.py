@@ -26,8 +26,7 @@ import torch.nn.functional as F
 from pan2cli.vae import kernel_decoder
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.kernel import load_kernel
-from pan2cli.vae.model import WanVAEDecoder
-from pan2cli.vae.random_weights import random_vae_state_dict
+from pan2cli.vae.random_weights import random_decoder
 
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
@@ -204,15 +203,8 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = not args.fp32_gemm_reductions
     shape = tuple(int(v) for v in args.latent_shape.split(","))
 
-    config = WanVAEConfig()
-    state = random_vae_state_dict(config, seed=0, encoder=False)
-    with torch.device("meta"):
-        reference = WanVAEDecoder(config)
-    reference.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()}, assign=True)
-    reference = reference.to("cuda").eval()
     kwargs = {} if args.tail_frames is None else {"tail_frames": args.tail_frames}
-    decoder = kernel_decoder.WanKernelDecoder(reference, load_kernel(), **kwargs)
-    del reference, state
+    decoder = kernel_decoder.WanKernelDecoder(random_decoder(WanVAEConfig()), load_kernel(), **kwargs)
     torch.cuda.empty_cache()
     z = torch.randn(shape, generator=torch.Generator().manual_seed(1))
 

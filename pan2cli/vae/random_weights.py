@@ -288,6 +288,19 @@ def random_vae_state_dict(
     return state
 
 
+def random_decoder(
+    config: WanVAEConfig, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda"
+):
+    """A `WanVAEDecoder` with random weights (`random_vae_state_dict`'s values), in `dtype` on `device`."""
+    from pan2cli.vae.model import WanVAEDecoder
+
+    state = random_vae_state_dict(config, seed=seed, encoder=False)
+    with torch.device("meta"):
+        decoder = WanVAEDecoder(config)
+    decoder.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    return decoder.to(device).eval()
+
+
 # -- files ------------------------------------------------------------------------------------------
 def write_test_checkpoints(
     out_dir: Path,
