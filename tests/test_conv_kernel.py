@@ -77,3 +77,18 @@ def test_bands_and_frame_counts_give_bit_identical_outputs():
     assert torch.equal(top, whole[:, :, :22])
     assert torch.equal(bottom, whole[:, :, 22:])
     assert torch.equal(one_frame, whole[:, :1])
+
+
+@pytest.mark.parametrize("arch, instruction", [(90, "wgmma"), (100, "tcgen05")], ids=["sm_90", "sm_100"])
+def test_compiles_for_hopper_and_blackwell_without_a_gpu(arch, instruction):
+    """Triton builds the kernel ahead of time for both architectures (bundled ptxas), with tensor-core
+    MMAs: the thin conv_in layer (steps of 16 channels) and a 1024-channel 3x3x3 layer."""
+    from scripts.check_conv_kernel_compiles import (
+        compile_layer,
+        tensor_core_instruction,
+    )
+
+    for layer in ("conv_in", "3x3x3 1024"):
+        compiled = compile_layer(layer, arch)
+        assert len(compiled.asm["cubin"]) > 0
+        assert tensor_core_instruction(compiled) == instruction

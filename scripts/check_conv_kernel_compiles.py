@@ -1,0 +1,94 @@
+"""Compile the fixed-order Triton conv for each layer class of the decoder for sm_90 and sm_100 without a GPU.
+
+Usage: python scripts/check_conv_kernel_compiles.py
+
+Triton compiles ahead of time for a target it is told (its bundled ptxas), so this checks on a machine
+without a GPU that every configuration the decoder launches builds for Hopper (wgmma) and Blackwell
+(tcgen05). Nothing is run. tests/test_conv_kernel.py calls `compile_layer` for two of them.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pan2cli.vae import conv_kernel
+
+SIGNATURE = {
+    "x_ptr": "*bf16",
+    "w_ptr": "*bf16",
+    "bias_ptr": "*fp32",
+    "out_ptr": "*bf16",
+    "M": "i32",
+    "C_OUT": "i32",
+    "T_OUT": "i32",
+    "H_OUT": "i32",
+    "W_OUT": "i32",
+    "W_IN": "i32",
+    "sx_b": "i64",
+    "sx_t": "i64",
+    "sx_h": "i32",
+}
+LAYERS = {  # name: (C_in, (KT, KH, KW), pad_w, bias, C_out), what kernel_decoder launches
+    "conv_in": (48, (3, 3, 3), 1, False, 1024),
+    "conv_in, first chunk": (48, (1, 3, 3), 1, False, 1024),
+    "post_quant_conv": (48, (1, 1, 1), 0, True, 48),
+    "3x3x3 1024": (1024, (3, 3, 3), 1, False, 1024),
+    "3x3x3 1024, first chunk": (1024, (1, 3, 3), 1, False, 1024),
+    "time conv": (1024, (3, 1, 1), 0, True, 2048),
+    "phase conv 2x2": (1024, (1, 2, 2), 1, False, 4096),
+}
+
+
+def compile_layer(name: str, arch: int):
+    """The compiled kernel (`triton.compiler.CompiledKernel`) of layer `name` for sm_`arch`."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    # A real (not interpreted) kernel, whatever the process's tests set.
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        kernel = conv_kernel._kernel()
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    c_in, (kt, kh, kw), pad_w, bias, c_out = LAYERS[name]
+    block_m, block_n, warps, stages = conv_kernel._tiles(c_out)
+    constexprs = {
+        "C_IN": c_in,
+        "KT": kt,
+        "KH": kh,
+        "KW": kw,
+        "PAD_W": pad_w,
+        "HAS_BIAS": bias,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "BLOCK_K": conv_kernel.block_k(c_in),
+        "GROUP_M": 8,
+        "INTERPRET": False,
+    }
+    signature = {**SIGNATURE, **dict.fromkeys(constexprs, "constexpr")}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    options = {"num_warps": warps, "num_stages": stages}
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def tensor_core_instruction(compiled) -> str:
+    ptx = compiled.asm["ptx"]
+    return next((op for op in ("wgmma", "tcgen05", "mma.sync") if op in ptx), "none")
+
+
+def main() -> None:
+    for arch in (90, 100):
+        for name in LAYERS:
+            compiled = compile_layer(name, arch)
+            print(
+                f"sm_{arch} {name}: compiled ({tensor_core_instruction(compiled)}, {len(compiled.asm['cubin'])} bytes)"
+            )
+
+
+if __name__ == "__main__":
+    main()
