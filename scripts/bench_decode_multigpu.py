@@ -155,8 +155,21 @@ def worker(args: argparse.Namespace) -> None:
         if rank != 0:
             return
         print(f"{world} GPUs: {', '.join(f'{s:.3f}' for s in split[0])} s (rank 0)", flush=True)
-        diff = (base[2].int() - split[2].int()).abs()
-        report(args, world, base, per_rank, {"max_abs_diff": int(diff.max()), "fraction_differing": float((diff > 0).double().mean())})
+        report(args, world, base, per_rank, frame_equality(base[2], split[2]))
+
+
+def frame_equality(one: torch.Tensor, split: torch.Tensor) -> dict:
+    """uint8 frames (F, H, W, 3) of the split decode against one GPU's: max |diff|, the fraction of values
+    that differ, and which frames differ (where a difference enters tells which chunk or stage to look at)."""
+    diff = (one.int() - split.int()).abs()
+    per_frame = (diff > 0).flatten(1).double().mean(1)
+    differing = [i for i, fraction in enumerate(per_frame.tolist()) if fraction > 0]
+    return {
+        "max_abs_diff": int(diff.max()),
+        "fraction_differing": float((diff > 0).double().mean()),
+        "frames_differing": differing,
+        "fraction_differing_per_frame": [round(v, 6) for v in per_frame.tolist()],
+    }
 
 
 def _gib(n: int | None) -> str:
@@ -194,7 +207,20 @@ def report(args, world: int, base, per_rank: list[dict], equality: dict) -> None
         f"{100 * equality['fraction_differing']:.4f} % of values differ; "
         f"peak per rank {'≤' if peak <= (base[1]['allocated'] or 0) else '>'} 1-GPU peak"
     )
+    frames = equality["frames_differing"]
+    if frames:
+        print(f"frames that differ: {len(frames)} of {len(equality['fraction_differing_per_frame'])}, {_ranges(frames)}")
 
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 7, 9, 10] -> "0-2, 7, 9-10"."""
+    spans = [[indices[0], indices[0]]]
+    for i in indices[1:]:
+        if i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(f"{a}-{b}" if b != a else f"{a}" for a, b in spans)
 
 def main() -> int:
     argv = sys.argv[1:]
