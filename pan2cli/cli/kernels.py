@@ -33,7 +33,9 @@ def build_command():
     """Build the decode kernel for this machine's GPU now (a no-op when it is cached); prints its folder."""
     if current_arch() is None:
         why = kernel_status().decode_path.split(": ", 1)[-1]
-        raise KernelBuildError(f"nothing to build: {why}", hint="the kernel targets H100/H200 (sm_90a) and B200/B300 (sm_100a, sm_103a)")
+        raise KernelBuildError(
+            f"nothing to build: {why}", hint="the kernel targets H100/H200 (sm_90a) and B200/B300 (sm_100a, sm_103a)"
+        )
     start = time.perf_counter()
     with status("Building the decode kernel (about a minute the first time)…"):
         load_kernel()
@@ -51,12 +53,14 @@ def status_command(as_json):
         "built": report.built,
         "build_dir": str(report.build_dir) if report.build_dir else None,
         "decode_path": report.decode_path,
+        "convs": report.convs,
     }
     if as_json:
         result(json.dumps(values, indent=2))
         return
     for key, value in values.items():
-        result(f"{key:<12} {value}")
+        if value is not None or key != "convs":
+            result(f"{key:<12} {value}")
 
 
 @kernels_group.command("clean")

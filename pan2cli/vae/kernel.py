@@ -281,6 +281,7 @@ class KernelStatus:
     built: bool
     build_dir: Path | None
     decode_path: str  # which path `pan2 decode` would take, and why
+    convs: str | None = None  # the kernel path's convolution engines (None without a kernel target)
 
 
 def kernel_status(device: torch.device | None = None) -> KernelStatus:
@@ -300,7 +301,14 @@ def kernel_status(device: torch.device | None = None) -> KernelStatus:
         if built
         else f"compiled kernel ({arch}, bf16): built on first use (about a minute), or now with `pan2 kernels build`"
     )
-    return KernelStatus(arch, built, spec.build_dir, path)
+    from pan2cli.vae import conv_kernel
+
+    convs = (
+        "cuDNN at the two highest resolutions, the fixed-order Triton kernel below (chunk sizes and GPU splits round alike)"
+        if conv_kernel.available()
+        else "cuDNN everywhere: Triton is not installed, so chunk sizes and GPU splits may round a few levels apart"
+    )
+    return KernelStatus(arch, built, spec.build_dir, path, convs)
 
 
 def clean_kernel_cache() -> Path:
