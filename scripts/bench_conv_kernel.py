@@ -72,6 +72,12 @@ def main() -> None:
             diff = (run().float() - expected.float()).abs().max().item()
             ms = _time(run, args.repeats)
             print(f"| {name} | Triton {tiles} | {ms:.3f} | {flop / ms / 1e9:.0f} | {diff:.3g} |", flush=True)
+        if len(kernel) == 3:  # the TMA variant (3-D convs keep the width)
+            for tiles in TILES[:2]:
+                run = partial(conv_channels_last, x, w, pad_w=pad_w, tiles=tiles, tma=True)
+                diff = (run().float() - expected.float()).abs().max().item()
+                ms = _time(run, args.repeats)
+                print(f"| {name} | Triton TMA {tiles} | {ms:.3f} | {flop / ms / 1e9:.0f} | {diff:.3g} |", flush=True)
 
 
 if __name__ == "__main__":

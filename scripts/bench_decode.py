@@ -133,7 +133,9 @@ class _CountingOps:
         return self.ops.rms_norm_silu(x, gamma, bias, residual, sum_out, out, silu, history, normalize)
 
     def phase_interleave(self, phases, bias, shortcut, out, factor_t, frame_offset):
-        self.bytes["phase_interleave"] += (phases.numel() + out.numel() + (shortcut.numel() if shortcut is not None else 0)) * 2
+        self.bytes["phase_interleave"] += (
+            phases.numel() + out.numel() + (shortcut.numel() if shortcut is not None else 0)
+        ) * 2
         return self.ops.phase_interleave(phases, bias, shortcut, out, factor_t, frame_offset)
 
     def head_to_uint8(self, y, bias, out):
@@ -199,9 +201,10 @@ def main() -> None:
     parser.add_argument(
         "--kernel-variants",
         default="4:2",
-        help="comma-separated CHUNK:TAIL[:bench][:det][:cudnn] of the kernel path (latent frames per chunk : video "
-        "frames per pass through the high-resolution stages [: torch.backends.cudnn.benchmark] [: cudnn.deterministic] "
-        "[: cuDNN also for the low-resolution convs instead of the fixed-order kernel]); one row each",
+        help="comma-separated CHUNK:TAIL[:bench][:det][:cudnn][:tma] of the kernel path (latent frames per chunk : "
+        "video frames per pass through the high-resolution stages [: torch.backends.cudnn.benchmark] "
+        "[: cudnn.deterministic] [: cuDNN also for the low-resolution convs instead of the fixed-order kernel] "
+        "[: the fixed-order kernel's experimental TMA variant]); one row each",
     )
     parser.add_argument("--skip-diffusers", action="store_true", help="only our two paths")
     parser.add_argument("--skip-reference", action="store_true", help="no timing of our bf16 reference")
@@ -258,10 +261,12 @@ def main() -> None:
         print(name, json.dumps(row), flush=True)
         return run, keep
 
-    def build_kernel(chunk: int, tail: int, fixed_order: bool):
+    def build_kernel(chunk: int, tail: int, fixed_order: bool, tma: bool = False):
         ref = reference_decoder(state, torch.bfloat16)
         ref.config = ref.config.replace(chunk_latent_frames=chunk)
-        kernel = WanKernelDecoder(ref, load_kernel(), tail_frames=tail, fixed_order_convs=fixed_order)
+        kernel = WanKernelDecoder(
+            ref, load_kernel(), tail_frames=tail, fixed_order_convs=fixed_order, fixed_order_tma=tma
+        )
         return ours(kernel), kernel
 
     def build_reference():
@@ -275,12 +280,14 @@ def main() -> None:
         autotune = "bench" in parts[2:]
         deterministic = "det" in parts[2:]
         fixed_order = "cudnn" not in parts[2:]
+        tma = "tma" in parts[2:]
         torch.backends.cudnn.benchmark = autotune
         torch.backends.cudnn.deterministic = deterministic
         flags = (", cudnn.benchmark" if autotune else "") + (", cudnn.deterministic" if deterministic else "")
         flags += "" if fixed_order else ", cuDNN for every conv"
+        flags += ", TMA fixed-order convs" if tma else ""
         name = f"pan2cli kernel (bf16, chunk {chunk}, tail {tail}{flags})"
-        kernel_run, kernel = measure(name, lambda: build_kernel(chunk, tail, fixed_order))
+        kernel_run, kernel = measure(name, lambda: build_kernel(chunk, tail, fixed_order, tma))
         if args.profile:
             results.setdefault("profile", {})[name] = profile = profile_kernel_path(kernel_run, z, kernel)
             for group, seconds in profile:
@@ -290,7 +297,10 @@ def main() -> None:
     if not args.skip_reference:
         measure("pan2cli reference (bf16)", build_reference)
     if not args.skip_diffusers:
-        for name, dtype in (("diffusers 0.42.1 (bf16)", torch.bfloat16), ("diffusers 0.42.1 (fp32, TF32 convs)", torch.float32)):
+        for name, dtype in (
+            ("diffusers 0.42.1 (bf16)", torch.bfloat16),
+            ("diffusers 0.42.1 (fp32, TF32 convs)", torch.float32),
+        ):
             measure(name, lambda dtype=dtype: (diffusers_path(m := diffusers_decoder(state, dtype)), m))
 
     if args.out:
@@ -298,7 +308,9 @@ def main() -> None:
             json.dump(results, f, indent=2)
     base = results["paths"].get("diffusers 0.42.1 (bf16)", {}).get("median_s")
     print(f"\nlatent {list(shape)} on {results['gpu']}; accuracy on {list(acc_shape)} vs our fp32 reference (TF32 off)")
-    print("| path | median s | runs | peak GiB (reserved) | weights GiB | TFLOP/s | PSNR dB | SSIM | vs diffusers bf16 |")
+    print(
+        "| path | median s | runs | peak GiB (reserved) | weights GiB | TFLOP/s | PSNR dB | SSIM | vs diffusers bf16 |"
+    )
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, row in results["paths"].items():
         speedup = f"{base / row['median_s']:.2f}x" if base and "median_s" in row else "—"

@@ -39,8 +39,9 @@ LAYERS = {  # name: (C_in, (KT, KH, KW), pad_w, bias, C_out), what kernel_decode
 }
 
 
-def compile_layer(name: str, arch: int):
-    """The compiled kernel (`triton.compiler.CompiledKernel`) of layer `name` for sm_`arch`."""
+def compile_layer(name: str, arch: int, tma: bool = False):
+    """The compiled kernel (`triton.compiler.CompiledKernel`) of layer `name` for sm_`arch`; with `tma`, the
+    experimental TMA variant (3-D layers only)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -49,7 +50,7 @@ def compile_layer(name: str, arch: int):
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "0"
     try:
-        kernel = conv_kernel._kernel()
+        kernel = conv_kernel._tma_kernel() if tma else conv_kernel._kernel()
     finally:
         if saved is None:
             del os.environ["TRITON_INTERPRET"]
@@ -70,7 +71,18 @@ def compile_layer(name: str, arch: int):
         "GROUP_M": 8,
         "INTERPRET": False,
     }
-    signature = {**SIGNATURE, **dict.fromkeys(constexprs, "constexpr")}
+    if tma:
+        bk = constexprs["BLOCK_K"]
+        signature = {
+            "x_desc": f"tensordesc<bf16[{block_m}, {bk}]>",
+            "w_desc": f"tensordesc<bf16[{block_n}, {bk}]>",
+            "bias_ptr": "*fp32",
+            "out_ptr": "*bf16",
+            **dict.fromkeys(("M", "C_OUT", "H_IN", "H_OUT", "W"), "i32"),
+        }
+    else:
+        signature = dict(SIGNATURE)
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     options = {"num_warps": warps, "num_stages": stages}
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
@@ -81,13 +93,17 @@ def tensor_core_instruction(compiled) -> str:
     return next((op for op in ("wgmma", "tcgen05", "mma.sync") if op in ptx), "none")
 
 
+def uses_tma(compiled) -> bool:
+    return "cp.async.bulk.tensor" in compiled.asm["ptx"]
+
+
 def main() -> None:
     for arch in (90, 100):
-        for name in LAYERS:
-            compiled = compile_layer(name, arch)
-            print(
-                f"sm_{arch} {name}: compiled ({tensor_core_instruction(compiled)}, {len(compiled.asm['cubin'])} bytes)"
-            )
+        for name, (_, kernel, *_) in LAYERS.items():
+            for tma in (False, True) if kernel[1] != 2 else (False,):  # the TMA variant keeps the width
+                compiled = compile_layer(name, arch, tma)
+                variant = "TMA" if uses_tma(compiled) else "pointer loads"
+                print(f"sm_{arch} {name} ({variant}): compiled ({tensor_core_instruction(compiled)})")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,23 @@ def test_matches_pytorch_conv(shape, c_out, kernel, pad_w, bias):
     assert err <= 2**-7 * expected.float().abs().max().item(), err
 
 
+@pytest.mark.parametrize(
+    "shape, c_out, kernel, pad_w, bias",
+    [
+        ((1, 4, 5, 6, 64), 32, (3, 3, 3), 1, False),
+        ((1, 4, 3, 5, 64), 96, (3, 1, 1), 0, True),
+        ((1, 1, 4, 6, 64), 32, (1, 3, 3), 1, False),
+        ((1, 4, 5, 6, 48), 64, (3, 3, 3), 1, False),
+    ],
+    ids=["3x3x3", "time-conv", "one-tap", "conv-in"],
+)
+def test_tma_variant_gives_the_same_outputs(shape, c_out, kernel, pad_w, bias):
+    """The experimental TMA variant (operands as dense blocks, wrapped columns zeroed) sums in the same
+    order: bit-identical outputs, edges and halo rows included."""
+    x, w, b = _inputs(shape, c_out, kernel, seed=3, bias=bias)
+    assert torch.equal(conv_channels_last(x, w, b, pad_w=pad_w, tma=True), conv_channels_last(x, w, b, pad_w=pad_w))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bands_and_frame_counts_give_bit_identical_outputs():
@@ -77,18 +94,22 @@ def test_bands_and_frame_counts_give_bit_identical_outputs():
     assert torch.equal(top, whole[:, :, :22])
     assert torch.equal(bottom, whole[:, :, 22:])
     assert torch.equal(one_frame, whole[:, :1])
+    assert torch.equal(conv_channels_last(x, w, pad_w=1, tma=True), whole)  # the TMA variant, same order
 
 
 @pytest.mark.parametrize("arch, instruction", [(90, "wgmma"), (100, "tcgen05")], ids=["sm_90", "sm_100"])
 def test_compiles_for_hopper_and_blackwell_without_a_gpu(arch, instruction):
     """Triton builds the kernel ahead of time for both architectures (bundled ptxas), with tensor-core
-    MMAs: the thin conv_in layer (steps of 16 channels) and a 1024-channel 3x3x3 layer."""
+    MMAs: the thin conv_in layer (steps of 16 channels) and a 1024-channel 3x3x3 layer, the latter also as
+    the TMA variant."""
     from scripts.check_conv_kernel_compiles import (
         compile_layer,
         tensor_core_instruction,
+        uses_tma,
     )
 
-    for layer in ("conv_in", "3x3x3 1024"):
-        compiled = compile_layer(layer, arch)
+    for layer, tma in (("conv_in", False), ("3x3x3 1024", False), ("3x3x3 1024", True)):
+        compiled = compile_layer(layer, arch, tma)
         assert len(compiled.asm["cubin"]) > 0
         assert tensor_core_instruction(compiled) == instruction
+        assert uses_tma(compiled) == tma

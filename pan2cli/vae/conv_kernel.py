@@ -118,7 +118,85 @@ def _kernel():
     return implicit_gemm_conv
 
 
+def _tma_kernel():
+    """The same sums with both operands loaded by TMA (experimental: not yet measured, not used by the decoder).
+
+    Output pixels are enumerated in the input's geometry, m = (t·H_in + y)·W + x, so that every tap's
+    operand rows are one dense block of the input seen as a (pixels, C_in) matrix, at a constant offset
+    (kt·H_in + kh)·W + kw − pad_w; rows whose column wrapped around the frame's edge are zeroed in
+    registers, rows y ≥ H_out (2 per frame: the halo) are computed and not stored. One batch only.
+    """
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def implicit_gemm_conv_tma(
+        x_desc,
+        w_desc,
+        bias_ptr,
+        out_ptr,
+        M,
+        C_OUT,
+        H_IN,
+        H_OUT,
+        W,
+        C_IN: tl.constexpr,
+        KT: tl.constexpr,
+        KH: tl.constexpr,
+        KW: tl.constexpr,
+        PAD_W: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        INTERPRET: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_n = tl.cdiv(C_OUT, BLOCK_N)
+        group = pid // (GROUP_M * tiles_n)
+        first_m = group * GROUP_M
+        size_m = min(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
+        pid_n = (pid % (GROUP_M * tiles_n)) // size_m
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        x = offs_m % W
+        rest = offs_m // W
+        y = rest % H_IN
+        t = rest // H_IN
+        STEPS_PER_TAP: tl.constexpr = C_IN // BLOCK_K
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for step in range(KT * KH * KW * STEPS_PER_TAP):
+            tap = step // STEPS_PER_TAP
+            c0 = (step % STEPS_PER_TAP) * BLOCK_K
+            kw = tap % KW
+            kh = (tap // KW) % KH
+            kt = tap // (KW * KH)
+            a = x_desc.load([m0 + (kt * H_IN + kh) * W + kw - PAD_W, c0])  # out-of-range rows read as 0
+            xx = x + kw - PAD_W
+            a = tl.where(((xx >= 0) & (xx < W))[:, None], a, 0.0)
+            w = w_desc.load([n0, tap * C_IN + c0])
+            if INTERPRET:  # Triton 3.6's CPU interpreter multiplies bf16 bit patterns as integers
+                acc = tl.dot(a.to(tl.float32), w.to(tl.float32).T, acc)
+            else:
+                acc = tl.dot(a, w.T, acc)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < C_OUT, other=0.0)[None, :]
+        out_rows = (t.to(tl.int64) * H_OUT + y) * W + x
+        out_ptrs = out_ptr + out_rows[:, None] * C_OUT + offs_n[None, :]
+        keep = (offs_m < M) & (y < H_OUT)
+        tl.store(out_ptrs, acc.to(tl.bfloat16), mask=keep[:, None] & (offs_n < C_OUT)[None, :])
+
+    return implicit_gemm_conv_tma
+
+
 _compiled = []
+_compiled_tma = []
 
 
 def _implicit_gemm_conv():
@@ -150,6 +228,7 @@ def conv_channels_last(
     bias: torch.Tensor | None = None,
     pad_w: int = 0,
     tiles: tuple[int, int, int, int] | None = None,
+    tma: bool = False,
 ) -> torch.Tensor:
     """Convolve channels-last bf16 frames with a fixed summation order (module docstring).
 
@@ -161,6 +240,8 @@ def conv_channels_last(
         pad_w: zero columns on each side of the width.
         tiles: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of the layer's own (benchmarks only; the
             summation order does not depend on them).
+        tma: the experimental TMA variant (`_tma_kernel`; one batch, convs that keep the width); the
+            same summation order.
 
     Returns:
         `(B, T_out, H_out, W_out, C_out)` (or `(N, H_out, W_out, C_out)`) bf16, contiguous.
@@ -179,7 +260,9 @@ def conv_channels_last(
     out = torch.empty(b, t_out, h_out, w_out, c_out, dtype=torch.bfloat16, device=x.device)
     m = b * t_out * h_out * w_out
     block_m, block_n, warps, stages = tiles or _tiles(c_out)
-    if m:
+    if m and tma:
+        _launch_tma(x, w, bias, out, pad_w, block_m, block_n, warps, stages)
+    elif m:
         grid = (triton_cdiv(m, block_m) * triton_cdiv(c_out, block_n),)
         _implicit_gemm_conv()[grid](
             x,
@@ -210,6 +293,46 @@ def conv_channels_last(
             num_stages=stages,
         )
     return out.squeeze(1) if two_d else out
+
+
+def _launch_tma(x, w, bias, out, pad_w, block_m, block_n, warps, stages) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    b, t_in, h_in, w_in, c_in = x.shape
+    c_out, kt, kh, kw, _ = w.shape
+    _, t_out, h_out, w_out, _ = out.shape
+    assert b == 1 and w_out == w_in and x.is_contiguous(), "the TMA variant takes one batch and keeps the width"
+    bk = block_k(c_in)
+    x_desc = TensorDescriptor(x, [t_in * h_in * w_in, c_in], [c_in, 1], [block_m, bk])
+    w_desc = TensorDescriptor(w, [c_out, kt * kh * kw * c_in], [kt * kh * kw * c_in, 1], [block_n, bk])
+    m = t_out * h_in * w_in  # in the input's geometry: 2 halo rows per frame computed, not stored
+    grid = (triton_cdiv(m, block_m) * triton_cdiv(c_out, block_n),)
+    if not _compiled_tma:
+        _compiled_tma.append(_tma_kernel())
+    _compiled_tma[0][grid](
+        x_desc,
+        w_desc,
+        bias.float().contiguous() if bias is not None else out,
+        out,
+        m,
+        c_out,
+        h_in,
+        h_out,
+        w_in,
+        C_IN=c_in,
+        KT=kt,
+        KH=kh,
+        KW=kw,
+        PAD_W=pad_w,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=bk,
+        GROUP_M=8,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=warps,
+        num_stages=stages,
+    )
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -102,13 +102,22 @@ class WanKernelDecoder:
             the fixed-order Triton kernel (`pan2cli.vae.conv_kernel`), so that chunk sizes and row splits
             round alike; cuDNN otherwise (~5 % faster on an H200, but chunk sizes and splits then differ by
             a few uint8 levels with random weights). Default: on for CUDA where Triton is installed.
+        fixed_order_tma: the fixed-order kernel's TMA variant for the 3-D convs (experimental, off: not
+            yet measured on a GPU; same summation order).
     """
 
     # A resampler's stacked phase output is 4x its output frame at the input resolution (227 MB per
     # frame in up_blocks.2): the phase conv and interleave run on groups of frames below this size.
     phase_bytes_per_pass = 256 * 2**20
 
-    def __init__(self, reference: WanVAEDecoder, ops, tail_frames: int = 2, fixed_order_convs: bool | None = None):
+    def __init__(
+        self,
+        reference: WanVAEDecoder,
+        ops,
+        tail_frames: int = 2,
+        fixed_order_convs: bool | None = None,
+        fixed_order_tma: bool = False,
+    ):
         self.config = reference.config
         self.device = reference.device
         self.dtype = torch.bfloat16
@@ -118,6 +127,7 @@ class WanKernelDecoder:
         if fixed_order_convs is None:
             fixed_order_convs = self.device.type == "cuda" and conv_kernel.available()
         self.fixed_order_convs = fixed_order_convs
+        self.fixed_order_tma = fixed_order_tma
         self._fixed_order_width = 0  # set per decode: twice the latent width
         # The structure we walk; the weights are copied below in the kernel's layout, so the caller can
         # drop the reference (and its copy of the weights).
@@ -235,7 +245,8 @@ class WanKernelDecoder:
         # 3x3 convs read halo rows from the buffer (padding W only); (3, 1, 1) convs need none.
         pad_w = weight.shape[4] // 2
         if self._fixed_order(buf.shape[3], buf.shape[4]):
-            return conv_kernel.conv_channels_last(buf, weight, bias, pad_w=pad_w)
+            tma = self.fixed_order_tma and buf.shape[0] == 1
+            return conv_kernel.conv_channels_last(buf, weight, bias, pad_w=pad_w, tma=tma)
         bias = None if bias is None else bias.to(torch.bfloat16)
         out = F.conv3d(buf.permute(0, 4, 1, 2, 3), weight, bias, padding=(0, 0, pad_w))
         return out.permute(0, 2, 3, 4, 1)
