@@ -2,6 +2,7 @@
 
 Usage: python scripts/bench_decode_multigpu.py [--gpus 2] [--latent-shape 1,48,31,44,78]
        [--chunk-latent-frames 4] [--repeats 3] [--out results.json]
+       [--trace]  (where the split's bf16 rounding first departs from one GPU's: every stage's rows checksummed)
        (smoke test of the script without GPUs: --device cpu --decoder-base-dim 16 --latent-shape 1,48,3,5,3)
 
 Launches itself under torch.distributed.run with `--gpus` processes (NCCL; NCCL_* settings such as
@@ -62,6 +63,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="Decode path, the same for 1 and N GPUs: the compiled kernel (auto/require) or the reference (off).  [default: auto]",
     )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: gloo processes, to test the script.  [default: cuda]")
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="No timing: one decode each way with every stage output checksummed per row; prints where the split first departs from one GPU.",
+    )
     parser.add_argument("--decoder-base-dim", type=int, default=256, help="Decoder width unit (256 is the real model).  [default: 256]")
     args = parser.parse_args(argv)
     args.latent_shape = tuple(int(v) for v in args.latent_shape.split(","))
@@ -121,6 +127,86 @@ def timed_runs(decoder, z, args, keep_frames: bool) -> tuple[list[float], dict, 
     return seconds, memory, frames
 
 
+class StageTrace:
+    """Per-row checksums of every stage output of a decode, in call order (bitwise: a checksum of the bits).
+
+    Kernel path: the outputs of each conv (`_norm_conv`), resampler, attention and the head. Reference
+    path: every causal conv, residual block and resampler (forward hooks). Rows are the frame's rows, so a
+    split's bands, put together in rank order, compare row for row with one GPU's whole frames.
+    """
+
+    def __init__(self, decoder):
+        self.records: list[tuple[str, torch.Tensor]] = []
+        self.enabled = False
+        if isinstance(decoder, WanKernelDecoder):
+            for method in ("_norm_conv", "_upsample", "_attention", "_head"):
+                self._wrap(decoder, method)
+        else:
+            from pan2cli.vae.model import WanCausalConv3d, WanResample, WanResidualBlock
+
+            for name, module in decoder.named_modules():
+                if isinstance(module, (WanCausalConv3d, WanResample, WanResidualBlock)):
+                    module.register_forward_hook(lambda m, args, out, name=name: self._record(name, out, row_dim=3))
+
+    def _wrap(self, decoder, method: str) -> None:
+        original = getattr(decoder, method)
+
+        def traced(*args, **kwargs):
+            out = original(*args, **kwargs)
+            name = args[0] if args and isinstance(args[0], str) else method.strip("_")
+            self._record(name, out.z if hasattr(out, "z") else out, row_dim=2)
+            return out
+
+        setattr(decoder, method, traced)
+
+    def _record(self, name: str, out: torch.Tensor, row_dim: int) -> None:
+        if not self.enabled:
+            return
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[out.element_size()]
+        rows = out.contiguous().view(bits).movedim(row_dim, 0).reshape(out.shape[row_dim], -1).to(torch.int64)
+        weights = torch.arange(rows.shape[1], device=rows.device) % 8191 + 1  # catches swapped values too
+        self.records.append((name, torch.stack([rows.sum(1), (rows * weights).sum(1)], dim=1).cpu()))
+
+
+def compare_traces(one: list, bands: list[list]) -> None:
+    """Print where the split's stage outputs (bands in rank order) first differ from one GPU's."""
+    if any(len(b) != len(one) for b in bands):
+        print(f"the traces have different lengths: 1 GPU {len(one)}, ranks {[len(b) for b in bands]}")
+    differing = []
+    for i, (name, whole) in enumerate(one):
+        joined = torch.cat([b[i][1] for b in bands])
+        names = {b[i][0] for b in bands}
+        if names != {name} or joined.shape != whole.shape:
+            print(f"stage {i}: {name} vs {sorted(names)}, rows {tuple(whole.shape)} vs {tuple(joined.shape)}: traces out of step")
+            return
+        rows = (joined != whole).any(dim=1).nonzero().flatten().tolist()
+        if rows:
+            differing.append((i, name, rows, whole.shape[0]))
+    print(f"{len(differing)} of {len(one)} stage outputs differ from one GPU's")
+    for i, name, rows, total in differing[:12]:
+        print(f"  stage {i:5d} {name}: {len(rows)} of {total} rows differ, first {rows[:8]}")
+
+
+def trace_run(args: argparse.Namespace, decoder, z, rank: int) -> None:
+    """One decode on rank 0 alone, one split decode, every stage checksummed; rank 0 compares."""
+    trace = StageTrace(decoder)
+    one = []
+    if rank == 0:
+        decoder.config = decoder.config.replace(decode_kernel_parallel=False)
+        trace.enabled = True
+        decode_latents(decoder, z, None, chunk_latent_frames=args.chunk_latent_frames)
+        one, trace.records = trace.records, []
+        decoder.config = decoder.config.replace(decode_kernel_parallel=True)
+    dist.barrier()
+    trace.enabled = True
+    decode_latents(decoder, z, None, chunk_latent_frames=args.chunk_latent_frames)
+    trace.enabled = False
+    bands = [None] * distributed.world_size()
+    dist.all_gather_object(bands, trace.records)
+    if rank == 0:
+        compare_traces(one, bands)
+
+
 def worker(args: argparse.Namespace) -> None:
     with distributed.process_group(args.device) as device:
         rank, world = distributed.rank(), distributed.world_size()
@@ -136,6 +222,10 @@ def worker(args: argparse.Namespace) -> None:
             print(f"built the decoder ({path}) in {load_s:.1f} s on {world} ranks; latents {list(args.latent_shape)}", flush=True)
             if note:
                 print(note, flush=True)
+
+        if args.trace:
+            trace_run(args, decoder, z, rank)
+            return
 
         # 1. One GPU: rank 0 alone, row split off (same function, no collectives); the others wait.
         base = None
