@@ -4,12 +4,15 @@ Usage: python scripts/check_conv_kernel_compiles.py
 
 Triton compiles ahead of time for a target it is told (its bundled ptxas), so this checks on a machine
 without a GPU that every configuration the decoder launches builds for Hopper (wgmma) and Blackwell
-(tcgen05). Nothing is run. tests/test_conv_kernel.py calls `compile_layer` for two of them.
+(tcgen05). Nothing is run. Run it in a process of its own (Triton's CPU interpreter, once used,
+leaves patched functions behind that break compiling); tests/test_conv_kernel.py does so for three.
 """
 
 from __future__ import annotations
 
 import os
+
+os.environ["TRITON_INTERPRET"] = "0"  # real kernels, whatever the caller's environment says
 
 from pan2cli.vae import conv_kernel
 
@@ -46,31 +49,11 @@ def compile_layer(name: str, arch: int, tma: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    # A real (not interpreted) kernel, whatever the process's tests set.
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0"
-    try:
-        kernel = conv_kernel._tma_kernel() if tma else conv_kernel._kernel()
-    finally:
-        if saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
+    kernel = conv_kernel._tma_kernel() if tma else conv_kernel._kernel()
     c_in, (kt, kh, kw), pad_w, bias, c_out = LAYERS[name]
-    block_m, block_n, warps, stages = conv_kernel._tiles(c_out)
-    constexprs = {
-        "C_IN": c_in,
-        "KT": kt,
-        "KH": kh,
-        "KW": kw,
-        "PAD_W": pad_w,
-        "HAS_BIAS": bias,
-        "BLOCK_M": block_m,
-        "BLOCK_N": block_n,
-        "BLOCK_K": conv_kernel.block_k(c_in),
-        "GROUP_M": 8,
-        "INTERPRET": False,
-    }
+    block_m, block_n, _, _ = tiles = conv_kernel._tiles(c_out)
+    constexprs = conv_kernel._meta((c_out, kt, kh, kw, c_in), pad_w, True if bias else None, tiles)
+    options = {"num_warps": constexprs.pop("num_warps"), "num_stages": constexprs.pop("num_stages")}
     if tma:
         bk = constexprs["BLOCK_K"]
         signature = {
@@ -84,7 +67,6 @@ def compile_layer(name: str, arch: int, tma: bool = False):
         signature = dict(SIGNATURE)
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    options = {"num_warps": warps, "num_stages": stages}
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ pytest.importorskip("triton")
 from pan2cli.vae.conv_kernel import conv_channels_last
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _inputs(shape, c_out, kernel, seed=0, bias=False):
@@ -101,15 +105,20 @@ def test_bands_and_frame_counts_give_bit_identical_outputs():
 def test_compiles_for_hopper_and_blackwell_without_a_gpu(arch, instruction):
     """Triton builds the kernel ahead of time for both architectures (bundled ptxas), with tensor-core
     MMAs: the thin conv_in layer (steps of 16 channels) and a 1024-channel 3x3x3 layer, the latter also as
-    the TMA variant."""
-    from scripts.check_conv_kernel_compiles import (
-        compile_layer,
-        tensor_core_instruction,
-        uses_tma,
+    the TMA variant. In a process of its own: this one may have run the CPU interpreter."""
+    code = (
+        "from scripts.check_conv_kernel_compiles import compile_layer, tensor_core_instruction, uses_tma\n"
+        "for layer, tma in (('conv_in', False), ('3x3x3 1024', False), ('3x3x3 1024', True)):\n"
+        f"    c = compile_layer(layer, {arch}, tma)\n"
+        "    print(layer, '|', tensor_core_instruction(c), uses_tma(c), len(c.asm['cubin']) > 0)\n"
     )
-
-    for layer, tma in (("conv_in", False), ("3x3x3 1024", False), ("3x3x3 1024", True)):
-        compiled = compile_layer(layer, arch, tma)
-        assert len(compiled.asm["cubin"]) > 0
-        assert tensor_core_instruction(compiled) == instruction
-        assert uses_tma(compiled) == tma
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "0"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        f"conv_in | {instruction} False True",
+        f"3x3x3 1024 | {instruction} False True",
+        f"3x3x3 1024 | {instruction} True True",
+    ]

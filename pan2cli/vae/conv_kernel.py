@@ -37,172 +37,17 @@ def block_k(c_in: int) -> int:
 
 
 def _kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def implicit_gemm_conv(
-        x_ptr,
-        w_ptr,
-        bias_ptr,
-        out_ptr,
-        M,
-        C_OUT,
-        T_OUT,
-        H_OUT,
-        W_OUT,
-        W_IN,
-        sx_b,
-        sx_t,
-        sx_h,
-        C_IN: tl.constexpr,
-        KT: tl.constexpr,
-        KH: tl.constexpr,
-        KW: tl.constexpr,
-        PAD_W: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr,
-        INTERPRET: tl.constexpr,
-    ):
-        # Grouped tile order: GROUP_M row tiles share their weight tiles in L2.
-        pid = tl.program_id(0)
-        tiles_m = tl.cdiv(M, BLOCK_M)
-        tiles_n = tl.cdiv(C_OUT, BLOCK_N)
-        group = pid // (GROUP_M * tiles_n)
-        first_m = group * GROUP_M
-        size_m = min(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
-        pid_n = (pid % (GROUP_M * tiles_n)) // size_m
-
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        # output pixel m -> (b, t, y, x); its input window starts at (b, t, y, x - PAD_W)
-        x = offs_m % W_OUT
-        rest = offs_m // W_OUT
-        y = rest % H_OUT
-        rest = rest // H_OUT
-        t = rest % T_OUT
-        b = rest // T_OUT
-        row_base = b.to(tl.int64) * sx_b + t.to(tl.int64) * sx_t + y.to(tl.int64) * sx_h + x.to(tl.int64) * C_IN
-        m_valid = offs_m < M
-        n_valid = offs_n < C_OUT
-        K: tl.constexpr = KT * KH * KW * C_IN
-        STEPS_PER_TAP: tl.constexpr = C_IN // BLOCK_K
-        w_rows = w_ptr + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]
-
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for step in range(KT * KH * KW * STEPS_PER_TAP):
-            tap = step // STEPS_PER_TAP
-            c0 = (step % STEPS_PER_TAP) * BLOCK_K
-            kw = tap % KW
-            kh = (tap // KW) % KH
-            kt = tap // (KW * KH)
-            xx = x + kw - PAD_W
-            a_valid = m_valid & (xx >= 0) & (xx < W_IN)
-            a_ptrs = x_ptr + (row_base + kt * sx_t + kh * sx_h + (kw - PAD_W) * C_IN + c0)[:, None] + offs_k[None, :]
-            a = tl.load(a_ptrs, mask=a_valid[:, None], other=0.0)
-            w = tl.load(w_rows + (tap * C_IN + c0), mask=n_valid[None, :], other=0.0)
-            if INTERPRET:  # Triton 3.6's CPU interpreter multiplies bf16 bit patterns as integers
-                acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc)
-            else:
-                acc = tl.dot(a, w, acc)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0)[None, :]
-        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * C_OUT + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(tl.bfloat16), mask=m_valid[:, None] & n_valid[None, :])
+    from pan2cli.vae.conv_kernel_triton import (
+        implicit_gemm_conv,  # Triton only where it runs
+    )
 
     return implicit_gemm_conv
 
 
 def _tma_kernel():
-    """The same sums with both operands loaded by TMA (experimental: not yet measured, not used by the decoder).
-
-    Output pixels are enumerated in the input's geometry, m = (t·H_in + y)·W + x, so that every tap's
-    operand rows are one dense block of the input seen as a (pixels, C_in) matrix, at a constant offset
-    (kt·H_in + kh)·W + kw − pad_w; rows whose column wrapped around the frame's edge are zeroed in
-    registers, rows y ≥ H_out (2 per frame: the halo) are computed and not stored. One batch only.
-    """
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def implicit_gemm_conv_tma(
-        x_desc,
-        w_desc,
-        bias_ptr,
-        out_ptr,
-        M,
-        C_OUT,
-        H_IN,
-        H_OUT,
-        W,
-        C_IN: tl.constexpr,
-        KT: tl.constexpr,
-        KH: tl.constexpr,
-        KW: tl.constexpr,
-        PAD_W: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr,
-        INTERPRET: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        tiles_m = tl.cdiv(M, BLOCK_M)
-        tiles_n = tl.cdiv(C_OUT, BLOCK_N)
-        group = pid // (GROUP_M * tiles_n)
-        first_m = group * GROUP_M
-        size_m = min(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
-        pid_n = (pid % (GROUP_M * tiles_n)) // size_m
-        m0 = pid_m * BLOCK_M
-        n0 = pid_n * BLOCK_N
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        x = offs_m % W
-        rest = offs_m // W
-        y = rest % H_IN
-        t = rest // H_IN
-        STEPS_PER_TAP: tl.constexpr = C_IN // BLOCK_K
-
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for step in range(KT * KH * KW * STEPS_PER_TAP):
-            tap = step // STEPS_PER_TAP
-            c0 = (step % STEPS_PER_TAP) * BLOCK_K
-            kw = tap % KW
-            kh = (tap // KW) % KH
-            kt = tap // (KW * KH)
-            a = x_desc.load([m0 + (kt * H_IN + kh) * W + kw - PAD_W, c0])  # out-of-range rows read as 0
-            xx = x + kw - PAD_W
-            a = tl.where(((xx >= 0) & (xx < W))[:, None], a, 0.0)
-            w = w_desc.load([n0, tap * C_IN + c0])
-            if INTERPRET:  # Triton 3.6's CPU interpreter multiplies bf16 bit patterns as integers
-                acc = tl.dot(a.to(tl.float32), w.to(tl.float32).T, acc)
-            else:
-                acc = tl.dot(a, w.T, acc)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=offs_n < C_OUT, other=0.0)[None, :]
-        out_rows = (t.to(tl.int64) * H_OUT + y) * W + x
-        out_ptrs = out_ptr + out_rows[:, None] * C_OUT + offs_n[None, :]
-        keep = (offs_m < M) & (y < H_OUT)
-        tl.store(out_ptrs, acc.to(tl.bfloat16), mask=keep[:, None] & (offs_n < C_OUT)[None, :])
+    from pan2cli.vae.conv_kernel_triton import implicit_gemm_conv_tma
 
     return implicit_gemm_conv_tma
-
-
-_compiled = []
-_compiled_tma = []
-
-
-def _implicit_gemm_conv():
-    if not _compiled:
-        _compiled.append(_kernel())
-    return _compiled[0]
 
 
 def available() -> bool:
@@ -264,7 +109,7 @@ def conv_channels_last(
         _launch_tma(x, w, bias, out, pad_w, block_m, block_n, warps, stages)
     elif m:
         grid = (triton_cdiv(m, block_m) * triton_cdiv(c_out, block_n),)
-        _implicit_gemm_conv()[grid](
+        _kernel()[grid](
             x,
             w,
             bias.float().contiguous() if bias is not None else x,
@@ -278,19 +123,7 @@ def conv_channels_last(
             x.stride(0),
             x.stride(1),
             x.stride(2),
-            C_IN=c_in,
-            KT=kt,
-            KH=kh,
-            KW=kw,
-            PAD_W=pad_w,
-            HAS_BIAS=bias is not None,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k(c_in),
-            GROUP_M=8,
-            INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
-            num_warps=warps,
-            num_stages=stages,
+            **_meta(weight_shape=w.shape, pad_w=pad_w, bias=bias, tiles=(block_m, block_n, warps, stages)),
         )
     return out.squeeze(1) if two_d else out
 
@@ -307,9 +140,7 @@ def _launch_tma(x, w, bias, out, pad_w, block_m, block_n, warps, stages) -> None
     w_desc = TensorDescriptor(w, [c_out, kt * kh * kw * c_in], [kt * kh * kw * c_in, 1], [block_n, bk])
     m = t_out * h_in * w_in  # in the input's geometry: 2 halo rows per frame computed, not stored
     grid = (triton_cdiv(m, block_m) * triton_cdiv(c_out, block_n),)
-    if not _compiled_tma:
-        _compiled_tma.append(_tma_kernel())
-    _compiled_tma[0][grid](
+    _tma_kernel()[grid](
         x_desc,
         w_desc,
         bias.float().contiguous() if bias is not None else out,
@@ -319,20 +150,29 @@ def _launch_tma(x, w, bias, out, pad_w, block_m, block_n, warps, stages) -> None
         h_in,
         h_out,
         w_in,
-        C_IN=c_in,
-        KT=kt,
-        KH=kh,
-        KW=kw,
-        PAD_W=pad_w,
-        HAS_BIAS=bias is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=bk,
-        GROUP_M=8,
-        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=warps,
-        num_stages=stages,
+        **_meta(weight_shape=w.shape, pad_w=pad_w, bias=bias, tiles=(block_m, block_n, warps, stages)),
     )
+
+
+def _meta(weight_shape, pad_w: int, bias, tiles) -> dict:
+    """The compile-time arguments of both kernels: layer shape, tiles, launch shape."""
+    c_out, kt, kh, kw, c_in = weight_shape
+    block_m, block_n, warps, stages = tiles
+    return {
+        "C_IN": c_in,
+        "KT": kt,
+        "KH": kh,
+        "KW": kw,
+        "PAD_W": pad_w,
+        "HAS_BIAS": bias is not None,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k(c_in),
+        "GROUP_M": 8,
+        "INTERPRET": os.environ.get("TRITON_INTERPRET") == "1",
+        "num_warps": warps,
+        "num_stages": stages,
+    }
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -1,0 +1,157 @@
+"""The Triton kernels of `conv_kernel` (imported on first use: Triton is needed only where they run).
+
+Both compute, for output pixel m and channel n, acc = Σ over taps (kt, kh, kw) in order, then over
+channel steps of BLOCK_K, of x[pixel(m) + tap, c] · w[n, tap, c], with one `tl.dot` per step into an
+fp32 accumulator; they differ only in how the operands reach shared memory.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tile(M, C_OUT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(first row, first channel) of this program's output tile; GROUP_M row tiles share weights in L2."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(C_OUT, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    size_m = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
+    pid_n = (pid % (GROUP_M * tiles_n)) // size_m
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
+@triton.jit
+def _tap(step, C_IN: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Reduction step -> (kt, kh, kw, first channel): taps in (kt, kh, kw) order, channels within a tap."""
+    steps_per_tap: tl.constexpr = C_IN // BLOCK_K
+    tap = step // steps_per_tap
+    return tap // (KW * KH), (tap // KW) % KH, tap % KW, (step % steps_per_tap) * BLOCK_K
+
+
+@triton.jit
+def _mma(acc, a, w, INTERPRET: tl.constexpr):
+    """acc += a @ w in fp32 (bf16 operands on the tensor cores)."""
+    if INTERPRET:  # Triton 3.6's CPU interpreter multiplies bf16 bit patterns as integers
+        return tl.dot(a.to(tl.float32), w.to(tl.float32), acc)
+    return tl.dot(a, w, acc)
+
+
+@triton.jit
+def _store(acc, bias_ptr, out_ptr, out_rows, offs_n, keep, C_OUT, HAS_BIAS: tl.constexpr):
+    """(+ bias in fp32), one bf16 rounding, rows `out_rows` of the channels-last output where `keep`."""
+    n_valid = offs_n < C_OUT
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0)[None, :]
+    out_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * C_OUT + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(tl.bfloat16), mask=keep[:, None] & n_valid[None, :])
+
+
+@triton.jit
+def implicit_gemm_conv(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    C_OUT,
+    T_OUT,
+    H_OUT,
+    W_OUT,
+    W_IN,
+    sx_b,
+    sx_t,
+    sx_h,
+    C_IN: tl.constexpr,
+    KT: tl.constexpr,
+    KH: tl.constexpr,
+    KW: tl.constexpr,
+    PAD_W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Operands by pointer loads: any batch, any output width (the resamplers' phase convs too)."""
+    m0, n0 = _tile(M, C_OUT, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # output pixel m -> (b, t, y, x); its input window starts at (b, t, y, x - PAD_W)
+    x = offs_m % W_OUT
+    rest = offs_m // W_OUT
+    y = rest % H_OUT
+    rest = rest // H_OUT
+    t = rest % T_OUT
+    b = rest // T_OUT
+    row_base = b.to(tl.int64) * sx_b + t.to(tl.int64) * sx_t + y.to(tl.int64) * sx_h + x.to(tl.int64) * C_IN
+    m_valid = offs_m < M
+    n_valid = offs_n < C_OUT
+    K: tl.constexpr = KT * KH * KW * C_IN
+    w_rows = w_ptr + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(KT * KH * KW * (C_IN // BLOCK_K)):
+        kt, kh, kw, c0 = _tap(step, C_IN, KH, KW, BLOCK_K)
+        xx = x + kw - PAD_W
+        a_valid = m_valid & (xx >= 0) & (xx < W_IN)
+        a_ptrs = x_ptr + (row_base + kt * sx_t + kh * sx_h + (kw - PAD_W) * C_IN + c0)[:, None] + offs_k[None, :]
+        a = tl.load(a_ptrs, mask=a_valid[:, None], other=0.0)
+        w = tl.load(w_rows + ((kt * KH + kh) * KW + kw) * C_IN + c0, mask=n_valid[None, :], other=0.0)
+        acc = _mma(acc, a, w, INTERPRET)
+    _store(acc, bias_ptr, out_ptr, offs_m, offs_n, m_valid, C_OUT, HAS_BIAS)
+
+
+@triton.jit
+def implicit_gemm_conv_tma(
+    x_desc,
+    w_desc,
+    bias_ptr,
+    out_ptr,
+    M,
+    C_OUT,
+    H_IN,
+    H_OUT,
+    W,
+    C_IN: tl.constexpr,
+    KT: tl.constexpr,
+    KH: tl.constexpr,
+    KW: tl.constexpr,
+    PAD_W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Operands by TMA (experimental: not yet measured, off in the decoder). One batch, same width out.
+
+    Output pixels are enumerated in the input's geometry, m = (t·H_in + y)·W + x, so that every tap's
+    operand rows are one dense block of the input seen as a (pixels, C_in) matrix, at a constant offset
+    (kt·H_in + kh)·W + kw − PAD_W; rows whose column wrapped around the frame's edge are zeroed in
+    registers, rows y ≥ H_out (2 per frame: the halo) are computed and not stored.
+    """
+    m0, n0 = _tile(M, C_OUT, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    x = offs_m % W
+    rest = offs_m // W
+    y = rest % H_IN
+    t = rest // H_IN
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(KT * KH * KW * (C_IN // BLOCK_K)):
+        kt, kh, kw, c0 = _tap(step, C_IN, KH, KW, BLOCK_K)
+        a = x_desc.load([m0 + (kt * H_IN + kh) * W + kw - PAD_W, c0])  # out-of-range rows read as 0
+        xx = x + kw - PAD_W
+        a = tl.where(((xx >= 0) & (xx < W))[:, None], a, 0.0)
+        w = w_desc.load([n0, ((kt * KH + kh) * KW + kw) * C_IN + c0])
+        acc = _mma(acc, a, w.T, INTERPRET)
+    _store(acc, bias_ptr, out_ptr, (t * H_OUT + y) * W + x, offs_n, (offs_m < M) & (y < H_OUT), C_OUT, HAS_BIAS)
