@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.model import WanVAEDecoder
-from pan2cli.vae.random_weights import random_vae_state_dict
+from pan2cli.vae.random_weights import decoder_from_state, random_vae_state_dict
 from pan2cli.video import frames_to_uint8
 
 _TFLOP_FIRST, _TFLOP_LATER = 20.06, 64.69  # at 44x78 latent pixels (wan22_vae.md §8.1)
@@ -37,11 +37,7 @@ def decode_tflop(shape) -> float:
 
 
 def reference_decoder(state, dtype) -> WanVAEDecoder:
-    with torch.device("meta"):
-        model = WanVAEDecoder(WanVAEConfig())
-    decoder_state = {k: v.to(dtype) for k, v in state.items() if k.startswith(("decoder.", "post_quant_conv."))}
-    model.load_state_dict(decoder_state, assign=True)
-    return model.to("cuda").eval()
+    return decoder_from_state(state, dtype=dtype, device="cuda")
 
 
 def diffusers_decoder(state, dtype):

@@ -37,7 +37,7 @@ from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.kernel import select_decode_path
 from pan2cli.vae.kernel_decoder import WanKernelDecoder
 from pan2cli.vae.model import WanVAEDecoder
-from pan2cli.vae.random_weights import random_vae_state_dict
+from pan2cli.vae.random_weights import random_decoder
 
 GIB = 2**30
 
@@ -104,13 +104,8 @@ class FrameCollector:
 
 def build_decoder(seed: int, device: torch.device, base_dim: int, fp32: bool = False) -> WanVAEDecoder:
     """The decoder (full size by default) in bf16 (fp32 on CPU or with `fp32`) with random weights, built on the meta device and loaded in place."""
-    config = WanVAEConfig(decoder_base_dim=base_dim)
     dtype = torch.bfloat16 if device.type == "cuda" and not fp32 else torch.float32
-    state = random_vae_state_dict(config, seed=seed, dtype=dtype, encoder=False)
-    with torch.device("meta"):
-        decoder = WanVAEDecoder(config)
-    decoder.load_state_dict(state, strict=True, assign=True)
-    return decoder.to(device).eval()
+    return random_decoder(WanVAEConfig(decoder_base_dim=base_dim), seed=seed, dtype=dtype, device=device)
 
 
 def timed_runs(decoder, z, args, keep_frames: bool) -> tuple[list[float], dict, torch.Tensor | None]:

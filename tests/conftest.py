@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from pan2cli.cli import cli
 from pan2cli.vae.config import WanVAEConfig
-from pan2cli.vae.random_weights import write_test_checkpoints
+from pan2cli.vae.random_weights import random_vae_state_dict, write_test_checkpoints
 
 # Reduced decoder width (16 instead of 256): same structure, CPU-sized.
 SMALL_VAE = WanVAEConfig(base_dim=16, decoder_base_dim=16)
@@ -24,6 +24,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def full_size_state():
+    """Decoder tensors of the full TI2V-5B VAE (random, γ and biases perturbed), fp32 on the CPU (GPU tests)."""
+    state = random_vae_state_dict(WanVAEConfig(), seed=3, encoder=False)
+    return {k: v for k, v in state.items() if k.startswith(("decoder.", "post_quant_conv."))}
 
 
 @pytest.fixture(scope="session")

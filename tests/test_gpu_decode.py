@@ -6,25 +6,14 @@ import pytest
 import torch
 
 from pan2cli.vae.config import WanVAEConfig
-from pan2cli.vae.model import WanVAEDecoder
-from pan2cli.vae.random_weights import random_vae_state_dict
+from pan2cli.vae.random_weights import decoder_from_state, random_vae_state_dict
 from pan2cli.video import frames_to_uint8
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def full_size_state():
-    """Decoder tensors of the full TI2V-5B VAE (random, γ and biases perturbed), fp32 on the CPU."""
-    state = random_vae_state_dict(WanVAEConfig(), seed=3, encoder=False)
-    return {k: v for k, v in state.items() if k.startswith(("decoder.", "post_quant_conv."))}
-
-
-def _decoder(state, dtype, device, config=WanVAEConfig()):
-    with torch.device("meta"):
-        model = WanVAEDecoder(config)
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
-    return model.to(device).eval()
+def _decoder(state, dtype, device, config=None):
+    return decoder_from_state(state, config, dtype=dtype, device=device)
 
 
 def test_fp32_output_does_not_depend_on_the_chunk_size(full_size_state):

@@ -22,9 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.model import WanVAEDecoder
-from pan2cli.vae.random_weights import random_vae_state_dict
+from pan2cli.vae.random_weights import decoder_from_state
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,13 +33,6 @@ GIB = 2**30
 
 
 # -- helpers ------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def full_size_state():
-    """Decoder tensors of the full TI2V-5B VAE (random, γ and biases perturbed), fp32 on the CPU."""
-    state = random_vae_state_dict(WanVAEConfig(), seed=3, encoder=False)
-    return {k: v for k, v in state.items() if k.startswith(("decoder.", "post_quant_conv."))}
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _kernel_target():
     """The kernel is built for sm_90a / sm_100a / sm_103a only; on another GPU there is nothing to test."""
@@ -61,10 +53,7 @@ def _release_cached_memory():
 
 def _decoder(state, dtype, device) -> WanVAEDecoder:
     """The reference decoder at full size with `state`'s weights in `dtype` on `device`."""
-    with torch.device("meta"):
-        model = WanVAEDecoder(WanVAEConfig())
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
-    return model.to(device).eval()
+    return decoder_from_state(state, dtype=dtype, device=device)
 
 
 def _kernel_decoder(reference):

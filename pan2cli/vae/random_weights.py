@@ -288,17 +288,33 @@ def random_vae_state_dict(
     return state
 
 
+def decoder_from_state(
+    state: dict[str, torch.Tensor],
+    config: WanVAEConfig | None = None,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cuda",
+):
+    """A `WanVAEDecoder` (default: TI2V-5B) holding `state`'s decoder tensors cast to `dtype`, on `device`.
+
+    Built on the meta device and loaded in place, strictly; the encoder's tensors, if any, are skipped.
+    """
+    from pan2cli.vae.model import WanVAEDecoder
+
+    with torch.device("meta"):
+        decoder = WanVAEDecoder(config or WanVAEConfig())
+    prefixes = ("decoder.", "post_quant_conv.")
+    decoder.load_state_dict({k: v.to(dtype) for k, v in state.items() if k.startswith(prefixes)}, assign=True)
+    return decoder.to(device).eval()
+
+
 def random_decoder(
     config: WanVAEConfig, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda"
 ):
     """A `WanVAEDecoder` with random weights (`random_vae_state_dict`'s values), in `dtype` on `device`."""
-    from pan2cli.vae.model import WanVAEDecoder
-
-    state = random_vae_state_dict(config, seed=seed, encoder=False)
-    with torch.device("meta"):
-        decoder = WanVAEDecoder(config)
-    decoder.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
-    return decoder.to(device).eval()
+    return decoder_from_state(
+        random_vae_state_dict(config, seed=seed, encoder=False), config, dtype=dtype, device=device
+    )
 
 
 # -- files ------------------------------------------------------------------------------------------
