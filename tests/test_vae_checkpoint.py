@@ -114,19 +114,12 @@ def test_other_model_class_in_config_is_refused(tmp_path, tiny_vae):
         load_vae_decoder(folder)
 
 
-def test_truncated_safetensors(tmp_path, tiny_checkpoints):
-    path = tmp_path / "cut.safetensors"
-    data = tiny_checkpoints["safetensors"].read_bytes()
+@pytest.mark.parametrize("layout, message", [("safetensors", "truncated"), ("pth", "could not be read")])
+def test_truncated_file(tmp_path, tiny_checkpoints, layout, message):
+    path = tmp_path / f"cut.{layout}"
+    data = tiny_checkpoints[layout].read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match="truncated"):
-        load_vae_decoder(path)
-
-
-def test_truncated_pth(tmp_path, tiny_checkpoints):
-    path = tmp_path / "cut.pth"
-    data = tiny_checkpoints["pth"].read_bytes()
-    path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match="could not be read"):
+    with pytest.raises(CheckpointError, match=message):
         load_vae_decoder(path)
 
 
