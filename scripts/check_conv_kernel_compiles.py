@@ -42,31 +42,18 @@ LAYERS = {  # name: (C_in, (KT, KH, KW), pad_w, bias, C_out), what kernel_decode
 }
 
 
-def compile_layer(name: str, arch: int, tma: bool = False):
-    """The compiled kernel (`triton.compiler.CompiledKernel`) of layer `name` for sm_`arch`; with `tma`, the
-    experimental TMA variant (3-D layers only)."""
+def compile_layer(name: str, arch: int):
+    """The compiled kernel (`triton.compiler.CompiledKernel`) of layer `name` for sm_`arch`."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernel = conv_kernel._tma_kernel() if tma else conv_kernel._kernel()
     c_in, (kt, kh, kw), pad_w, bias, c_out = LAYERS[name]
-    block_m, block_n, _, _ = tiles = conv_kernel._tiles(c_out)
+    tiles = conv_kernel._tiles(c_out)
     constexprs = conv_kernel._meta((c_out, kt, kh, kw, c_in), pad_w, True if bias else None, tiles)
     options = {"num_warps": constexprs.pop("num_warps"), "num_stages": constexprs.pop("num_stages")}
-    if tma:
-        bk = constexprs["BLOCK_K"]
-        signature = {
-            "x_desc": f"tensordesc<bf16[{block_m}, {bk}]>",
-            "w_desc": f"tensordesc<bf16[{block_n}, {bk}]>",
-            "bias_ptr": "*fp32",
-            "out_ptr": "*bf16",
-            **dict.fromkeys(("M", "C_OUT", "H_IN", "H_OUT", "W"), "i32"),
-        }
-    else:
-        signature = dict(SIGNATURE)
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    signature = {**SIGNATURE, **dict.fromkeys(constexprs, "constexpr")}
+    source = ASTSource(fn=conv_kernel._kernel(), signature=signature, constexprs=constexprs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
@@ -75,17 +62,11 @@ def tensor_core_instruction(compiled) -> str:
     return next((op for op in ("wgmma", "tcgen05", "mma.sync") if op in ptx), "none")
 
 
-def uses_tma(compiled) -> bool:
-    return "cp.async.bulk.tensor" in compiled.asm["ptx"]
-
-
 def main() -> None:
     for arch in (90, 100):
-        for name, (_, kernel, *_) in LAYERS.items():
-            for tma in (False, True) if kernel[1] != 2 else (False,):  # the TMA variant keeps the width
-                compiled = compile_layer(name, arch, tma)
-                variant = "TMA" if uses_tma(compiled) else "pointer loads"
-                print(f"sm_{arch} {name} ({variant}): compiled ({tensor_core_instruction(compiled)})")
+        for name in LAYERS:
+            compiled = compile_layer(name, arch)
+            print(f"sm_{arch} {name}: compiled ({tensor_core_instruction(compiled)})")
 
 
 if __name__ == "__main__":

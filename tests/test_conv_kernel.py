@@ -78,11 +78,13 @@ def test_matches_pytorch_conv(shape, c_out, kernel, pad_w, bias):
     ],
     ids=["3x3x3", "time-conv", "one-tap", "conv-in"],
 )
-def test_tma_variant_gives_the_same_outputs(shape, c_out, kernel, pad_w, bias):
-    """The experimental TMA variant (operands as dense blocks, wrapped columns zeroed) sums in the same
-    order: bit-identical outputs, edges and halo rows included."""
+def test_tile_configurations_give_the_same_outputs(shape, c_out, kernel, pad_w, bias):
+    """The tiles (block sizes, warps, stages) are a per-layer speed choice: they must not change the
+    summation order, so every configuration gives the layer's outputs bit for bit."""
     x, w, b = _inputs(shape, c_out, kernel, seed=3, bias=bias)
-    assert torch.equal(conv_channels_last(x, w, b, pad_w=pad_w, tma=True), conv_channels_last(x, w, b, pad_w=pad_w))
+    expected = conv_channels_last(x, w, b, pad_w=pad_w)
+    for tiles in ((128, 128, 4, 4), (256, 128, 8, 3), (64, 64, 4, 2)):
+        assert torch.equal(conv_channels_last(x, w, b, pad_w=pad_w, tiles=tiles), expected), tiles
 
 
 @pytest.mark.gpu
@@ -98,19 +100,18 @@ def test_bands_and_frame_counts_give_bit_identical_outputs():
     assert torch.equal(top, whole[:, :, :22])
     assert torch.equal(bottom, whole[:, :, 22:])
     assert torch.equal(one_frame, whole[:, :1])
-    assert torch.equal(conv_channels_last(x, w, pad_w=1, tma=True), whole)  # the TMA variant, same order
 
 
 @pytest.mark.parametrize("arch, instruction", [(90, "wgmma"), (100, "tcgen05")], ids=["sm_90", "sm_100"])
 def test_compiles_for_hopper_and_blackwell_without_a_gpu(arch, instruction):
     """Triton builds the kernel ahead of time for both architectures (bundled ptxas), with tensor-core
-    MMAs: the thin conv_in layer (steps of 16 channels) and a 1024-channel 3x3x3 layer, the latter also as
-    the TMA variant. In a process of its own: this one may have run the CPU interpreter."""
+    MMAs: the thin conv_in layer (steps of 16 channels), a 1024-channel 3x3x3 layer and a phase conv (its
+    own tiles). In a process of its own: this one may have run the CPU interpreter."""
     code = (
-        "from scripts.check_conv_kernel_compiles import compile_layer, tensor_core_instruction, uses_tma\n"
-        "for layer, tma in (('conv_in', False), ('3x3x3 1024', False), ('3x3x3 1024', True)):\n"
-        f"    c = compile_layer(layer, {arch}, tma)\n"
-        "    print(layer, '|', tensor_core_instruction(c), uses_tma(c), len(c.asm['cubin']) > 0)\n"
+        "from scripts.check_conv_kernel_compiles import compile_layer, tensor_core_instruction\n"
+        "for layer in ('conv_in', '3x3x3 1024', 'phase conv 2x2'):\n"
+        f"    c = compile_layer(layer, {arch})\n"
+        "    print(layer, '|', tensor_core_instruction(c), len(c.asm['cubin']) > 0)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "0"}
     result = subprocess.run(
@@ -118,7 +119,7 @@ def test_compiles_for_hopper_and_blackwell_without_a_gpu(arch, instruction):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == [
-        f"conv_in | {instruction} False True",
-        f"3x3x3 1024 | {instruction} False True",
-        f"3x3x3 1024 | {instruction} True True",
+        f"conv_in | {instruction} True",
+        f"3x3x3 1024 | {instruction} True",
+        f"phase conv 2x2 | {instruction} True",
     ]

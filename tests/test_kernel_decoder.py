@@ -124,8 +124,7 @@ def test_kernel_path_is_as_accurate_as_the_bf16_reference(reference, latent_fram
     assert kernel_error <= 1.25 * reference_error
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["pointer-loads", "tma"])
-def test_fixed_order_convs_are_as_accurate_as_pytorch_convs(reference, monkeypatch, tma):
+def test_fixed_order_convs_are_as_accurate_as_pytorch_convs(reference, monkeypatch):
     """The low-resolution convs and post_quant_conv in `conv_kernel` (the Triton interpreter on CPU) give
     the kernel path the accuracy it has with PyTorch's convs, whatever the chunking."""
     pytest.importorskip("triton")
@@ -147,7 +146,7 @@ def test_fixed_order_convs_are_as_accurate_as_pytorch_convs(reference, monkeypat
 
         ops = load_kernel()
     truth = _uint8(reference, z)
-    fixed = WanKernelDecoder(_bf16(reference).to(device), ops, fixed_order_convs=True, fixed_order_tma=tma)
+    fixed = WanKernelDecoder(_bf16(reference).to(device), ops, fixed_order_convs=True)
     got = _uint8(fixed, z.to(device), 2)
     pytorch = _uint8(WanKernelDecoder(_bf16(reference).to(device), ops, fixed_order_convs=False), z.to(device), 2)
     assert widths and max(widths) == 2 * z.shape[-1]  # latent and 2x-latent convs ran in the kernel, no wider

@@ -44,12 +44,6 @@ def _kernel():
     return implicit_gemm_conv
 
 
-def _tma_kernel():
-    from pan2cli.vae.conv_kernel_triton import implicit_gemm_conv_tma
-
-    return implicit_gemm_conv_tma
-
-
 def available() -> bool:
     """Whether Triton is installed (CUDA builds of torch bring it on Linux)."""
     return importlib.util.find_spec("triton") is not None
@@ -61,7 +55,9 @@ def applies(c_in: int) -> bool:
 
 
 def _tiles(c_out: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a layer: chosen by its width only, never by M."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a layer: chosen by its width only, never by M. Measured
+    on an H200 (scripts/bench_conv_kernel.py): 128x256 with 8 warps and 3 stages is the fastest or within
+    run-to-run noise of it on every 1024-channel layer; 4 stages and BLOCK_K 128 were slower."""
     if c_out >= 256:
         return 128, 256, 8, 3
     return 128, 128, 4, 4
@@ -72,8 +68,7 @@ def conv_channels_last(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     pad_w: int = 0,
-    tiles: tuple[int, int, int, int] | None = None,
-    tma: bool = False,
+    tiles: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Convolve channels-last bf16 frames with a fixed summation order (module docstring).
 
@@ -83,10 +78,9 @@ def conv_channels_last(
         weight: `(C_out, C_in, KT, KH, KW)` (or `(C_out, C_in, KH, KW)`) bf16 whose memory is channels-last.
         bias: optional `(C_out,)`, added in fp32 before the bf16 rounding.
         pad_w: zero columns on each side of the width.
-        tiles: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of the layer's own (benchmarks only; the
-            summation order does not depend on them).
-        tma: the experimental TMA variant (`_tma_kernel`; one batch, convs that keep the width); the
-            same summation order.
+        tiles: (BLOCK_M, BLOCK_N, num_warps, num_stages[, BLOCK_K]) instead of the layer's own (benchmarks
+            only; the summation order does not depend on them, measured bit for bit on an H200 for BLOCK_K
+            128 against 64 too; bench_conv_kernel.py).
 
     Returns:
         `(B, T_out, H_out, W_out, C_out)` (or `(N, H_out, W_out, C_out)`) bf16, contiguous.
@@ -104,11 +98,9 @@ def conv_channels_last(
     t_out, h_out, w_out = t_in - kt + 1, h_in - kh + 1, w_in + 2 * pad_w - kw + 1
     out = torch.empty(b, t_out, h_out, w_out, c_out, dtype=torch.bfloat16, device=x.device)
     m = b * t_out * h_out * w_out
-    block_m, block_n, warps, stages = tiles or _tiles(c_out)
-    if m and tma:
-        _launch_tma(x, w, bias, out, pad_w, block_m, block_n, warps, stages)
-    elif m:
-        grid = (triton_cdiv(m, block_m) * triton_cdiv(c_out, block_n),)
+    tiles = tiles or _tiles(c_out)
+    if m:
+        grid = (triton_cdiv(m, tiles[0]) * triton_cdiv(c_out, tiles[1]),)
         _kernel()[grid](
             x,
             w,
@@ -123,41 +115,15 @@ def conv_channels_last(
             x.stride(0),
             x.stride(1),
             x.stride(2),
-            **_meta(weight_shape=w.shape, pad_w=pad_w, bias=bias, tiles=(block_m, block_n, warps, stages)),
+            **_meta(weight_shape=w.shape, pad_w=pad_w, bias=bias, tiles=tiles),
         )
     return out.squeeze(1) if two_d else out
 
 
-def _launch_tma(x, w, bias, out, pad_w, block_m, block_n, warps, stages) -> None:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    b, t_in, h_in, w_in, c_in = x.shape
-    c_out, kt, kh, kw, _ = w.shape
-    _, t_out, h_out, w_out, _ = out.shape
-    assert b == 1 and w_out == w_in and x.is_contiguous(), "the TMA variant takes one batch and keeps the width"
-    bk = block_k(c_in)
-    x_desc = TensorDescriptor(x, [t_in * h_in * w_in, c_in], [c_in, 1], [block_m, bk])
-    w_desc = TensorDescriptor(w, [c_out, kt * kh * kw * c_in], [kt * kh * kw * c_in, 1], [block_n, bk])
-    m = t_out * h_in * w_in  # in the input's geometry: 2 halo rows per frame computed, not stored
-    grid = (triton_cdiv(m, block_m) * triton_cdiv(c_out, block_n),)
-    _tma_kernel()[grid](
-        x_desc,
-        w_desc,
-        bias.float().contiguous() if bias is not None else out,
-        out,
-        m,
-        c_out,
-        h_in,
-        h_out,
-        w_in,
-        **_meta(weight_shape=w.shape, pad_w=pad_w, bias=bias, tiles=(block_m, block_n, warps, stages)),
-    )
-
-
 def _meta(weight_shape, pad_w: int, bias, tiles) -> dict:
-    """The compile-time arguments of both kernels: layer shape, tiles, launch shape."""
+    """The kernel's compile-time arguments: layer shape, tiles, launch shape."""
     c_out, kt, kh, kw, c_in = weight_shape
-    block_m, block_n, warps, stages = tiles
+    block_m, block_n, warps, stages = tiles[:4]
     return {
         "C_IN": c_in,
         "KT": kt,
@@ -167,7 +133,7 @@ def _meta(weight_shape, pad_w: int, bias, tiles) -> dict:
         "HAS_BIAS": bias is not None,
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
-        "BLOCK_K": block_k(c_in),
+        "BLOCK_K": tiles[4] if len(tiles) > 4 else block_k(c_in),
         "GROUP_M": 8,
         "INTERPRET": os.environ.get("TRITON_INTERPRET") == "1",
         "num_warps": warps,

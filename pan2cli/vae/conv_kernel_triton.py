@@ -1,8 +1,9 @@
-"""The Triton kernels of `conv_kernel` (imported on first use: Triton is needed only where they run).
+"""The Triton kernel of `conv_kernel` (imported on first use: Triton is needed only where it runs).
 
-Both compute, for output pixel m and channel n, acc = Σ over taps (kt, kh, kw) in order, then over
+It computes, for output pixel m and channel n, acc = Σ over taps (kt, kh, kw) in order, then over
 channel steps of BLOCK_K, of x[pixel(m) + tap, c] · w[n, tap, c], with one `tl.dot` per step into an
-fp32 accumulator; they differ only in how the operands reach shared memory.
+fp32 accumulator. (A TMA-fed variant ran no faster on the H200, 514 vs 515 TFLOP/s on up1's 3x3x3
+conv, and was removed; Triton 3.6 ignores `warp_specialize` on sm_90.)
 """
 
 from __future__ import annotations
@@ -106,52 +107,3 @@ def implicit_gemm_conv(
         w = tl.load(w_rows + ((kt * KH + kh) * KW + kw) * C_IN + c0, mask=n_valid[None, :], other=0.0)
         acc = _mma(acc, a, w, INTERPRET)
     _store(acc, bias_ptr, out_ptr, offs_m, offs_n, m_valid, C_OUT, HAS_BIAS)
-
-
-@triton.jit
-def implicit_gemm_conv_tma(
-    x_desc,
-    w_desc,
-    bias_ptr,
-    out_ptr,
-    M,
-    C_OUT,
-    H_IN,
-    H_OUT,
-    W,
-    C_IN: tl.constexpr,
-    KT: tl.constexpr,
-    KH: tl.constexpr,
-    KW: tl.constexpr,
-    PAD_W: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
-    """Operands by TMA (experimental: not yet measured, off in the decoder). One batch, same width out.
-
-    Output pixels are enumerated in the input's geometry, m = (t·H_in + y)·W + x, so that every tap's
-    operand rows are one dense block of the input seen as a (pixels, C_in) matrix, at a constant offset
-    (kt·H_in + kh)·W + kw − PAD_W; rows whose column wrapped around the frame's edge are zeroed in
-    registers, rows y ≥ H_out (2 per frame: the halo) are computed and not stored.
-    """
-    m0, n0 = _tile(M, C_OUT, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    x = offs_m % W
-    rest = offs_m // W
-    y = rest % H_IN
-    t = rest // H_IN
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(KT * KH * KW * (C_IN // BLOCK_K)):
-        kt, kh, kw, c0 = _tap(step, C_IN, KH, KW, BLOCK_K)
-        a = x_desc.load([m0 + (kt * H_IN + kh) * W + kw - PAD_W, c0])  # out-of-range rows read as 0
-        xx = x + kw - PAD_W
-        a = tl.where(((xx >= 0) & (xx < W))[:, None], a, 0.0)
-        w = w_desc.load([n0, ((kt * KH + kh) * KW + kw) * C_IN + c0])
-        acc = _mma(acc, a, w.T, INTERPRET)
-    _store(acc, bias_ptr, out_ptr, (t * H_OUT + y) * W + x, offs_n, (offs_m < M) & (y < H_OUT), C_OUT, HAS_BIAS)

@@ -102,8 +102,6 @@ class WanKernelDecoder:
             the fixed-order Triton kernel (`pan2cli.vae.conv_kernel`), so that chunk sizes and row splits
             round alike; cuDNN otherwise (~5 % faster on an H200, but chunk sizes and splits then differ by
             a few uint8 levels with random weights). Default: on for CUDA where Triton is installed.
-        fixed_order_tma: the fixed-order kernel's TMA variant for the 3-D convs (experimental, off: not
-            yet measured on a GPU; same summation order).
     """
 
     # A resampler's stacked phase output is 4x its output frame at the input resolution (227 MB per
@@ -116,7 +114,6 @@ class WanKernelDecoder:
         ops,
         tail_frames: int = 2,
         fixed_order_convs: bool | None = None,
-        fixed_order_tma: bool = False,
     ):
         self.config = reference.config
         self.device = reference.device
@@ -127,7 +124,6 @@ class WanKernelDecoder:
         if fixed_order_convs is None:
             fixed_order_convs = self.device.type == "cuda" and conv_kernel.available()
         self.fixed_order_convs = fixed_order_convs
-        self.fixed_order_tma = fixed_order_tma
         self._fixed_order_width = 0  # set per decode: twice the latent width
         # The structure we walk; the weights are copied below in the kernel's layout, so the caller can
         # drop the reference (and its copy of the weights).
@@ -245,8 +241,7 @@ class WanKernelDecoder:
         # 3x3 convs read halo rows from the buffer (padding W only); (3, 1, 1) convs need none.
         pad_w = weight.shape[4] // 2
         if self._fixed_order(buf.shape[3], buf.shape[4]):
-            tma = self.fixed_order_tma and buf.shape[0] == 1
-            return conv_kernel.conv_channels_last(buf, weight, bias, pad_w=pad_w, tma=tma)
+            return conv_kernel.conv_channels_last(buf, weight, bias, pad_w=pad_w)
         bias = None if bias is None else bias.to(torch.bfloat16)
         out = F.conv3d(buf.permute(0, 4, 1, 2, 3), weight, bias, padding=(0, 0, pad_w))
         return out.permute(0, 2, 3, 4, 1)
@@ -438,6 +433,15 @@ class WanKernelDecoder:
                     tail = self._up_block(i, tail, first_chunk)[0]  # (the block input is not kept alive)
                 yield self._head(tail)
 
+    def _post_quant_conv(self, z: torch.Tensor) -> torch.Tensor:
+        """Latent frames `(B, z_dim, t, h, w)` -> the decoder's channels-last bf16 input, one chunk at a time
+        (a 1x1x1 conv: per chunk is the same function, and nothing of the size of the video is kept)."""
+        x = z.to(self.device, torch.bfloat16).permute(0, 2, 3, 4, 1).contiguous()  # (B, t, h, w, z)
+        w = self._w("post_quant_conv.weight")
+        if self._fixed_order(x.shape[3], x.shape[4]):  # the row split and chunk size must not change its GEMM
+            return conv_kernel.conv_channels_last(x, w, self._w("post_quant_conv.bias"))
+        return F.linear(x, w.reshape(w.shape[0], w.shape[1]), self._w("post_quant_conv.bias").to(torch.bfloat16))
+
     # -- public -----------------------------------------------------------------------------
     @torch.inference_mode()
     def decode_uint8_chunks(
@@ -455,15 +459,10 @@ class WanKernelDecoder:
         self._fixed_order_width = 2 * z.shape[-1]
         if rows is not None:
             z = rows.take(z)
-        x = z.to(self.device, torch.bfloat16).permute(0, 2, 3, 4, 1).contiguous()  # (B, T, h, w, z)
-        w = self._w("post_quant_conv.weight")
-        if self._fixed_order(x.shape[3], x.shape[4]):  # 1x1x1: the row split must not change its GEMM either
-            x = conv_kernel.conv_channels_last(x, w, self._w("post_quant_conv.bias"))
-        else:
-            x = F.linear(x, w.reshape(w.shape[0], w.shape[1]), self._w("post_quant_conv.bias").to(torch.bfloat16))
         try:
-            for start, stop in chunk_bounds(x.shape[1], n):
-                yield from self._decoder_chunk(x[:, start:stop].contiguous(), first_chunk=start == 0)
+            for start, stop in chunk_bounds(z.shape[2], n):
+                x = self._post_quant_conv(z[:, :, start:stop])
+                yield from self._decoder_chunk(x, first_chunk=start == 0)
         finally:
             self._history, self._rings = {}, {}
             self._rows = None
