@@ -100,7 +100,7 @@ class WanKernelDecoder:
             2 keeps the decode of 704x1248 under 6 GiB; 4 is ~1 % faster and peaks near 6.5 GiB.
         fixed_order_convs: run the convs at the latent and 2x-latent resolutions (and post_quant_conv) in
             the fixed-order Triton kernel (`pan2cli.vae.conv_kernel`), so that chunk sizes and row splits
-            round alike; cuDNN otherwise (~5 % faster on an H200, but chunk sizes and splits then differ by
+            round alike; cuDNN otherwise (~7 % faster on an H200, but chunk sizes and splits then differ by
             a few uint8 levels with random weights). Default: on for CUDA where Triton is installed.
     """
 
