@@ -49,6 +49,13 @@ def frames_to_uint8(video: torch.Tensor) -> torch.Tensor:
     return x.permute(1, 2, 3, 0).contiguous()
 
 
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Peak signal-to-noise ratio in dB of two uint8 videos (or frames) of one shape, on [0, 255]; the
+    mean squared error in float64; inf when they are equal."""
+    mse = (a.double() - b.double()).square().mean().item()
+    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
 def copy_to_host(frames: torch.Tensor) -> torch.Tensor:
     """Copy a whole chunk of frames to CPU memory in one transfer.
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.model import WanVAEDecoder
 from pan2cli.vae.random_weights import decoder_from_state, random_vae_state_dict
-from pan2cli.video import frames_to_uint8
+from pan2cli.video import frames_to_uint8, psnr
 
 _TFLOP_FIRST, _TFLOP_LATER = 20.06, 64.69  # at 44x78 latent pixels (wan22_vae.md §8.1)
 
@@ -89,11 +89,6 @@ def time_decode(run, z, repeats: int) -> tuple[list[float], int, int]:
 
 def frames_of(run, z) -> torch.Tensor:
     return torch.cat([chunk for chunk in run(z)])  # (F, H, W, 3) uint8
-
-
-def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    mse = (a.float() - b.float()).pow(2).mean().item()
-    return float("inf") if mse == 0 else 10 * torch.log10(torch.tensor(255.0**2 / mse)).item()
 
 
 def ssim(a: torch.Tensor, b: torch.Tensor) -> float:

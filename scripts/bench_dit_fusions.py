@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -34,6 +33,7 @@ from pan2cli.dit import (  # noqa: E402
 )
 from pan2cli.dit.model import PAN2TransformerBlock  # noqa: E402
 from pan2cli.dit.rope import rope_table  # noqa: E402
+from pan2cli.triton_support import triton_interpreting  # noqa: E402
 
 COPY_BANDWIDTH = 4.2e12  # bytes/s, H200 device-to-device copy (read + written), docs/measuring.md
 # Acceptance bounds of issue 5 at the full shapes (ms).
@@ -111,7 +111,7 @@ def main() -> int:
         print("error: CUDA is not available; this benchmark needs a GPU (use --device cpu --small for a dry run)", file=sys.stderr)
         return 1
     on_gpu = device.type == "cuda"
-    can_fuse = on_gpu or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    can_fuse = on_gpu or triton_interpreting()
     can_compile = on_gpu
     dtype = torch.bfloat16
     if args.small:

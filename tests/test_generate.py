@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import shutil
 
 import imageio.v3 as iio
@@ -16,6 +15,7 @@ from pan2cli.latents import normalize
 from pan2cli.pipeline import PAN2PipelineConfig, VideoGenerator
 from pan2cli.pipeline.image import fit_image, load_image
 from pan2cli.vae.checkpoint import load_vae_decoder, load_vae_encoder
+from pan2cli.video import psnr
 
 SMALL = dict(preset="pan2-5s", steps=2, frames=5, height=64, width=96)
 CLI_SMALL = ("--steps", 2, "--frames", 5, "--size", "64x96", "--device", "cpu")
@@ -102,11 +102,6 @@ def test_offload_gives_the_same_frames(tiny_pan2, generator):
     assert torch.equal(a1.frames, b1.frames)
 
 
-def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    mse = (a.double() - b.double()).pow(2).mean().item()
-    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
-
-
 def test_image_to_video_first_frame(tiny_pan2, generator, start_image):
     res = generator.generate("the door opens", image=start_image, **SMALL)
     # Random tiny VAE weights do not reproduce pictures, so the reference is decode(encode(image)):
@@ -117,9 +112,9 @@ def test_image_to_video_first_frame(tiny_pan2, generator, start_image):
     raw = encoder.encode(pixels[None, :, None])
     expected = decoder.decode(raw)  # (1, 3, 1, 64, 96) in [-1, 1]
     expected = ((expected[0, :, 0].permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255)
-    psnr = _psnr(res.frames[0], expected)
-    print(f"i2v first frame vs decode(encode(image)): PSNR {psnr:.1f} dB")
-    assert psnr > 45.0
+    db = psnr(res.frames[0], expected)
+    print(f"i2v first frame vs decode(encode(image)): PSNR {db:.1f} dB")
+    assert db > 45.0
     # and it is the image's latent that entered: frame 0 of the latents equals the normalised encoding
     z0 = normalize(raw, decoder.config.latents_mean, decoder.config.latents_std)
     assert torch.allclose(res.latents[:, :, :1], z0, atol=1e-5)

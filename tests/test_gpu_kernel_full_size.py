@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import os
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import torch
 
 from pan2cli.vae.model import WanVAEDecoder
 from pan2cli.vae.random_weights import decoder_from_state
+from pan2cli.video import psnr
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,12 +74,6 @@ def _frames(decoder, z: torch.Tensor, chunk_latent_frames: int | None = None) ->
 
 def _mse(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).pow(2).mean().item()
-
-
-def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    """dB on [0, 255] of uint8 frames (inf when equal)."""
-    mse = _mse(a, b)
-    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
 
 
 @contextmanager
@@ -183,7 +177,7 @@ class TestFullWidthKernel:
         kernel_error, reference_error = _mse(got, truth), _mse(reference, truth)
         message = f"MSE against fp32: kernel {kernel_error:.4f}, bf16 reference {reference_error:.4f}"
         assert kernel_error <= 2 * reference_error + 0.05, message
-        assert _psnr(got, truth) >= 35, message
+        assert psnr(got, truth) >= 35, message
 
     def test_kernel_output_does_not_depend_on_the_chunk_size(self, kernel_decoder):
         """At 704x1248, chunks of 1, 2, 4 and 8 latent frames give the frames of chunks of 4 within 1 level

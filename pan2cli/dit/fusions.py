@@ -19,7 +19,6 @@ reference elsewhere.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Optional
 
 import torch
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 
 from pan2cli.dit.rope import apply_rope
 from pan2cli.errors import KernelBuildError
+from pan2cli.triton_support import triton_available
 
 
 # -- reference (unfused) PyTorch ------------------------------------------------------------------
@@ -87,18 +87,20 @@ def _qk_norm_rope_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from pan2cli.dit.qk_norm_rope_kernel import qk_norm_rope as launch
 
-    batch, n_video, n_heads, head_dim = q.shape
-    n_text = 0 if q_text is None else q_text.shape[1]
-    q_out = q.new_empty(batch, n_video + n_text, n_heads, head_dim)
-    k_out = torch.empty_like(q_out)
+    q_out, k_out = _joint_qk(q, q_text)
     launch(q, k, q_weight, k_weight, cos, sin, q_out, k_out, eps=eps)
     if q_text is not None:
-        launch(q_text, k_text, q_text_weight, k_text_weight, None, None, q_out, k_out, eps=eps, out_token_offset=n_video)
+        launch(q_text, k_text, q_text_weight, k_text_weight, None, None, q_out, k_out, eps=eps, out_token_offset=q.shape[1])
     return q_out, k_out
 
 
 @_qk_norm_rope_op.register_fake
 def _(q, k, q_weight, k_weight, cos, sin, q_text, k_text, q_text_weight, k_text_weight, eps):
+    return _joint_qk(q, q_text)
+
+
+def _joint_qk(q: torch.Tensor, q_text: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised joint q and k `[B, N + L, H, head_dim]`: video tokens, then text (L = 0 without)."""
     batch, n_video, n_heads, head_dim = q.shape
     n_text = 0 if q_text is None else q_text.shape[1]
     q_out = q.new_empty(batch, n_video + n_text, n_heads, head_dim)
@@ -171,15 +173,6 @@ def layer_norm_modulate(
 
 
 # -- the switch -----------------------------------------------------------------------------------
-# Looked up once at import (cheap: no import of triton) so that compiled code sees a constant.
-_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
-
-
-def triton_available() -> bool:
-    """Whether Triton can be imported (CUDA builds of torch ship it; CPU builds usually do not)."""
-    return _TRITON_AVAILABLE
-
-
 def use_fused(setting: Optional[bool], x: torch.Tensor) -> bool:
     """Resolve a module's `fused_kernels` setting for input `x`: None means CUDA and Triton present."""
     if setting is None:

@@ -11,11 +11,11 @@ Numerics: mean and variance in float32 from the row held in registers (two-pass,
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from pan2cli.triton_support import triton_interpreting
 
 
 @triton.jit
@@ -47,10 +47,6 @@ def _layer_norm_modulate_kernel(
     shift = tl.load(SHIFT + shift_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     y = normed * (1.0 + scale) + shift
     tl.store(Y + rows[:, None] * stride_y_row + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def layer_norm_modulate(
@@ -85,7 +81,7 @@ def layer_norm_modulate(
     assert out.shape == x.shape and out.dtype == x.dtype, "out must match x in shape and dtype"
     for name, t in (("x", x), ("out", out)):
         assert t.stride(2) == 1 and (batch == 1 or t.stride(0) == n_tokens * t.stride(1)), f"{name} must be [B·N, D] rows"
-        assert t.is_cuda or _interpreting(), f"{name} must be a CUDA tensor (or set TRITON_INTERPRET=1)"
+        assert t.is_cuda or triton_interpreting(), f"{name} must be a CUDA tensor (or set TRITON_INTERPRET=1)"
     assert scale.stride(2) == 1 and shift.stride(2) == 1, "scale and shift must be contiguous along D"
     n_rows = batch * n_tokens
     if n_rows == 0:

@@ -12,11 +12,11 @@ on GPUs; one rounding per output element.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from pan2cli.triton_support import triton_interpreting
 
 
 @triton.jit
@@ -75,10 +75,6 @@ def _qk_norm_rope_kernel(
     _norm_rope_tile(K, K_OUT, K_WEIGHT, k_row, out_row, mask, cols, c, s, eps, HALF, ROTATE)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def qk_norm_rope(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -115,7 +111,7 @@ def qk_norm_rope(
     assert q.dtype == k.dtype == q_out.dtype == k_out.dtype, "q, k, q_out, k_out must share a dtype"
     for name, t in (("q", q), ("k", k), ("q_out", q_out), ("k_out", k_out)):
         assert t.stride(3) == 1 and t.stride(2) == head_dim, f"{name}: each token's [H, head_dim] block must be contiguous"
-        assert t.is_cuda or _interpreting(), f"{name} must be a CUDA tensor (or set TRITON_INTERPRET=1)"
+        assert t.is_cuda or triton_interpreting(), f"{name} must be a CUDA tensor (or set TRITON_INTERPRET=1)"
     assert q_out.shape == k_out.shape and q_out.stride() == k_out.stride(), "q_out and k_out must share shape and strides"
     assert q_out.shape[0] == batch and q_out.shape[2:] == q.shape[2:], f"q_out {tuple(q_out.shape)} does not fit q"
     assert 0 <= out_token_offset and out_token_offset + n_tokens <= q_out.shape[1], "output rows out of range"

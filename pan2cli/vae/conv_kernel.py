@@ -24,10 +24,9 @@ C_out)`.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
+
+from pan2cli.triton_support import triton_interpreting
 
 
 def block_k(c_in: int) -> int:
@@ -42,11 +41,6 @@ def _kernel():
     )
 
     return implicit_gemm_conv
-
-
-def available() -> bool:
-    """Whether Triton is installed (CUDA builds of torch bring it on Linux)."""
-    return importlib.util.find_spec("triton") is not None
 
 
 def applies(c_in: int) -> bool:
@@ -135,7 +129,7 @@ def _meta(weight_shape, pad_w: int, bias, tiles) -> dict:
         "BLOCK_N": block_n,
         "BLOCK_K": tiles[4] if len(tiles) > 4 else block_k(c_in),
         "GROUP_M": 8,
-        "INTERPRET": os.environ.get("TRITON_INTERPRET") == "1",
+        "INTERPRET": triton_interpreting(),
         "num_warps": warps,
         "num_stages": stages,
     }

@@ -31,6 +31,7 @@ import pan2cli
 from pan2cli.errors import InputError, KernelBuildError
 from pan2cli.paths import cache_dir
 from pan2cli.resources import kernels_dir
+from pan2cli.triton_support import triton_available
 
 EXTENSION = "wan22_vae_decode"
 # Compute capability -> the arch-specific target we compile for (wgmma/TMA need the `a` variants).
@@ -301,11 +302,9 @@ def kernel_status(device: torch.device | None = None) -> KernelStatus:
         if built
         else f"compiled kernel ({arch}, bf16): built on first use (about a minute), or now with `pan2 kernels build`"
     )
-    from pan2cli.vae import conv_kernel
-
     convs = (
         "cuDNN at the two highest resolutions, the fixed-order Triton kernel below (chunk sizes and GPU splits round alike)"
-        if conv_kernel.available()
+        if triton_available()
         else "cuDNN everywhere: Triton is not installed, so chunk sizes and GPU splits may round a few levels apart"
     )
     return KernelStatus(arch, built, spec.build_dir, path, convs)

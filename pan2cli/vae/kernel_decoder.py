@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pan2cli.triton_support import triton_available
 from pan2cli.vae import conv_kernel
 from pan2cli.vae.model import WanResample, WanVAEDecoder, chunk_bounds
 from pan2cli.vae.parallel import RowSplit
@@ -122,7 +123,7 @@ class WanKernelDecoder:
         self.tail_frames = tail_frames
         # On CUDA with Triton by default; elsewhere only when asked (tests, under the Triton interpreter).
         if fixed_order_convs is None:
-            fixed_order_convs = self.device.type == "cuda" and conv_kernel.available()
+            fixed_order_convs = self.device.type == "cuda" and triton_available()
         self.fixed_order_convs = fixed_order_convs
         self._fixed_order_width = 0  # set per decode: twice the latent width
         # The structure we walk; the weights are copied below in the kernel's layout, so the caller can
