@@ -71,12 +71,10 @@ def test_build_log_keeps_the_whole_output_also_when_it_is_echoed(tmp_path, capfd
 def test_status_names_the_conv_engines(monkeypatch, tmp_path):
     """On a kernel target, `pan2 kernels status` says whether the low-resolution convs run in the
     fixed-order Triton kernel or, without Triton, in cuDNN with the rounding caveat."""
-    from pan2cli.vae import conv_kernel
-
     monkeypatch.setenv("PAN2_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernel, "current_arch", lambda device=None: "sm_90a")
-    monkeypatch.setattr(conv_kernel, "available", lambda: True)
+    monkeypatch.setattr(kernel, "triton_available", lambda: True)
     assert "fixed-order Triton" in kernel.kernel_status().convs
-    monkeypatch.setattr(conv_kernel, "available", lambda: False)
+    monkeypatch.setattr(kernel, "triton_available", lambda: False)
     status = kernel.kernel_status()
     assert "Triton is not installed" in status.convs and "sm_90a" in status.decode_path
