@@ -153,7 +153,15 @@ def test_fixed_order_convs_are_as_accurate_as_pytorch_convs(reference, monkeypat
     fixed_error = (got - truth).abs().float().mean().item()
     pytorch_error = (pytorch - truth).abs().float().mean().item()
     assert fixed_error <= 1.25 * pytorch_error + 0.02
-    assert (_uint8(fixed, z.to(device), 1) - got).abs().max().item() <= 1  # chunks of 1 and 2
+    chunk_1 = _uint8(fixed, z.to(device), 1)
+    if device == "cuda":  # one summation order per layer: chunks of 1 and 2 round alike
+        assert (chunk_1 - got).abs().max().item() <= 1
+    else:
+        # The interpreter's dot products go through numpy's BLAS and the high-resolution convs through
+        # oneDNN, whose summation order depends on the CPU and the shape (3 levels apart with AVX2
+        # kernels, 0 with AVX-512): only bf16-sized differences and the same accuracy are promised.
+        assert (chunk_1 - got).abs().float().mean().item() <= 0.25  # measured ≤ 0.13
+        assert (chunk_1 - truth).abs().float().mean().item() <= 1.1 * fixed_error + 0.02
 
 
 def test_kernel_path_chunk_size_invariance(reference):
@@ -218,9 +226,19 @@ def test_kernel_path_split_across_processes_equals_one_process(tmp_path, referen
 
     z = torch.randn(shape, generator=torch.Generator().manual_seed(5))
     expected = _uint8(WanKernelDecoder(_bf16(reference), EMULATED_OPS), z)
+    truth = _uint8(reference, z)
     prefix = str(tmp_path / "rank")
     mp.spawn(_kernel_split_decode, args=(world, str(tmp_path / "init"), shape, prefix), nprocs=world, join=True)
+    expected_error = (expected - truth).abs().float().mean().item()
     for rank in range(world):
         got = torch.load(f"{prefix}{rank}.pt", weights_only=True).int()
         assert got.shape == expected.shape
-        assert (got - expected).abs().max().item() <= 1, f"rank {rank}"
+        # On CPU the bands' bf16 convs run through oneDNN, whose summation order depends on the CPU and
+        # the band height (AVX-512: bit-identical; AVX2: half the pixels 1 level apart, at most 5). The
+        # split's arithmetic is exact (float64: tests/test_distributed.py); the GPU tests hold it to
+        # bit-identical frames. Here: bf16-sized differences, no error of its own (a wrong halo row
+        # gives tens of levels along the band edges).
+        difference = (got - expected).abs()
+        assert difference.max().item() <= 8, f"rank {rank}"
+        assert difference.float().mean().item() <= 1.0, f"rank {rank}"  # measured ≤ 0.6
+        assert (got - truth).abs().float().mean().item() <= 1.1 * expected_error + 0.05, f"rank {rank}"
