@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -20,6 +21,7 @@ from pan2cli.errors import InputError, Pan2Error
 OUTPUT_FORMATS = ("mp4", "png", "pt")
 # x264's "visually lossless" point: the decode is the product, keep it close to the frames.
 DEFAULT_CRF = 17
+_FRAME_NAME = re.compile(r"frame_\d+\.png")  # the files of a PNG output (`VideoWriter._write_png`)
 _X264_PRESET = "medium"
 
 
@@ -141,8 +143,8 @@ def check_output_path(path: Path, overwrite: bool) -> None:
         overwrite: whether an existing `path` may be replaced.
 
     Raises:
-        InputError: the parent folder is missing, not a folder or not writable, or `path`
-            exists and `overwrite` is False.
+        InputError: the parent folder is missing, not a folder or not writable, `path`
+            exists and `overwrite` is False, or `path` is a folder holding more than PNG frames.
     """
     path = Path(path)
     parent = path.parent
@@ -158,6 +160,15 @@ def check_output_path(path: Path, overwrite: bool) -> None:
     # is_symlink: a dangling link does not "exist" but would still be replaced.
     if (path.exists() or path.is_symlink()) and not overwrite:
         raise InputError(f"output {path} already exists", hint="pass --overwrite to replace it")
+    if path.is_dir() and not path.is_symlink():
+        # Replacing a PNG output deletes the folder: never one that holds more than frames.
+        others = sorted(p.name for p in path.iterdir() if not _FRAME_NAME.fullmatch(p.name))
+        if others:
+            raise InputError(
+                f"output folder {path} holds {', '.join(others[:3])}{', ...' if len(others) > 3 else ''} besides PNG frames; "
+                "it is not replaced",
+                hint="choose another output path",
+            )
 
 
 class VideoWriter:
