@@ -298,6 +298,23 @@ def test_png_frames_go_to_the_folder_named_with_a_slash(tiny_vae, latents_file, 
     assert _frames_on_disk(tmp_path / "frames") == ["frame_00000.png", "notes.txt"]
 
 
+@pytest.mark.parametrize("how", ["same_path", "symlink", "hard_link"])
+def test_an_output_that_is_an_input_is_refused(tiny_vae, latents_file, tmp_path, how):
+    path = latents_file((48, 1, 2, 2))
+    before = path.read_bytes()
+    out = path
+    if how == "symlink":
+        out = tmp_path / "link.pt"
+        out.symlink_to(path)
+    elif how == "hard_link":
+        out = tmp_path / "hard.pt"
+        os.link(path, out)
+    proc = _pan2("decode", path, "-o", out, "--overwrite", "--vae", tiny_vae)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("Error: ") and "is the input" in proc.stderr
+    assert path.read_bytes() == before and out.read_bytes() == before
+
+
 def test_several_inputs_into_a_missing_folder_say_so(tiny_vae, latents_file, tmp_path):
     a = latents_file((48, 1, 2, 2), name="a.pt")
     b = latents_file((48, 1, 2, 2), name="b.pt")

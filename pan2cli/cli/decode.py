@@ -100,7 +100,7 @@ def plan_outputs(sources: list[LatentInput], output: str | None, fmt: str | None
 
     Raises:
         InputError: a suffix that names no format or contradicts --format, a missing folder, a file name for
-            several inputs, or two videos with one name.
+            several inputs, two videos with one name, or an output that is one of the inputs.
     """
     folder = single = None
     if output is None:
@@ -127,7 +127,17 @@ def plan_outputs(sources: list[LatentInput], output: str | None, fmt: str | None
                 hint="decode them into different folders with -o",
             )
         seen[key] = job
+        _check_not_an_input(job.output, [s.path for s in sources])
     return fmt, jobs
+
+
+def _check_not_an_input(output: Path, inputs: list[Path]) -> None:
+    """An output must not replace an input: the same file (links included), or a folder holding one."""
+    for path in inputs:
+        if output.exists() and os.path.samefile(output, path):
+            raise InputError(f"-o {output} is the input {path}: writing it would destroy the latents", hint="choose another output name")
+        if output.is_dir() and path.resolve().is_relative_to(output.resolve()):
+            raise InputError(f"-o {output} holds the input {path}: replacing it would destroy the latents", hint="choose another output name")
 
 
 @click.command("decode")
