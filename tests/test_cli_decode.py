@@ -332,3 +332,14 @@ def test_a_batch_into_one_name_writes_numbered_files(tiny_vae, latents_file, tmp
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [str(tmp_path / "clip_0.mp4"), str(tmp_path / "clip_1.mp4")]
     assert _frames_on_disk(tmp_path) == ["b.pt", "clip_0.mp4", "clip_1.mp4"]
+
+
+def test_bf16_on_the_cpu_warns_and_runs(run_cli, tiny_vae, latents_file, tmp_path):
+    path = latents_file((48, 1, 2, 2))
+    result = run_cli("decode", path, "--vae", tiny_vae, "--device", "cpu", "--dtype", "bf16", "-o", tmp_path / "bf16.mp4")
+    assert result.exit_code == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("Warning:")]
+    assert len(warnings) == 1 and "slower" in warnings[0] and "--dtype fp32" in warnings[0]
+    assert (tmp_path / "bf16.mp4").is_file()
+    result = run_cli("decode", path, "--vae", tiny_vae, "--device", "cpu", "-o", tmp_path / "fp32.mp4")
+    assert result.exit_code == 0 and "Warning:" not in result.stderr

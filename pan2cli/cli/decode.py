@@ -21,7 +21,7 @@ import torch
 from pan2cli import distributed
 from pan2cli.cli._launch import run_on_ranks
 from pan2cli.cli._options import device_option, dtype_option, gpus_option, quiet_option
-from pan2cli.cli._output import gib, info, progress_bar, result, status
+from pan2cli.cli._output import gib, info, progress_bar, result, status, warn
 from pan2cli.decode import decode_latents
 from pan2cli.devices import resolve_device, resolve_dtype
 from pan2cli.errors import InputError, OutOfMemoryError
@@ -263,6 +263,9 @@ def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_
     except InputError as exc:
         error = exc
     distributed.raise_if_any_failed(error)
+    if main and device.type == "cpu" and torch_dtype == torch.bfloat16:
+        # Issue 12: a decode took 40 s in bf16 and 1 s in fp32 on a 2-core x86 CPU (PyTorch's CPU convs are slow in bf16).
+        warn("--dtype bf16 on the CPU is about 40x slower than fp32 (PyTorch has no fast bf16 convolutions there); use --dtype fp32")
 
     # 2. Load the decoder once; no rank goes on to the decode's collectives if one failed here.
     start = time.perf_counter()
