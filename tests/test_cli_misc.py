@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
 import pan2cli
 from pan2cli.cli import cli
+from pan2cli.presets import load_preset
 
 
 def test_version(run_cli):
@@ -47,6 +49,17 @@ def test_presets_list_and_show(run_cli):
     values = json.loads(shown.stdout)
     assert values["frames"] == 121 and values["latent_shape"] == [1, 48, 31, 44, 78]
     assert 'frames = 241' in run_cli("presets", "show", "pan2-10s").stdout
+
+
+def test_presets_show_prints_a_preset_that_loads_back(run_cli, tmp_path):
+    shown = run_cli("presets", "show", "pan2-5s")
+    assert shown.exit_code == 0
+    assert "latent shape [1, 48, 31, 44, 78]" in shown.stdout  # derived values stay, as comments
+    (tmp_path / "my.toml").write_text(shown.stdout)
+    again = run_cli("presets", "show", tmp_path / "my.toml")
+    assert again.exit_code == 0, again.stderr
+    mine, shipped = load_preset(tmp_path / "my.toml"), load_preset("pan2-5s")
+    assert dataclasses.replace(mine, name=shipped.name, source=shipped.source) == shipped
 
 
 def test_unknown_preset_exits_2(run_cli):

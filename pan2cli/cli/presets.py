@@ -7,7 +7,7 @@ import json
 import click
 
 from pan2cli.cli._output import result
-from pan2cli.presets import DEFAULT_PRESET, list_presets, load_preset, preset_to_dict
+from pan2cli.presets import DEFAULT_PRESET, list_presets, load_preset, preset_to_dict, preset_to_toml
 
 
 @click.group("presets")
@@ -37,21 +37,24 @@ def list_command():
 
 @presets_group.command("show")
 @click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help="Print the preset as JSON instead of TOML-style lines.")
+@click.option("--json", "as_json", is_flag=True, help="Print the preset as JSON (with its name, source and derived values) instead of TOML.")
 def show_command(name, as_json):
     """Show every setting of preset NAME (a shipped name or a .toml path).
+
+    The TOML printed loads back as a preset: save it, edit it, pass its path to --preset. The name, source
+    and derived values (latent frames and shape) are comments.
 
     \b
     Examples:
       pan2 presets show pan2-10s
+      pan2 presets show pan2-5s > my.toml
       pan2 presets show pan2-20s --json
     """
     preset = load_preset(name)
-    values = preset_to_dict(preset)
-    values["latent_frames"] = preset.latent_frames
-    values["latent_shape"] = list(preset.latent_shape)
     if as_json:
+        values = preset_to_dict(preset)
+        values["latent_frames"] = preset.latent_frames
+        values["latent_shape"] = list(preset.latent_shape)
         result(json.dumps(values, indent=2))
         return
-    for key, value in values.items():
-        result(f"{key} = {json.dumps(value)}")
+    result(preset_to_toml(preset).rstrip("\n"))
