@@ -44,6 +44,7 @@ def test_presets_list_and_show(run_cli):
     assert listing.exit_code == 0
     names = [line.split()[0] for line in listing.stdout.splitlines()]
     assert names == ["pan2-5s", "pan2-10s", "pan2-20s"]
+    assert listing.stdout.split()[3] == "704x1248"  # HxW, as --size takes it
     shown = run_cli("presets", "show", "pan2-5s", "--json")
     assert shown.exit_code == 0
     values = json.loads(shown.stdout)

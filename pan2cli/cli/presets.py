@@ -26,11 +26,11 @@ def presets_group():
 
 @presets_group.command("list")
 def list_command():
-    """List the shipped presets, one per line: name, frames, size, fps, description."""
+    """List the shipped presets, one per line: name, frames, size (HxW, as --size takes it), fps, description."""
     for preset in list_presets():
         default = " (default)" if preset.name == DEFAULT_PRESET else ""
         result(
-            f"{preset.name:<10} {preset.frames:>4} frames  {preset.width}x{preset.height}  {preset.fps} fps  "
+            f"{preset.name:<10} {preset.frames:>4} frames  {preset.height}x{preset.width}  {preset.fps} fps  "
             f"{preset.description}{default}"
         )
 
