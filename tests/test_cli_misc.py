@@ -6,6 +6,8 @@ import dataclasses
 import json
 import re
 
+import torch
+
 import pan2cli
 from pan2cli.cli import cli
 from pan2cli.presets import load_preset
@@ -101,6 +103,15 @@ def test_kernels_status_and_clean(run_cli, tmp_path, monkeypatch):
     cleaned = run_cli("kernels", "clean")
     assert cleaned.exit_code == 0 and cleaned.stdout.strip() == str(tmp_path / "cache" / "kernels")
     assert not (tmp_path / "cache" / "kernels").exists()
+
+
+def test_kernels_status_without_a_gpu_says_so_plainly(run_cli, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a GPU host
+    result = run_cli("kernels", "status")
+    assert result.exit_code == 0
+    assert "None" not in result.stdout
+    assert "no CUDA GPU" in result.stdout and "reference PyTorch decoder" in result.stdout
+    assert re.search(r"^convs +PyTorch's CPU convolutions", result.stdout, re.M)
 
 
 def test_kernels_build_without_a_gpu_exits_1(run_cli):

@@ -58,9 +58,16 @@ def status_command(as_json):
     if as_json:
         result(json.dumps(values, indent=2))
         return
+    if report.arch is None:  # no kernel target here: say so instead of printing Nones
+        why = report.decode_path.split(": ", 1)[-1]
+        values = {
+            "kernel": f"nothing to build or load: {why}; the compiled decoder targets H100/H200 (sm_90a) and "
+            "B200/B300 (sm_100a, sm_103a)",
+            "decode_path": report.decode_path,
+            "convs": report.convs,
+        }
     for key, value in values.items():
-        if value is not None or key != "convs":
-            result(f"{key:<12} {value}")
+        result(f"{key:<12} {value}")
 
 
 @kernels_group.command("clean")
