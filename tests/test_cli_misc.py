@@ -5,12 +5,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import torch
 
 import pan2cli
 from pan2cli.cli import cli
 from pan2cli.presets import load_preset
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _commands(command=cli, path=("pan2",)):
+    """(path, command) for the group and every command and group under it, read from the click group itself."""
+    yield path, command
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _commands(sub, (*path, name))
 
 
 def test_version(run_cli):
@@ -34,6 +45,15 @@ def test_every_decode_option_is_documented_with_examples(run_cli):
     for option in options:
         assert re.search(rf"{option}\b", text), option
     assert "Examples:" in text and "pan2 decode latents.pt -o video.mp4" in text
+
+
+def test_every_command_has_examples_of_its_own(run_cli):
+    for path, _ in _commands():
+        result = run_cli(*path[1:], "--help")
+        assert result.exit_code == 0, path
+        assert "Examples:" in result.stdout, path
+        examples = result.stdout.split("Examples:", 1)[1]
+        assert re.search(rf"^ +{re.escape(' '.join(path))}( |$)", examples, re.M), path
 
 
 def test_unknown_option_is_a_usage_error(run_cli):

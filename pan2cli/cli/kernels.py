@@ -30,7 +30,14 @@ def kernels_group():
 
 @kernels_group.command("build")
 def build_command():
-    """Build the decode kernel for this machine's GPU now (a no-op when it is cached); prints its folder."""
+    """Build the decode kernel for this machine's GPU now (a no-op when it is cached); prints its folder.
+
+    \b
+    Examples:
+      pan2 kernels build
+      PAN2_KERNEL_VERBOSE=1 pan2 kernels build    # show the compiler output
+      MAX_JOBS=4 pan2 kernels build
+    """
     if current_arch() is None:
         why = kernel_status().decode_path.split(": ", 1)[-1]
         raise KernelBuildError(
@@ -46,7 +53,13 @@ def build_command():
 @kernels_group.command("status")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 def status_command(as_json):
-    """Say what is built, where, and which decode path `pan2 decode` would run and why."""
+    """Say what is built, where, and which decode path `pan2 decode` would run and why.
+
+    \b
+    Examples:
+      pan2 kernels status
+      pan2 kernels status --json
+    """
     report = kernel_status()
     values = {
         "arch": report.arch,
@@ -72,5 +85,11 @@ def status_command(as_json):
 
 @kernels_group.command("clean")
 def clean_command():
-    """Remove every cached build of the decode kernel; prints the folder emptied."""
+    """Remove every cached build of the decode kernel; prints the folder emptied.
+
+    \b
+    Examples:
+      pan2 kernels clean
+      PAN2_CACHE_DIR=/scratch/pan2 pan2 kernels clean
+    """
     result(str(clean_kernel_cache()))

@@ -26,7 +26,13 @@ def presets_group():
 
 @presets_group.command("list")
 def list_command():
-    """List the shipped presets, one per line: name, frames, size (HxW, as --size takes it), fps, description."""
+    """List the shipped presets, one per line: name, frames, size (HxW, as --size takes it), fps, description.
+
+    \b
+    Examples:
+      pan2 presets list
+      pan2 presets list | grep default
+    """
     for preset in list_presets():
         default = " (default)" if preset.name == DEFAULT_PRESET else ""
         result(
