@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import pan2cli.cli.decode as decode_module
+import pan2cli.decode as decode_module  # the CLI imports decode_latents from here when it runs
 from pan2cli.latents import unnormalize
 from pan2cli.vae.checkpoint import load_vae_decoder
 from pan2cli.video import frames_to_uint8

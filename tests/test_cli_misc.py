@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -54,6 +57,25 @@ def test_every_command_has_examples_of_its_own(run_cli):
         assert "Examples:" in result.stdout, path
         examples = result.stdout.split("Examples:", 1)[1]
         assert re.search(rf"^ +{re.escape(' '.join(path))}( |$)", examples, re.M), path
+
+
+# `pan2 --help`, `--version` and every command's --help, in a fresh interpreter: they must not import torch.
+_HELP_WITHOUT_TORCH = """
+import sys
+from pan2cli.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exc:
+    print("exit", exc.code, "torch" in sys.modules, file=sys.stderr)
+"""
+
+
+def test_help_and_version_do_not_import_torch():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for args in [["--version"], *([*path[1:], "--help"] for path, _ in _commands())]:
+        proc = subprocess.run([sys.executable, "-c", _HELP_WITHOUT_TORCH, *args], capture_output=True, text=True, env=env)
+        assert proc.stderr.splitlines()[-1] == "exit 0 False", (args, proc.stderr)
+        assert proc.stdout.startswith("pan2 " if args == ["--version"] else "Usage: pan2"), args
 
 
 def test_unknown_option_is_a_usage_error(run_cli):

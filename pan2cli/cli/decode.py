@@ -4,7 +4,8 @@ Usage: pan2 decode LATENTS... [-o OUT] [--vae PATH|REPO] [--format mp4|png|pt] [
 
 With `--gpus N` the command re-launches itself in N processes (`pan2cli.distributed`); each rank then
 runs `_decode`: inputs checked and the model loaded on every rank with a sync point after each, rank 0
-alone writing and printing.
+alone writing and printing. torch and the decoder are imported inside `_decode`: `pan2 --help` does not
+load them.
 """
 
 from __future__ import annotations
@@ -14,24 +15,20 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-import torch
 
-from pan2cli import distributed
 from pan2cli.cli._launch import run_on_ranks
 from pan2cli.cli._options import device_option, dtype_option, gpus_option, quiet_option
 from pan2cli.cli._output import gib, info, progress_bar, result, status, warn
-from pan2cli.decode import decode_latents
 from pan2cli.devices import resolve_device, resolve_dtype
 from pan2cli.errors import InputError, OutOfMemoryError
-from pan2cli.latents import LatentInput, load_latents
-from pan2cli.vae.checkpoint import DEFAULT_VAE_REPO, load_vae_decoder
-from pan2cli.vae.config import DECODE_KERNEL_MODES
-from pan2cli.vae.kernel import kernel_status, select_decode_path, why_not_applicable
-from pan2cli.vae.kernel_decoder import WanKernelDecoder
-from pan2cli.vae.parallel import split_rows
-from pan2cli.video import DEFAULT_CRF, OUTPUT_FORMATS, check_output_path, default_output_path, open_video_writer
+from pan2cli.outputs import DEFAULT_CRF, OUTPUT_FORMATS, check_output_path, default_output_path
+from pan2cli.vae.config import DECODE_KERNEL_MODES, DEFAULT_VAE_REPO
+
+if TYPE_CHECKING:
+    from pan2cli.latents import LatentInput
 
 DEFAULT_FPS = 24.0
 _SUFFIX_FORMATS = {".mp4": "mp4", ".pt": "pt"}
@@ -234,6 +231,8 @@ def decode_command(ctx, latents, output, vae, revision, dtype, device, decode_ke
 
 def _kernel_message(reference) -> str:
     """The spinner line while the decode path is chosen: a first use builds the kernel (about a minute)."""
+    from pan2cli.vae.kernel import kernel_status, why_not_applicable
+
     if reference.config.decode_kernel != "off" and why_not_applicable(reference.device, reference.dtype) is None:
         status_now = kernel_status(reference.device)
         if not status_now.built:
@@ -243,6 +242,17 @@ def _kernel_message(reference) -> str:
 
 def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_latent_frames, fps, crf, fmt, raw_latents, overwrite, quiet):
     """The decode command's work in this process: the only one, or one rank of several (`device` then set)."""
+    import torch
+
+    from pan2cli import distributed
+    from pan2cli.decode import decode_latents
+    from pan2cli.latents import load_latents
+    from pan2cli.vae.checkpoint import load_vae_decoder
+    from pan2cli.vae.kernel import select_decode_path
+    from pan2cli.vae.kernel_decoder import WanKernelDecoder
+    from pan2cli.vae.parallel import split_rows
+    from pan2cli.video import open_video_writer
+
     main = distributed.is_main()
     quiet = quiet or not main  # progress and summaries come from rank 0
     world = distributed.world_size()

@@ -9,7 +9,8 @@ import click
 
 from pan2cli.cli._output import info, result, status
 from pan2cli.errors import KernelBuildError
-from pan2cli.vae.kernel import clean_kernel_cache, current_arch, kernel_status, load_kernel
+
+# pan2cli.vae.kernel (torch) is imported inside each command: `pan2 --help` does not load torch.
 
 
 @click.group("kernels")
@@ -38,6 +39,8 @@ def build_command():
       PAN2_KERNEL_VERBOSE=1 pan2 kernels build    # show the compiler output
       MAX_JOBS=4 pan2 kernels build
     """
+    from pan2cli.vae.kernel import current_arch, kernel_status, load_kernel
+
     if current_arch() is None:
         why = kernel_status().decode_path.split(": ", 1)[-1]
         raise KernelBuildError(
@@ -60,6 +63,8 @@ def status_command(as_json):
       pan2 kernels status
       pan2 kernels status --json
     """
+    from pan2cli.vae.kernel import kernel_status
+
     report = kernel_status()
     values = {
         "arch": report.arch,
@@ -92,4 +97,6 @@ def clean_command():
       pan2 kernels clean
       PAN2_CACHE_DIR=/scratch/pan2 pan2 kernels clean
     """
+    from pan2cli.vae.kernel import clean_kernel_cache
+
     result(str(clean_kernel_cache()))
