@@ -132,9 +132,9 @@ def _check_not_an_input(output: Path, inputs: list[Path]) -> None:
     """An output must not replace an input: the same file (links included), or a folder holding one."""
     for path in inputs:
         if output.exists() and os.path.samefile(output, path):
-            raise InputError(f"-o {output} is the input {path}: writing it would destroy the latents", hint="choose another output name")
+            raise InputError(f"output {output} is the input {path}: writing it would destroy the latents", hint="choose another output name")
         if output.is_dir() and path.resolve().is_relative_to(output.resolve()):
-            raise InputError(f"-o {output} holds the input {path}: replacing it would destroy the latents", hint="choose another output name")
+            raise InputError(f"output {output} holds the input {path}: replacing it would destroy the latents", hint="choose another output name")
 
 
 @click.command("decode")
