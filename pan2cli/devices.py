@@ -1,16 +1,26 @@
-"""Which device and dtype a run uses when the user leaves them out, and checks on the ones they name."""
+"""Which device and dtype a run uses when the user leaves them out, and checks on the ones they name.
+
+torch is imported when a device is resolved, not with this module: the CLI's options read `DTYPE_NAMES`.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from pan2cli.errors import InputError
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+# --dtype name → torch dtype attribute.
+_TORCH_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+DTYPE_NAMES = tuple(_TORCH_DTYPES)
 
 
 def resolve_device(name: str | None) -> torch.device:
     """`None` → cuda when available, else cpu; a CUDA device that does not exist is bad input."""
+    import torch
+
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -29,6 +39,8 @@ def resolve_device(name: str | None) -> torch.device:
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     """`None` → bf16 on CUDA, fp32 on CPU."""
+    import torch
+
     if name is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
+    return getattr(torch, _TORCH_DTYPES[name])

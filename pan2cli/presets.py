@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -83,52 +84,16 @@ class Preset:
             raise InputError(
                 f"preset source must be a path, got {type(self.source).__name__} {self.source!r}"
             )
-
-        for name in ("name", "description", "sampler", "negative_prompt"):
-            self._check_type(name, str, "a string")
-        for name in ("frames", "height", "width", "fps", "steps", "seed", "chunk_latent_frames"):
-            # bool is a subclass of int, but `frames = true` is a mistake, not 1.
-            self._check_type(name, int, "an integer")
+        problems = [
+            problem
+            for name in _RULES
+            if (problem := _value_problem(name, getattr(self, name))) is not None
+        ]
+        if problems:
+            raise InputError(f"{self.source}: {'; '.join(problems)}", hint=_fix_hint(self.source))
         for name in ("guidance", "flow_shift"):
-            self._check_type(name, (int, float), "a number")
             # Store floats even when the file says `guidance = 3`, so dumps are consistent.
             object.__setattr__(self, name, float(getattr(self, name)))
-
-        self._check("name", bool(self.name.strip()), "must not be empty")
-        self._check(
-            "frames",
-            self.frames >= 1 and self.frames % _TEMPORAL_FACTOR == 1,
-            "must be 1 + 4*k (e.g. 121, 241, 481): the Wan2.2 VAE decodes 1 + 4*(latent frames - 1) frames",
-        )
-        for name in ("height", "width"):
-            value = getattr(self, name)
-            ok = value > 0 and value % _SIZE_MULTIPLE == 0
-            self._check(name, ok, f"must be a positive multiple of {_SIZE_MULTIPLE}")
-        self._check("fps", self.fps > 0, "must be > 0")
-        self._check("steps", self.steps >= 1, "must be >= 1")
-        for name in ("guidance", "flow_shift"):
-            value = getattr(self, name)
-            self._check(name, math.isfinite(value) and value > 0, "must be a finite number > 0")
-        self._check("seed", 0 <= self.seed <= _MAX_SEED, "must be between 0 and 2**64 - 1")
-        self._check("sampler", self.sampler in SAMPLERS, f"must be one of: {', '.join(SAMPLERS)}")
-        self._check("chunk_latent_frames", self.chunk_latent_frames >= 1, "must be >= 1")
-
-    def _check_type(self, name: str, types: type | tuple[type, ...], what: str) -> None:
-        """Raise InputError unless field `name` is an instance of `types` (bool never counts as a number)."""
-        value = getattr(self, name)
-        if isinstance(value, bool) or not isinstance(value, types):
-            raise InputError(
-                f"{self.source}: '{name}' must be {what}, got {type(value).__name__} {value!r}",
-                hint=_fix_hint(self.source),
-            )
-
-    def _check(self, name: str, ok: bool, requirement: str) -> None:
-        """Raise InputError naming field `name` and its value unless `ok`."""
-        if not ok:
-            raise InputError(
-                f"{self.source}: invalid '{name}' = {getattr(self, name)!r}: {requirement}",
-                hint=_fix_hint(self.source),
-            )
 
     @property
     def latent_frames(self) -> int:
@@ -150,6 +115,40 @@ class Preset:
             self.height // _SPATIAL_FACTOR,
             self.width // _SPATIAL_FACTOR,
         )
+
+
+# Each field: its type(s), what that is called, and the requirement on its value (None: any value).
+# bool is a subclass of int, but `frames = true` is a mistake, not 1: bools never pass.
+_RULES: dict[str, tuple[type | tuple[type, ...], str, Any, str]] = {
+    "name": (str, "a string", lambda v: bool(v.strip()), "must not be empty"),
+    "description": (str, "a string", None, ""),
+    "frames": (
+        int,
+        "an integer",
+        lambda v: v >= 1 and v % _TEMPORAL_FACTOR == 1,
+        "must be 1 + 4*k (e.g. 121, 241, 481): the Wan2.2 VAE decodes 1 + 4*(latent frames - 1) frames",
+    ),
+    "height": (int, "an integer", lambda v: v > 0 and v % _SIZE_MULTIPLE == 0, f"must be a positive multiple of {_SIZE_MULTIPLE}"),
+    "width": (int, "an integer", lambda v: v > 0 and v % _SIZE_MULTIPLE == 0, f"must be a positive multiple of {_SIZE_MULTIPLE}"),
+    "fps": (int, "an integer", lambda v: v > 0, "must be > 0"),
+    "steps": (int, "an integer", lambda v: v >= 1, "must be >= 1"),
+    "guidance": ((int, float), "a number", lambda v: math.isfinite(v) and v > 0, "must be a finite number > 0"),
+    "flow_shift": ((int, float), "a number", lambda v: math.isfinite(v) and v > 0, "must be a finite number > 0"),
+    "seed": (int, "an integer", lambda v: 0 <= v <= _MAX_SEED, "must be between 0 and 2**64 - 1"),
+    "sampler": (str, "a string", lambda v: v in SAMPLERS, f"must be one of: {', '.join(SAMPLERS)}"),
+    "negative_prompt": (str, "a string", None, ""),
+    "chunk_latent_frames": (int, "an integer", lambda v: v >= 1, "must be >= 1"),
+}
+
+
+def _value_problem(name: str, value: Any) -> str | None:
+    """What is wrong with `value` for field `name` (its type first, then its value), or None."""
+    types, what, ok, requirement = _RULES[name]
+    if isinstance(value, bool) or not isinstance(value, types):
+        return f"'{name}' must be {what}, got {type(value).__name__} {value!r}"
+    if ok is not None and not ok(value):
+        return f"invalid '{name}' = {value!r}: {requirement}"
+    return None
 
 
 # Keys a preset file must contain: every field except those that come from the file itself.
@@ -203,17 +202,23 @@ def _load_file(path: Path, name: str) -> Preset:
     except OSError as e:
         raise InputError(f"cannot read preset file {path}: {e.strerror or e}") from e
 
+    # Every problem of the file in one error: unknown keys, missing keys, then bad values.
+    problems, hint = [], None
     unknown = sorted(set(data) - set(_FILE_KEYS))
     if unknown:
         keys = ", ".join(repr(k) for k in unknown)
+        problems.append(f"unknown key{'s' if len(unknown) > 1 else ''} {keys} (valid keys: {', '.join(_FILE_KEYS)})")
         hint = "the preset name is the file name" if "name" in unknown else None
-        plural = "s" if len(unknown) > 1 else ""
-        valid = ", ".join(_FILE_KEYS)
-        raise InputError(f"{path}: unknown key{plural} {keys}; valid keys: {valid}", hint=hint)
     missing = [k for k in _FILE_KEYS if k not in data]
     if missing:
         keys = ", ".join(repr(k) for k in missing)
-        raise InputError(f"{path}: missing key{'s' if len(missing) > 1 else ''} {keys}")
+        problems.append(f"missing key{'s' if len(missing) > 1 else ''} {keys}")
+    bad_values = [p for k in _FILE_KEYS if k in data and (p := _value_problem(k, data[k])) is not None]
+    if bad_values:
+        problems += bad_values
+        hint = hint or _fix_hint(path)
+    if problems:
+        raise InputError(f"{path}: {'; '.join(problems)}", hint=hint)
     return Preset(name=name, source=path, **data)
 
 
@@ -274,3 +279,29 @@ def preset_to_dict(preset: Preset) -> dict[str, Any]:
     result = {f.name: getattr(preset, f.name) for f in dataclasses.fields(preset)}
     result["source"] = str(preset.source)
     return result
+
+
+def preset_to_toml(preset: Preset) -> str:
+    """The preset as a TOML file that `load_preset` reads back (`pan2 presets show NAME > my.toml`).
+
+    Args:
+        preset: The preset.
+
+    Returns:
+        Its file keys in declaration order; the name, source and derived values (latent frames and
+        shape, duration) as comments, since a preset file may not set them.
+    """
+    lines = [
+        f"# preset {preset.name} ({preset.source})",
+        f"# {preset.frames} frames = {preset.latent_frames} latent frames, {preset.duration_s:.2f} s; "
+        f"latent shape {list(preset.latent_shape)}",
+    ]
+    lines += [f"{key} = {_toml_value(getattr(preset, key))}" for key in _FILE_KEYS]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: str | int | float) -> str:
+    if isinstance(value, str):
+        # A JSON string is a TOML basic string, except that TOML wants DEL escaped too.
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    return repr(value)  # ints, and finite floats (validated), are TOML as Python prints them

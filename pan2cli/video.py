@@ -17,9 +17,9 @@ import torch
 
 from pan2cli.errors import InputError, Pan2Error
 
-OUTPUT_FORMATS = ("mp4", "png", "pt")
-# x264's "visually lossless" point: the decode is the product, keep it close to the frames.
-DEFAULT_CRF = 17
+# Where outputs go lives in pan2cli.outputs (no torch: the CLI imports it for --help); its names stay importable here.
+from pan2cli.outputs import DEFAULT_CRF, OUTPUT_FORMATS, check_format, check_output_path, default_output_path  # noqa: F401
+
 _X264_PRESET = "medium"
 
 
@@ -105,59 +105,6 @@ def copy_to_host_async(frames: torch.Tensor) -> HostCopy:
 
 
 _copy_streams: dict = {}
-
-
-def default_output_path(input_path: Path, fmt: str) -> Path:
-    """The output path used when none is given: next to the input, with the same stem.
-
-    `x.pt` -> `x.mp4` (mp4), `x/` (png), `x.pt` (pt). When that would be the input file
-    itself (pt output of a `.pt` input, png output of a suffix-less input, ...) `.frames`
-    is added to the stem instead: `x.frames.pt`, `x.frames/`, so the input is never replaced.
-
-    Args:
-        input_path: the latents file.
-        fmt: one of OUTPUT_FORMATS.
-
-    Returns:
-        The output file (mp4, pt) or folder (png).
-
-    Raises:
-        InputError: `fmt` is not one of OUTPUT_FORMATS.
-    """
-    _check_format(fmt)
-    input_path = Path(input_path)
-    suffix = "" if fmt == "png" else f".{fmt}"
-    out = input_path.with_suffix(suffix)
-    if out == input_path:
-        out = input_path.with_suffix(f".frames{suffix}")
-    return out
-
-
-def check_output_path(path: Path, overwrite: bool) -> None:
-    """Fail early (before any model loads) if `path` cannot be written.
-
-    Args:
-        path: the output file or png folder.
-        overwrite: whether an existing `path` may be replaced.
-
-    Raises:
-        InputError: the parent folder is missing, not a folder or not writable, or `path`
-            exists and `overwrite` is False.
-    """
-    path = Path(path)
-    parent = path.parent
-    if not parent.exists():
-        raise InputError(
-            f"output folder {parent} does not exist (for {path})",
-            hint="create it first, or choose another output path",
-        )
-    if not parent.is_dir():
-        raise InputError(f"cannot write {path}: {parent} is not a folder")
-    if not os.access(parent, os.W_OK):
-        raise InputError(f"cannot write {path}: output folder {parent} is not writable")
-    # is_symlink: a dangling link does not "exist" but would still be replaced.
-    if (path.exists() or path.is_symlink()) and not overwrite:
-        raise InputError(f"output {path} already exists", hint="pass --overwrite to replace it")
 
 
 class VideoWriter:
@@ -415,7 +362,7 @@ def open_video_writer(
         InputError: bad format, fps or crf, or `path` cannot be written (see
             `check_output_path`), or `path` is a folder and fmt is not png.
     """
-    _check_format(fmt)
+    check_format(fmt)
     # numbers.Real/Integral also admit numpy scalars; bool is excluded on purpose.
     if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not math.isfinite(fps) or fps <= 0:
         raise InputError(f"fps must be a positive number, got {fps!r}")
@@ -451,11 +398,6 @@ def write_video(
     with open_video_writer(path, fmt, fps, crf=crf, overwrite=overwrite) as writer:
         writer.write(frames)
     return writer.path
-
-
-def _check_format(fmt: str) -> None:
-    if fmt not in OUTPUT_FORMATS:
-        raise InputError(f"unknown output format {fmt!r}; expected one of {', '.join(OUTPUT_FORMATS)}")
 
 
 def _remove(path: Path) -> None:

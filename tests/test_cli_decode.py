@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import pan2cli.cli.decode as decode_module
+import pan2cli.decode as decode_module  # the CLI imports decode_latents from here when it runs
 from pan2cli.latents import unnormalize
 from pan2cli.vae.checkpoint import load_vae_decoder
 from pan2cli.video import frames_to_uint8
@@ -187,11 +187,6 @@ def test_one_output_file_for_several_videos_is_refused(run_cli, tiny_vae, latent
     assert "existing folder" in result.stderr
 
 
-def test_suffix_and_format_must_agree(run_cli, tiny_vae, latents_file, tmp_path):
-    result = run_cli("decode", latents_file((48, 1, 2, 2)), "-o", tmp_path / "x.mp4", "--format", "pt", "--vae", tiny_vae)
-    assert result.exit_code == 2
-
-
 def test_ctrl_c_removes_the_partial_output_and_exits_130(run_cli, tiny_vae, latents_file, tmp_path, monkeypatch):
     real_decode = decode_module.decode_latents
 
@@ -240,3 +235,115 @@ def test_python_dash_m_from_a_source_tree(tmp_path):
     proc = _pan2("--version", cwd=tmp_path)
     assert proc.returncode == 0
     assert proc.stdout.startswith("pan2 ")
+
+
+# -o means what it says: the suffix chooses the format, a trailing slash a folder, an input is never replaced.
+# Through the installed entry point in a subprocess, as a user runs it.
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("x.png", "Hint: pass --format png -o x/"),  # PNG frames go to a folder
+        ("x.avi", "Hint: name the file x.mp4"),
+        ("video", "Hint: name the file video.mp4"),  # no suffix: no guess
+    ],
+)
+def test_output_suffix_that_names_no_format_is_refused(tiny_vae, latents_file, tmp_path, name, says):
+    proc = _pan2("decode", latents_file((48, 1, 2, 2)), "-o", name, "--vae", tiny_vae, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"Error: -o {name}")
+    assert says in proc.stderr and "Traceback" not in proc.stderr
+    assert _frames_on_disk(tmp_path) == ["latents.pt"]
+
+
+@pytest.mark.parametrize(("name", "fmt"), [("x.mp4", "pt"), ("x.pt", "mp4"), ("x.mp4", "png")])
+def test_output_suffix_and_format_that_disagree_are_refused(tiny_vae, latents_file, tmp_path, name, fmt):
+    proc = _pan2("decode", latents_file((48, 1, 2, 2)), "-o", tmp_path / name, "--format", fmt, "--vae", tiny_vae)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("Error: ") and f"--format is {fmt}" in proc.stderr
+    assert _frames_on_disk(tmp_path) == ["latents.pt"]
+
+
+def test_output_suffix_chooses_the_format(tiny_vae, latents_file, tmp_path):
+    path = latents_file((48, 2, 2, 2))
+    proc = _pan2("decode", path, "-o", tmp_path / "x.PT", "--vae", tiny_vae, "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert torch.load(tmp_path / "x.PT", weights_only=True).shape == (5, 32, 32, 3)
+    proc = _pan2("decode", path, "-o", tmp_path / "frames", "--format", "png", "--vae", tiny_vae, "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(tmp_path / "frames")
+    assert len(_frames_on_disk(tmp_path / "frames")) == 5
+
+
+def test_trailing_slash_names_a_folder_that_must_exist(tiny_vae, latents_file, tmp_path):
+    path = latents_file((48, 1, 2, 2))
+    proc = _pan2("decode", path, "-o", f"{tmp_path / 'newdir'}/", "--vae", tiny_vae)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("Error: ") and "does not exist" in proc.stderr
+    assert _frames_on_disk(tmp_path) == ["latents.pt"]  # no file named newdir
+    (tmp_path / "newdir").mkdir()
+    proc = _pan2("decode", path, "-o", f"{tmp_path / 'newdir'}/", "--vae", tiny_vae, "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert _frames_on_disk(tmp_path / "newdir") == ["latents.mp4"]
+
+
+def test_png_frames_go_to_the_folder_named_with_a_slash(tiny_vae, latents_file, tmp_path):
+    path = latents_file((48, 1, 2, 2))
+    args = ("decode", path, "--format", "png", "-o", f"{tmp_path / 'frames'}/", "--vae", tiny_vae, "--device", "cpu")
+    proc = _pan2(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert _frames_on_disk(tmp_path / "frames") == ["frame_00000.png"]
+    proc = _pan2(*args)  # the same command again: the same folder, which now exists
+    assert proc.returncode == 2 and "already exists" in proc.stderr
+    (tmp_path / "frames" / "notes.txt").write_text("mine")
+    proc = _pan2(*args, "--overwrite")  # a folder that holds more than frames is never replaced
+    assert proc.returncode == 2 and "notes.txt" in proc.stderr
+    assert _frames_on_disk(tmp_path / "frames") == ["frame_00000.png", "notes.txt"]
+
+
+@pytest.mark.parametrize("how", ["same_path", "symlink", "hard_link"])
+def test_an_output_that_is_an_input_is_refused(tiny_vae, latents_file, tmp_path, how):
+    path = latents_file((48, 1, 2, 2))
+    before = path.read_bytes()
+    out = path
+    if how == "symlink":
+        out = tmp_path / "link.pt"
+        out.symlink_to(path)
+    elif how == "hard_link":
+        out = tmp_path / "hard.pt"
+        os.link(path, out)
+    proc = _pan2("decode", path, "-o", out, "--overwrite", "--vae", tiny_vae)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("Error: ") and "is the input" in proc.stderr
+    assert path.read_bytes() == before and out.read_bytes() == before
+
+
+def test_several_inputs_into_a_missing_folder_say_so(tiny_vae, latents_file, tmp_path):
+    a = latents_file((48, 1, 2, 2), name="a.pt")
+    b = latents_file((48, 1, 2, 2), name="b.pt")
+    for out in (f"{tmp_path / 'videos'}/", tmp_path / "videos"):
+        proc = _pan2("decode", a, b, "-o", out, "--vae", tiny_vae)
+        assert proc.returncode == 2
+        assert f"folder {tmp_path / 'videos'} does not exist" in proc.stderr
+        assert "names one file" not in proc.stderr
+    assert _frames_on_disk(tmp_path) == ["a.pt", "b.pt"]
+
+
+def test_a_batch_into_one_name_writes_numbered_files(tiny_vae, latents_file, tmp_path):
+    path = latents_file((2, 48, 1, 2, 2), name="b.pt")
+    proc = _pan2("decode", path, "-o", tmp_path / "clip.mp4", "--vae", tiny_vae, "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(tmp_path / "clip_0.mp4"), str(tmp_path / "clip_1.mp4")]
+    assert _frames_on_disk(tmp_path) == ["b.pt", "clip_0.mp4", "clip_1.mp4"]
+
+
+def test_bf16_on_the_cpu_warns_and_runs(run_cli, tiny_vae, latents_file, tmp_path):
+    path = latents_file((48, 1, 2, 2))
+    result = run_cli("decode", path, "--vae", tiny_vae, "--device", "cpu", "--dtype", "bf16", "-o", tmp_path / "bf16.mp4")
+    assert result.exit_code == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("Warning:")]
+    assert len(warnings) == 1 and "slower" in warnings[0] and "--dtype fp32" in warnings[0]
+    assert (tmp_path / "bf16.mp4").is_file()
+    result = run_cli("decode", path, "--vae", tiny_vae, "--device", "cpu", "-o", tmp_path / "fp32.mp4")
+    assert result.exit_code == 0 and "Warning:" not in result.stderr

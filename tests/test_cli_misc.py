@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
 
 import pan2cli
 from pan2cli.cli import cli
+from pan2cli.presets import load_preset
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _commands(command=cli, path=("pan2",)):
+    """(path, command) for the group and every command and group under it, read from the click group itself."""
+    yield path, command
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _commands(sub, (*path, name))
 
 
 def test_version(run_cli):
@@ -32,6 +50,34 @@ def test_every_decode_option_is_documented_with_examples(run_cli):
     assert "Examples:" in text and "pan2 decode latents.pt -o video.mp4" in text
 
 
+def test_every_command_has_examples_of_its_own(run_cli):
+    for path, _ in _commands():
+        result = run_cli(*path[1:], "--help")
+        assert result.exit_code == 0, path
+        assert "Examples:" in result.stdout, path
+        examples = result.stdout.split("Examples:", 1)[1]
+        assert re.search(rf"^ +{re.escape(' '.join(path))}( |$)", examples, re.M), path
+
+
+# `pan2 --help`, `--version` and every command's --help, in a fresh interpreter: they must not import torch.
+_HELP_WITHOUT_TORCH = """
+import sys
+from pan2cli.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exc:
+    print("exit", exc.code, "torch" in sys.modules, file=sys.stderr)
+"""
+
+
+def test_help_and_version_do_not_import_torch():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for args in [["--version"], *([*path[1:], "--help"] for path, _ in _commands())]:
+        proc = subprocess.run([sys.executable, "-c", _HELP_WITHOUT_TORCH, *args], capture_output=True, text=True, env=env)
+        assert proc.stderr.splitlines()[-1] == "exit 0 False", (args, proc.stderr)
+        assert proc.stdout.startswith("pan2 " if args == ["--version"] else "Usage: pan2"), args
+
+
 def test_unknown_option_is_a_usage_error(run_cli):
     result = run_cli("decode", "x.pt", "--no-such-flag")
     assert result.exit_code == 2
@@ -42,11 +88,23 @@ def test_presets_list_and_show(run_cli):
     assert listing.exit_code == 0
     names = [line.split()[0] for line in listing.stdout.splitlines()]
     assert names == ["pan2-5s", "pan2-10s", "pan2-20s"]
+    assert listing.stdout.split()[3] == "704x1248"  # HxW, as --size takes it
     shown = run_cli("presets", "show", "pan2-5s", "--json")
     assert shown.exit_code == 0
     values = json.loads(shown.stdout)
     assert values["frames"] == 121 and values["latent_shape"] == [1, 48, 31, 44, 78]
     assert 'frames = 241' in run_cli("presets", "show", "pan2-10s").stdout
+
+
+def test_presets_show_prints_a_preset_that_loads_back(run_cli, tmp_path):
+    shown = run_cli("presets", "show", "pan2-5s")
+    assert shown.exit_code == 0
+    assert "latent shape [1, 48, 31, 44, 78]" in shown.stdout  # derived values stay, as comments
+    (tmp_path / "my.toml").write_text(shown.stdout)
+    again = run_cli("presets", "show", tmp_path / "my.toml")
+    assert again.exit_code == 0, again.stderr
+    mine, shipped = load_preset(tmp_path / "my.toml"), load_preset("pan2-5s")
+    assert dataclasses.replace(mine, name=shipped.name, source=shipped.source) == shipped
 
 
 def test_unknown_preset_exits_2(run_cli):
@@ -87,6 +145,15 @@ def test_kernels_status_and_clean(run_cli, tmp_path, monkeypatch):
     cleaned = run_cli("kernels", "clean")
     assert cleaned.exit_code == 0 and cleaned.stdout.strip() == str(tmp_path / "cache" / "kernels")
     assert not (tmp_path / "cache" / "kernels").exists()
+
+
+def test_kernels_status_without_a_gpu_says_so_plainly(run_cli, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a GPU host
+    result = run_cli("kernels", "status")
+    assert result.exit_code == 0
+    assert "None" not in result.stdout
+    assert "no CUDA GPU" in result.stdout and "reference PyTorch decoder" in result.stdout
+    assert re.search(r"^convs +PyTorch's CPU convolutions", result.stdout, re.M)
 
 
 def test_kernels_build_without_a_gpu_exits_1(run_cli):

@@ -146,3 +146,13 @@ def test_missing_everywhere_raises(tmp_path: Path) -> None:
     (tmp_path / "pan2cli").mkdir()
     with pytest.raises(RuntimeError, match="'presets' not found"):
         _find_data_dir("_presets", "presets", tmp_path / "pan2cli")
+
+
+def test_readme_set_up_says_how_to_get_torch_without_a_gpu():
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Set-up", 1)[1].split("\n## ", 1)[0]
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in section
+    # .ci/run runs exactly these two lines, verbatim.
+    setup = section.split("<!-- setup:begin", 1)[1].split("<!-- setup:end", 1)[0]
+    commands = [line for line in setup.splitlines()[1:] if line and not line.startswith("```")]
+    assert commands == ['pip install -e ".[test]"', "python -m pytest"]

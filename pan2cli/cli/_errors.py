@@ -1,4 +1,8 @@
-"""Map known failures to one `Error: ...` line (plus `Hint: ...`) and an exit code; keep tracebacks for the unexpected."""
+"""Map known failures to one `Error: ...` line (plus `Hint: ...`) and an exit code; keep tracebacks for the unexpected.
+
+torch and pan2cli.distributed are looked up in `sys.modules`, never imported here: `pan2 --help` must not
+load torch, and an exception of theirs can only come from a command that imported them.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,7 @@ import sys
 import traceback
 
 import click
-import torch
 
-from pan2cli import distributed
 from pan2cli.errors import EXIT_INTERRUPTED, OutOfMemoryError, Pan2Error
 
 
@@ -27,18 +29,34 @@ def _report(error: Pan2Error) -> int:
     return error.exit_code
 
 
-def _worker_exit(error: BaseException) -> int:
+def _is_out_of_memory(error: BaseException) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(error, torch.OutOfMemoryError)
+
+
+def _out_of_memory(error: BaseException) -> OutOfMemoryError:
+    first_line = str(error).splitlines()[0] if str(error) else "out of memory"
+    return OutOfMemoryError(first_line, hint="pass a smaller --chunk-latent-frames, or free the GPU")
+
+
+def _rank_failure(error: Exception):
+    """pan2cli.distributed when `error` is a known failure of a rank under torchrun, else None."""
+    distributed = sys.modules.get("pan2cli.distributed")  # every command that runs on ranks imported it
+    if distributed is None or not distributed.under_torchrun():
+        return None
+    known = isinstance(error, (distributed.WorkerExit, Pan2Error)) or _is_out_of_memory(error)
+    return distributed if known else None
+
+
+def _worker_exit(error: BaseException, distributed) -> int:
     """A rank under torchrun: print only what the failure protocol of pan2cli.distributed says to print."""
     if isinstance(error, distributed.WorkerExit):
         if error.line:
             click.echo(error.line, err=True)
         return error.exit_code
-    if isinstance(error, torch.OutOfMemoryError):
-        first_line = str(error).splitlines()[0] if str(error) else "out of memory"
-        error = OutOfMemoryError(first_line, hint="pass a smaller --chunk-latent-frames, or free the GPU")
-    if isinstance(error, Pan2Error):
-        return _report(error) if distributed.reports_error(error) else error.exit_code
-    raise error
+    if _is_out_of_memory(error):
+        error = _out_of_memory(error)
+    return _report(error) if distributed.reports_error(error) else error.exit_code
 
 
 class Pan2Group(click.Group):
@@ -50,10 +68,11 @@ class Pan2Group(click.Group):
         try:
             try:
                 result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-            except (distributed.WorkerExit, Pan2Error, torch.OutOfMemoryError) as exc:
-                if not distributed.under_torchrun():
+            except Exception as exc:
+                distributed = _rank_failure(exc)
+                if distributed is None:
                     raise
-                sys.exit(distributed.record_exit(_worker_exit(exc)))
+                sys.exit(distributed.record_exit(_worker_exit(exc, distributed)))
         except click.exceptions.Exit as exc:
             sys.exit(exc.exit_code)
         except click.ClickException as exc:  # usage errors: exit 2, with click's usage line
@@ -64,7 +83,8 @@ class Pan2Group(click.Group):
             sys.exit(EXIT_INTERRUPTED)
         except Pan2Error as exc:
             sys.exit(_report(exc))
-        except torch.OutOfMemoryError as exc:
-            first_line = str(exc).splitlines()[0] if str(exc) else "out of memory"
-            sys.exit(_report(OutOfMemoryError(first_line, hint="pass a smaller --chunk-latent-frames, or free the GPU")))
+        except Exception as exc:
+            if not _is_out_of_memory(exc):
+                raise
+            sys.exit(_report(_out_of_memory(exc)))
         sys.exit(result if isinstance(result, int) else 0)

@@ -7,7 +7,6 @@ from typing import Callable, TypeVar
 
 import click
 
-from pan2cli import distributed
 from pan2cli.errors import InputError
 
 T = TypeVar("T")
@@ -22,6 +21,8 @@ def run_on_ranks(ctx: click.Context, gpus: int | None, device: str | None, work:
     Raises:
         InputError: more GPUs than visible, or `--gpus` different from torchrun's world size.
     """
+    from pan2cli import distributed  # here, not at the top: it imports torch, which `pan2 --help` does not need
+
     if gpus is not None and gpus > 1 and not distributed.under_torchrun():
         distributed.check_gpus(gpus, device)
         root = ctx.find_root()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from pan2cli.devices import DTYPES
+from pan2cli.devices import DTYPE_NAMES
 
 device_option = click.option(
     "--device",
@@ -14,7 +14,7 @@ device_option = click.option(
 )
 dtype_option = click.option(
     "--dtype",
-    type=click.Choice(sorted(DTYPES)),
+    type=click.Choice(DTYPE_NAMES),
     default=None,
     help="Weights and activations: bf16 (fp32 accumulation in the convolutions) or fp32.  "
     "[default: bf16 on CUDA, fp32 on CPU]",

@@ -4,33 +4,31 @@ Usage: pan2 decode LATENTS... [-o OUT] [--vae PATH|REPO] [--format mp4|png|pt] [
 
 With `--gpus N` the command re-launches itself in N processes (`pan2cli.distributed`); each rank then
 runs `_decode`: inputs checked and the model loaded on every rank with a sync point after each, rank 0
-alone writing and printing.
+alone writing and printing. torch and the decoder are imported inside `_decode`: `pan2 --help` does not
+load them.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-import torch
 
-from pan2cli import distributed
 from pan2cli.cli._launch import run_on_ranks
 from pan2cli.cli._options import device_option, dtype_option, gpus_option, quiet_option
-from pan2cli.cli._output import gib, info, progress_bar, result, status
-from pan2cli.decode import decode_latents
+from pan2cli.cli._output import gib, info, progress_bar, result, status, warn
 from pan2cli.devices import resolve_device, resolve_dtype
 from pan2cli.errors import InputError, OutOfMemoryError
-from pan2cli.latents import LatentInput, load_latents
-from pan2cli.vae.checkpoint import DEFAULT_VAE_REPO, load_vae_decoder
-from pan2cli.vae.config import DECODE_KERNEL_MODES
-from pan2cli.vae.kernel import kernel_status, select_decode_path, why_not_applicable
-from pan2cli.vae.kernel_decoder import WanKernelDecoder
-from pan2cli.vae.parallel import split_rows
-from pan2cli.video import DEFAULT_CRF, OUTPUT_FORMATS, check_output_path, default_output_path, open_video_writer
+from pan2cli.outputs import DEFAULT_CRF, OUTPUT_FORMATS, check_output_path, default_output_path
+from pan2cli.vae.config import DECODE_KERNEL_MODES, DEFAULT_VAE_REPO
+
+if TYPE_CHECKING:
+    from pan2cli.latents import LatentInput
 
 DEFAULT_FPS = 24.0
 _SUFFIX_FORMATS = {".mp4": "mp4", ".pt": "pt"}
@@ -45,45 +43,78 @@ class DecodeJob:
     output: Path
 
 
-def _resolve_format(fmt: str | None, output: Path | None) -> str:
-    suffix_fmt = _SUFFIX_FORMATS.get(output.suffix.lower()) if output is not None and not output.is_dir() else None
-    if fmt and suffix_fmt and fmt != suffix_fmt:
-        raise InputError(f"-o {output} ends in {output.suffix} but --format is {fmt}", hint="make them agree")
-    return fmt or suffix_fmt or "mp4"
-
-
 def _numbered(path: Path, index: int) -> Path:
     return path.with_name(f"{path.stem}_{index}{path.suffix}")
 
 
-def plan_outputs(sources: list[LatentInput], output: Path | None, fmt: str) -> list[DecodeJob]:
-    """One job per video (batch item) with its output path; several videos need `-o` to be a folder.
+def _in_folder(folder: Path, source: Path, fmt: str) -> Path:
+    """`<stem>.<fmt>` (`<stem>/` for png) in `folder`, or the default name where that would be the input."""
+    plain = folder / (source.stem if fmt == "png" else f"{source.stem}.{fmt}")
+    return plain if plain.resolve() != source.resolve() else folder / default_output_path(source, fmt).name
+
+
+def _missing_folder(output: str, folder: Path, n_inputs: int) -> InputError:
+    if n_inputs > 1 and not output.endswith(("/", os.sep)) and (folder.suffix or folder.is_file()):
+        return InputError(
+            f"-o {output} names one file, but there are {n_inputs} inputs",
+            hint="pass an existing folder as -o (each input gets its own file there), or leave -o out to write next to each input",
+        )
+    if folder.exists():
+        return InputError(f"-o {output}: {folder} is a file, not a folder")
+    return InputError(f"-o {output}: folder {folder} does not exist", hint=f"create it first (mkdir -p {folder})")
+
+
+def _output_format(output: str, fmt: str | None) -> str:
+    """The format of one named output: its suffix's (`.mp4`, `.pt`), or png (a folder) with --format png."""
+    path = Path(output)
+    suffix = path.suffix.lower()
+    named = _SUFFIX_FORMATS.get(suffix)
+    if fmt and named and fmt != named:
+        raise InputError(f"-o {output} ends in {path.suffix} but --format is {fmt}", hint="make them agree")
+    if named or fmt == "png":
+        return named or fmt
+    if suffix == ".png":
+        raise InputError(
+            f"-o {output}: PNG frames go to a folder, not a .png file", hint=f"pass --format png -o {path.with_suffix('')}/"
+        )
+    stem = path.with_suffix("") if suffix else path
+    what = "has no suffix" if not suffix else f"ends in {path.suffix}, a format pan2 decode does not write"
+    raise InputError(
+        f"-o {output} {what}",
+        hint=f"name the file {stem}.mp4 (H.264) or {stem}.pt (uint8 tensor), or pass --format png -o {stem}/ for a folder of PNG frames",
+    )
+
+
+def plan_outputs(sources: list[LatentInput], output: str | None, fmt: str | None) -> tuple[str, list[DecodeJob]]:
+    """The output format and one job per video (batch item) with its path, from `-o` as typed and --format.
+
+    - no `-o`: next to each input, same stem (`default_output_path`), in --format (default mp4);
+    - `-o FOLDER/` (a trailing slash) or an existing folder, for mp4 and pt or several inputs: the folder
+      (which must exist) receives `<stem>.mp4`, `<stem>.pt` or `<stem>/`;
+    - otherwise `-o` names the output of one input: its suffix chooses the format (`.mp4`, `.pt`), or with
+      --format png it is the folder of frames (created); any other suffix, or none, is an error.
+    A batch `[B, 48, T, H, W]` writes `<name>_0`, `<name>_1`, … in each case.
 
     Raises:
-        InputError: `-o` is a file but there are several videos, or two videos would share a name.
+        InputError: a suffix that names no format or contradicts --format, a missing folder, a file name for
+            several inputs, two videos with one name, or an output that is one of the inputs.
     """
-    n_videos = sum(s.latents.shape[0] for s in sources)
-    to_folder = output is not None and output.is_dir()
-    if n_videos > 1 and output is not None and not to_folder:
-        raise InputError(
-            f"-o {output} names one file, but there are {n_videos} videos to write",
-            hint="pass an existing folder as -o, or leave it out to write next to each input",
-        )
+    folder = single = None
+    if output is None:
+        fmt = fmt or "mp4"
+    elif len(sources) > 1 or (fmt != "png" and (output.endswith(("/", os.sep)) or Path(output).is_dir())):
+        folder = Path(output)
+        if not folder.is_dir():
+            raise _missing_folder(output, folder, len(sources))
+        fmt = fmt or "mp4"
+    else:
+        fmt = _output_format(output, fmt)
+        single = Path(output)
     jobs = []
     for source in sources:
         batch = source.latents.shape[0]
-        for index in range(batch):
-            if output is not None and not to_folder:
-                path = output
-            else:
-                path = default_output_path(source.path, fmt)
-                if to_folder:
-                    # In another folder the plain `<stem>.<fmt>` cannot clash with the input.
-                    plain = output / (source.path.stem if fmt == "png" else f"{source.path.stem}.{fmt}")
-                    path = plain if plain.resolve() != source.path.resolve() else output / path.name
-                if batch > 1:
-                    path = _numbered(path, index)
-            jobs.append(DecodeJob(source, index, path))
+        path = single or (_in_folder(folder, source.path, fmt) if folder else default_output_path(source.path, fmt))
+        jobs.extend(DecodeJob(source, i, _numbered(path, i) if batch > 1 else path) for i in range(batch))
     seen: dict[Path, DecodeJob] = {}
     for job in jobs:
         key = job.output.resolve()
@@ -93,7 +124,17 @@ def plan_outputs(sources: list[LatentInput], output: Path | None, fmt: str) -> l
                 hint="decode them into different folders with -o",
             )
         seen[key] = job
-    return jobs
+        _check_not_an_input(job.output, [s.path for s in sources])
+    return fmt, jobs
+
+
+def _check_not_an_input(output: Path, inputs: list[Path]) -> None:
+    """An output must not replace an input: the same file (links included), or a folder holding one."""
+    for path in inputs:
+        if output.exists() and os.path.samefile(output, path):
+            raise InputError(f"output {output} is the input {path}: writing it would destroy the latents", hint="choose another output name")
+        if output.is_dir() and path.resolve().is_relative_to(output.resolve()):
+            raise InputError(f"output {output} holds the input {path}: replacing it would destroy the latents", hint="choose another output name")
 
 
 @click.command("decode")
@@ -101,9 +142,11 @@ def plan_outputs(sources: list[LatentInput], output: Path | None, fmt: str) -> l
 @click.option(
     "-o",
     "--output",
-    type=click.Path(path_type=Path),
+    type=click.Path(),  # a str: a trailing slash (a folder) survives
     default=None,
-    help="Output file (or folder of PNG frames); with several inputs, an existing folder.  "
+    help="Output: a .mp4 or .pt file (the suffix chooses the format) or, with --format png, the folder of frames "
+    "(created). A batch [B,48,...] writes NAME_0.mp4, NAME_1.mp4, ... An existing folder (a trailing / says you "
+    "mean one) receives <stem>.mp4 or <stem>.pt; several inputs need one (PNG: <stem>/ each).  "
     "[default: next to each input, same stem]",
 )
 @click.option(
@@ -188,6 +231,8 @@ def decode_command(ctx, latents, output, vae, revision, dtype, device, decode_ke
 
 def _kernel_message(reference) -> str:
     """The spinner line while the decode path is chosen: a first use builds the kernel (about a minute)."""
+    from pan2cli.vae.kernel import kernel_status, why_not_applicable
+
     if reference.config.decode_kernel != "off" and why_not_applicable(reference.device, reference.dtype) is None:
         status_now = kernel_status(reference.device)
         if not status_now.built:
@@ -197,6 +242,17 @@ def _kernel_message(reference) -> str:
 
 def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_latent_frames, fps, crf, fmt, raw_latents, overwrite, quiet):
     """The decode command's work in this process: the only one, or one rank of several (`device` then set)."""
+    import torch
+
+    from pan2cli import distributed
+    from pan2cli.decode import decode_latents
+    from pan2cli.latents import load_latents
+    from pan2cli.vae.checkpoint import load_vae_decoder
+    from pan2cli.vae.kernel import select_decode_path
+    from pan2cli.vae.kernel_decoder import WanKernelDecoder
+    from pan2cli.vae.parallel import split_rows
+    from pan2cli.video import open_video_writer
+
     main = distributed.is_main()
     quiet = quiet or not main  # progress and summaries come from rank 0
     world = distributed.world_size()
@@ -205,9 +261,8 @@ def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_
     #    bad input fails everywhere and rank 0 alone reports it (distributed.raise_if_any_failed).
     error = None
     try:
-        fmt = _resolve_format(fmt, output)
         sources = [load_latents(path) for path in latents]
-        jobs = plan_outputs(sources, output, fmt)
+        fmt, jobs = plan_outputs(sources, output, fmt)
         for job in jobs:
             check_output_path(job.output, overwrite)
         device = device if isinstance(device, torch.device) else resolve_device(device)
@@ -218,6 +273,9 @@ def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_
     except InputError as exc:
         error = exc
     distributed.raise_if_any_failed(error)
+    if main and device.type == "cpu" and torch_dtype == torch.bfloat16:
+        # Issue 12: a decode took 40 s in bf16 and 1 s in fp32 on a 2-core x86 CPU (PyTorch's CPU convs are slow in bf16).
+        warn("--dtype bf16 on the CPU is about 40x slower than fp32 (PyTorch has no fast bf16 convolutions there); use --dtype fp32")
 
     # 2. Load the decoder once; no rank goes on to the decode's collectives if one failed here.
     start = time.perf_counter()

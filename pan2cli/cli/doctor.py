@@ -7,13 +7,11 @@ import platform
 import sys
 
 import click
-import torch
 
 import pan2cli
 from pan2cli.cli._output import result
 from pan2cli.devices import resolve_dtype
 from pan2cli.paths import cache_dir
-from pan2cli.vae.kernel import kernel_status
 
 
 def _ffmpeg() -> str:
@@ -34,6 +32,10 @@ def _hf_cache() -> str:
 
 def collect_report() -> dict:
     """Everything `pan2 doctor` prints, as a dict (also its --json output)."""
+    import torch  # here, not at the top: `pan2 --help` does not load torch
+
+    from pan2cli.vae.kernel import kernel_status
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpus = []
     for i in range(torch.cuda.device_count()):

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import click
 
-from pan2cli import distributed
 from pan2cli.cli._launch import run_on_ranks
 from pan2cli.cli._options import device_option, dtype_option, gpus_option, quiet_option
 from pan2cli.cli._output import info, progress_bar, result, status, warn
@@ -24,7 +23,7 @@ from pan2cli.errors import InputError
 from pan2cli.pipeline.components import DEFAULT_MODEL_REPO
 from pan2cli.presets import DEFAULT_PRESET, load_preset
 from pan2cli.vae.config import DECODE_KERNEL_MODES
-from pan2cli.video import DEFAULT_CRF
+from pan2cli.outputs import DEFAULT_CRF
 
 
 def _parse_size(ctx, param, value):
@@ -158,6 +157,7 @@ def _progress(quiet: bool):
 
 def _generate(prompt, prompts_file, output, model, revision, preset, overrides, size, save_latents, skip_existing, overwrite, offload, dit_fused_kernels, decode_kernel, decode_kernel_parallel, chunk_latent_frames, crf, dtype, device, quiet) -> int:
     """The command's work in this process (the only one, or one rank of several)."""
+    from pan2cli import distributed  # here, like the pipeline: `pan2 --help` does not load torch
     from pan2cli.pipeline import PAN2PipelineConfig, VideoGenerator
 
     world, rank = distributed.world_size(), distributed.rank()

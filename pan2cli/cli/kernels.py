@@ -9,7 +9,8 @@ import click
 
 from pan2cli.cli._output import info, result, status
 from pan2cli.errors import KernelBuildError
-from pan2cli.vae.kernel import clean_kernel_cache, current_arch, kernel_status, load_kernel
+
+# pan2cli.vae.kernel (torch) is imported inside each command: `pan2 --help` does not load torch.
 
 
 @click.group("kernels")
@@ -30,7 +31,16 @@ def kernels_group():
 
 @kernels_group.command("build")
 def build_command():
-    """Build the decode kernel for this machine's GPU now (a no-op when it is cached); prints its folder."""
+    """Build the decode kernel for this machine's GPU now (a no-op when it is cached); prints its folder.
+
+    \b
+    Examples:
+      pan2 kernels build
+      PAN2_KERNEL_VERBOSE=1 pan2 kernels build    # show the compiler output
+      MAX_JOBS=4 pan2 kernels build
+    """
+    from pan2cli.vae.kernel import current_arch, kernel_status, load_kernel
+
     if current_arch() is None:
         why = kernel_status().decode_path.split(": ", 1)[-1]
         raise KernelBuildError(
@@ -46,7 +56,15 @@ def build_command():
 @kernels_group.command("status")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 def status_command(as_json):
-    """Say what is built, where, and which decode path `pan2 decode` would run and why."""
+    """Say what is built, where, and which decode path `pan2 decode` would run and why.
+
+    \b
+    Examples:
+      pan2 kernels status
+      pan2 kernels status --json
+    """
+    from pan2cli.vae.kernel import kernel_status
+
     report = kernel_status()
     values = {
         "arch": report.arch,
@@ -58,12 +76,27 @@ def status_command(as_json):
     if as_json:
         result(json.dumps(values, indent=2))
         return
+    if report.arch is None:  # no kernel target here: say so instead of printing Nones
+        why = report.decode_path.split(": ", 1)[-1]
+        values = {
+            "kernel": f"nothing to build or load: {why}; the compiled decoder targets H100/H200 (sm_90a) and "
+            "B200/B300 (sm_100a, sm_103a)",
+            "decode_path": report.decode_path,
+            "convs": report.convs,
+        }
     for key, value in values.items():
-        if value is not None or key != "convs":
-            result(f"{key:<12} {value}")
+        result(f"{key:<12} {value}")
 
 
 @kernels_group.command("clean")
 def clean_command():
-    """Remove every cached build of the decode kernel; prints the folder emptied."""
+    """Remove every cached build of the decode kernel; prints the folder emptied.
+
+    \b
+    Examples:
+      pan2 kernels clean
+      PAN2_CACHE_DIR=/scratch/pan2 pan2 kernels clean
+    """
+    from pan2cli.vae.kernel import clean_kernel_cache
+
     result(str(clean_kernel_cache()))

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from pan2cli.pipeline.config import PAN2PipelineConfig
-from pan2cli.pipeline.generator import GenerationResult, VideoGenerator
-
 __all__ = ["GenerationResult", "PAN2PipelineConfig", "VideoGenerator"]
+
+
+def __getattr__(name: str):
+    # Lazy: `pan2 generate --help` reads pan2cli.pipeline.components without loading torch and transformers.
+    if name == "PAN2PipelineConfig":
+        from pan2cli.pipeline.config import PAN2PipelineConfig
+
+        return PAN2PipelineConfig
+    if name in ("GenerationResult", "VideoGenerator"):
+        from pan2cli.pipeline import generator
+
+        return getattr(generator, name)
+    raise AttributeError(f"module 'pan2cli.pipeline' has no attribute {name!r}")

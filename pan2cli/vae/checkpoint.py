@@ -30,10 +30,9 @@ from pan2cli.errors import CheckpointError, InputError
 from pan2cli.hub import hub_errors
 from pan2cli.jsonfile import read_json_object
 from pan2cli.statedict import key_problems, listing
-from pan2cli.vae.config import WanVAEConfig
+from pan2cli.vae.config import DEFAULT_VAE_REPO, WanVAEConfig
 from pan2cli.vae.model import WanVAEDecoder
 
-DEFAULT_VAE_REPO = "Wan-AI/Wan2.2-TI2V-5B-Diffusers"
 DIFFUSERS_CONFIG = "config.json"
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 _VAE_HINT = "pass --vae with Wan2.2_VAE.pth, wan2.2_vae.safetensors, a diffusers vae/ folder or a Hugging Face repo id"

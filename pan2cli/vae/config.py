@@ -32,6 +32,8 @@ WAN22_LATENTS_STD = (
 _IGNORED_CONFIG_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "clip_output"}
 _RUNTIME_FIELDS = {"chunk_latent_frames", "decode_kernel", "decode_kernel_parallel"}
 DECODE_KERNEL_MODES = ("auto", "off", "require")
+# The VAE `pan2 decode` loads when --vae is not given (here, not in checkpoint.py: the CLI names it without torch).
+DEFAULT_VAE_REPO = "Wan-AI/Wan2.2-TI2V-5B-Diffusers"
 
 
 @dataclass(frozen=True)

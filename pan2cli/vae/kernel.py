@@ -282,7 +282,7 @@ class KernelStatus:
     built: bool
     build_dir: Path | None
     decode_path: str  # which path `pan2 decode` would take, and why
-    convs: str | None = None  # the kernel path's convolution engines (None without a kernel target)
+    convs: str | None = None  # the convolution engines of the path `pan2 decode` would run
 
 
 def kernel_status(device: torch.device | None = None) -> KernelStatus:
@@ -290,11 +290,12 @@ def kernel_status(device: torch.device | None = None) -> KernelStatus:
     arch = current_arch(device)
     if arch is None:
         if not torch.cuda.is_available():
-            reason = "reference PyTorch decoder: no CUDA GPU"
+            reason, convs = "reference PyTorch decoder: no CUDA GPU", "PyTorch's CPU convolutions (the reference decoder)"
         else:
             major, minor = torch.cuda.get_device_capability(device)
             reason = f"reference PyTorch decoder: sm_{major}{minor} is not a kernel target (sm_90a, sm_100a, sm_103a)"
-        return KernelStatus(None, False, None, reason)
+            convs = "cuDNN (the reference decoder)"
+        return KernelStatus(None, False, None, reason, convs)
     spec = kernel_spec(arch)
     built = spec.library.exists()
     path = (

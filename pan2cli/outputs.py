@@ -1,0 +1,85 @@
+"""Where a command's outputs go: the formats, the default names, and the checks made before any model loads.
+
+No torch here: the CLI imports this to build its options, and `pan2 --help` must not load torch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from pan2cli.errors import InputError
+
+OUTPUT_FORMATS = ("mp4", "png", "pt")
+# x264's "visually lossless" point: the decode is the product, keep it close to the frames.
+DEFAULT_CRF = 17
+_FRAME_NAME = re.compile(r"frame_\d+\.png")  # the files of a PNG output (`VideoWriter._write_png`)
+
+
+def default_output_path(input_path: Path, fmt: str) -> Path:
+    """The output path used when none is given: next to the input, with the same stem.
+
+    `x.pt` -> `x.mp4` (mp4), `x/` (png), `x.pt` (pt). When that would be the input file
+    itself (pt output of a `.pt` input, png output of a suffix-less input, ...) `.frames`
+    is added to the stem instead: `x.frames.pt`, `x.frames/`, so the input is never replaced.
+
+    Args:
+        input_path: the latents file.
+        fmt: one of OUTPUT_FORMATS.
+
+    Returns:
+        The output file (mp4, pt) or folder (png).
+
+    Raises:
+        InputError: `fmt` is not one of OUTPUT_FORMATS.
+    """
+    check_format(fmt)
+    input_path = Path(input_path)
+    suffix = "" if fmt == "png" else f".{fmt}"
+    out = input_path.with_suffix(suffix)
+    if out == input_path:
+        out = input_path.with_suffix(f".frames{suffix}")
+    return out
+
+
+def check_output_path(path: Path, overwrite: bool) -> None:
+    """Fail early (before any model loads) if `path` cannot be written.
+
+    Args:
+        path: the output file or png folder.
+        overwrite: whether an existing `path` may be replaced.
+
+    Raises:
+        InputError: the parent folder is missing, not a folder or not writable, `path`
+            exists and `overwrite` is False, or `path` is a folder holding more than PNG frames.
+    """
+    path = Path(path)
+    parent = path.parent
+    if not parent.exists():
+        raise InputError(
+            f"output folder {parent} does not exist (for {path})",
+            hint="create it first, or choose another output path",
+        )
+    if not parent.is_dir():
+        raise InputError(f"cannot write {path}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK):
+        raise InputError(f"cannot write {path}: output folder {parent} is not writable")
+    # is_symlink: a dangling link does not "exist" but would still be replaced.
+    if (path.exists() or path.is_symlink()) and not overwrite:
+        raise InputError(f"output {path} already exists", hint="pass --overwrite to replace it")
+    if path.is_dir() and not path.is_symlink():
+        # Replacing a PNG output deletes the folder: never one that holds more than frames.
+        others = sorted(p.name for p in path.iterdir() if not _FRAME_NAME.fullmatch(p.name))
+        if others:
+            raise InputError(
+                f"output folder {path} holds {', '.join(others[:3])}{', ...' if len(others) > 3 else ''} besides PNG frames; "
+                "it is not replaced",
+                hint="choose another output path",
+            )
+
+
+def check_format(fmt: str) -> None:
+    """Raise InputError unless `fmt` is one of OUTPUT_FORMATS."""
+    if fmt not in OUTPUT_FORMATS:
+        raise InputError(f"unknown output format {fmt!r}; expected one of {', '.join(OUTPUT_FORMATS)}")
