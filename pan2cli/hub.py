@@ -51,3 +51,8 @@ def hub_errors(repo_id: str, revision: str | None, *, what: str, local_hint: str
         ) from exc
     except OSError as exc:  # network and disk errors below huggingface_hub
         raise DownloadError(f"download of {what} from {where} failed: {exc}", hint=local_hint) from exc
+
+
+def looks_like_path(spec: str) -> bool:
+    """Whether a `--model`-style spec that does not exist locally is a (missing) path rather than a repo id `owner/name`."""
+    return spec.startswith(("/", "./", "../", "~", ".")) or spec.count("/") != 1

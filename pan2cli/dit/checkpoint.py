@@ -1,34 +1,34 @@
-"""Load (and write) PAN 2 MMDiT checkpoints: a diffusers-style folder, memory-mapped, strictly checked.
+"""Load (and write) the PAN 2 transformer: `config.json` + safetensors, memory-mapped, strictly checked.
 
-Accepted: a folder (or a repository root holding it in `transformer/`) with `config.json` and either
-`diffusion_pytorch_model.safetensors`, shards listed by `diffusion_pytorch_model.safetensors.index.json`,
-or the same under the name `model` (`model.safetensors`, `model.safetensors.index.json`). Tensors are
-read one at a time from the memory-mapped files, cast and moved to the device, so host memory stays at one
-tensor. Every key of the model must be present with its shape; any other key is an error that names it.
+Accepted: the transformer's folder (or a repository root holding it in `transformer/`, or a hub repo id)
+with `config.json` and `diffusion_pytorch_model.safetensors`, or shards listed by
+`diffusion_pytorch_model.safetensors.index.json` (also under the stem `model`). Tensors are read one at a
+time from the memory-mapped files, cast and moved to the device, so host memory stays at one tensor.
+Every parameter of the model must be present with its shape; any other key is an error that names it.
 
-Key layout (D hidden, F = round(D·mlp_ratio) MLP width, h head_dim, C 48 latent channels, (pt, ph, pw)
-the patch; `{i}` a block index; video stream first, text ("context") stream second):
+Keys (diffusers names, as released; D = heads·head_dim = 4096, i a block 0…43, r a refiner block 0…3;
+F = 8D video MLP, F' = 4D text MLP, R = 4D refiner SwiGLU, h = 128, C_in = 97, C = 48):
 
-| key | shape | role |
-| --- | --- | --- |
-| `patch_embedding.weight` / `.bias` | `[D, C, pt, ph, pw]` / `[D]` | Conv3d patchify, kernel = stride |
-| `condition_embedder.time_embedder.linear_1.*` | `[D, freq_dim]`, `[D]` | timestep MLP (SiLU) |
-| `condition_embedder.time_embedder.linear_2.*` | `[D, D]`, `[D]` | |
-| `condition_embedder.time_proj.*` | `[6D, D]`, `[6D]` | SiLU(temb) → modulation, shared by blocks |
-| `condition_embedder.text_embedder.linear_1.*` | `[D, text_dim]`, `[D]` | text MLP (GELU tanh) |
-| `condition_embedder.text_embedder.linear_2.*` | `[D, D]`, `[D]` | |
-| `blocks.{i}.scale_shift_table` | `[1, 6, D]` | video AdaLN: shift, scale, gate (attn), shift, scale, gate (MLP) |
-| `blocks.{i}.scale_shift_table_context` | `[1, 6, D]` | text AdaLN, same order |
-| `blocks.{i}.attn.to_q` / `to_k` / `to_v` / `to_out` `.weight`/`.bias` | `[D, D]`, `[D]` | video projections |
-| `blocks.{i}.attn.add_q_proj` / `add_k_proj` / `add_v_proj` / `to_add_out` | `[D, D]`, `[D]` | text projections |
-| `blocks.{i}.attn.norm_q` / `norm_k` / `norm_added_q` / `norm_added_k` `.weight` | `[h]` | Q/K RMSNorm per head |
-| `blocks.{i}.ffn.fc1.*` / `ffn.fc2.*` | `[F, D]`, `[F]` / `[D, F]`, `[D]` | video MLP (GELU tanh) |
-| `blocks.{i}.ffn_context.fc1.*` / `ffn_context.fc2.*` | as above | text MLP |
-| `scale_shift_table` | `[1, 2, D]` | final AdaLN: shift, scale (added to temb) |
-| `proj_out.weight` / `.bias` | `[pt·ph·pw·C, D]` / `[pt·ph·pw·C]` | features in (pt, ph, pw, c) order |
+| key | shape |
+| --- | --- |
+| `x_embedder.weight` / `.bias` | `[D, C_in, 1, 2, 2]` / `[D]` |
+| `time_embedder.linear_1.weight` / `.bias`, `time_embedder.linear_2.*` | `[D, 256]` / `[D]`, `[D, D]` / `[D]` |
+| `context_embedder.0.weight` (RMSNorm), `context_embedder.1.weight` / `.bias` | `[4096]`, `[D, 4096]` / `[D]` |
+| `context_refiner.{r}.norm1.weight`, `.norm2.weight` | `[D]` |
+| `context_refiner.{r}.attn.to_q` / `to_k` / `to_v` / `to_out.0` `.weight` (no bias) | `[D, D]` |
+| `context_refiner.{r}.attn.norm_q.weight`, `.norm_k.weight` | `[h]` |
+| `context_refiner.{r}.ff.net.0.proj.weight` (value ‖ gate), `ff.net.2.weight` | `[2R, D]`, `[D, R]` |
+| `context_type_embedding` | `[D]` |
+| `transformer_blocks.{i}.norm1.linear.weight` / `.bias` (float32 as released) | `[6D, D]` / `[6D]` |
+| `transformer_blocks.{i}.scale_shift_table_context` | `[6D]` |
+| `transformer_blocks.{i}.attn.{to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out}.weight` / `.bias` | `[D, D]` / `[D]` |
+| `transformer_blocks.{i}.attn.{norm_q,norm_k,norm_added_q,norm_added_k}.weight` | `[h]` |
+| `transformer_blocks.{i}.ff.net.0.proj.*`, `ff.net.2.*` | `[F, D]` / `[F]`, `[D, F]` / `[D]` |
+| `transformer_blocks.{i}.ff_context.net.0.proj.*`, `ff_context.net.2.*` | `[F', D]` / `[F']`, `[D, F']` / `[D]` |
+| `norm_out.linear.weight` / `.bias` (float32 as released) | `[2D, D]` / `[2D]` |
+| `proj_out.weight` / `.bias` | `[4C, D]` / `[4C]`, features (c, pt, ph, pw) |
 
-q/k channels use the "halves" RoPE layout (`pan2cli.dit.rope`). Other layouts map onto these names through
-`KEY_RENAMES`, the one table of renames (first matching prefix wins).
+1,418 tensors and 29,201,996,992 parameters at the default config (tests/test_dit_model.py checks both).
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from pan2cli.dit.config import PAN2TransformerConfig
+from pan2cli.dit.config import config_arguments
 from pan2cli.dit.model import PAN2Transformer3DModel
 from pan2cli.errors import CheckpointError, InputError
 from pan2cli.jsonfile import read_json_object
@@ -48,35 +48,52 @@ from pan2cli.statedict import key_problems, listing
 
 CONFIG_NAME = "config.json"
 WEIGHT_STEMS = ("diffusion_pytorch_model", "model")
-_HINT = "pass a folder with config.json and diffusion_pytorch_model*.safetensors (or model*.safetensors)"
-
-# Other layouts → ours: (prefix in the file, prefix here). ComfyUI single files nest the DiT in
-# `model.diffusion_model.`.
-KEY_RENAMES: tuple[tuple[str, str], ...] = (("model.diffusion_model.", ""),)
-
-
-def rename_key(key: str) -> str:
-    """Map a checkpoint key to the model's name through `KEY_RENAMES` (unchanged if no prefix matches)."""
-    for prefix, replacement in KEY_RENAMES:
-        if key.startswith(prefix):
-            return replacement + key[len(prefix) :]
-    return key
+SUBFOLDER = "transformer"
+_HINT = "pass the transformer/ folder of a PAN 2 checkpoint (config.json and diffusion_pytorch_model*.safetensors)"
 
 
 @dataclass(frozen=True)
 class PAN2Checkpoint:
-    """A located checkpoint: its config and the file holding each tensor (checkpoint key → file)."""
+    """A located checkpoint: its folder, constructor arguments and the file holding each tensor."""
 
     folder: Path
-    config: PAN2TransformerConfig
+    arguments: dict[str, Any]
     files: dict[str, Path]
 
 
-def _model_folder(path: Path) -> Path:
-    for candidate in (path, path / "transformer"):
+def model_on_meta(arguments: dict[str, Any]) -> PAN2Transformer3DModel:
+    """The model for these constructor arguments without memory (shapes only)."""
+    with torch.device("meta"):
+        return PAN2Transformer3DModel(**arguments)
+
+
+def expected_shapes(arguments: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Checkpoint key → shape for these constructor arguments."""
+    return {key: tuple(value.shape) for key, value in model_on_meta(arguments).state_dict().items()}
+
+
+def check_tensor_shapes(shapes: dict[str, tuple[int, ...]], arguments: dict[str, Any], source: str) -> None:
+    """Raise a `CheckpointError` naming every missing, unexpected or mis-shaped key of `shapes`."""
+    problems = key_problems(shapes, expected_shapes(arguments))
+    if problems:
+        raise CheckpointError(
+            f"{source} does not hold the PAN 2 transformer its config.json describes ({'; '.join(problems)})",
+            hint="check that config.json and the weights come from the same PAN 2 checkpoint",
+        )
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The constructor arguments in a transformer `config.json` (checked)."""
+    return config_arguments(read_json_object(path), source=str(path))
+
+
+def _model_folder(path: Path, subfolder: str | None) -> Path:
+    candidates = [path / subfolder] if subfolder else [path, path / SUBFOLDER]
+    for candidate in candidates:
         if (candidate / CONFIG_NAME).is_file():
             return candidate
-    raise CheckpointError(f"{path} holds no {CONFIG_NAME} (looked in it and in transformer/)", hint=_HINT)
+    looked = " and ".join(str(c) for c in candidates)
+    raise CheckpointError(f"no {CONFIG_NAME} in {looked}", hint=_HINT)
 
 
 def _safetensors_keys(path: Path) -> list[str]:
@@ -89,14 +106,20 @@ def _safetensors_keys(path: Path) -> list[str]:
         raise CheckpointError(f"{path} could not be read as safetensors (truncated?): {exc}", hint=_HINT) from exc
 
 
+def index_weight_map(index: Path) -> dict[str, str]:
+    """Checkpoint key → shard file name, from a `*.safetensors.index.json` (checked to be non-empty strings)."""
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index} has no weight_map of key → shard file")
+    return weight_map
+
+
 def _weight_files(folder: Path) -> dict[str, Path]:
     """Checkpoint key → the file holding it, from an index (sharded) or a single file."""
     for stem in WEIGHT_STEMS:
         index = folder / f"{stem}.safetensors.index.json"
         if index.is_file():
-            weight_map = read_json_object(index).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise CheckpointError(f"{index} has no weight_map")
+            weight_map = index_weight_map(index)
             files: dict[str, Path] = {}
             for shard in sorted(set(weight_map.values())):
                 shard_path = folder / shard
@@ -116,20 +139,35 @@ def _weight_files(folder: Path) -> dict[str, Path]:
     raise CheckpointError(f"{folder} has no {WEIGHT_STEMS[0]}*.safetensors or model*.safetensors weights", hint=_HINT)
 
 
-def resolve_pan2_checkpoint(path: str | Path) -> PAN2Checkpoint:
-    """Locate config and weights in a folder (or its `transformer/` subfolder).
+def _local_root(path_or_repo: str | Path, subfolder: str | None, revision: str | None) -> Path:
+    """A local folder for `path_or_repo`: itself, or the hub snapshot of the transformer's files."""
+    from pan2cli.hub import looks_like_path
+
+    spec = str(path_or_repo)
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise CheckpointError(f"{path} is a file; the transformer loads from a folder", hint=_HINT)
+        return path
+    if looks_like_path(spec):
+        raise InputError(f"no such folder: {spec}", hint=_HINT)
+    from huggingface_hub import snapshot_download
+
+    from pan2cli.hub import hub_errors
+
+    folder = subfolder or SUBFOLDER
+    with hub_errors(spec, revision, what="the PAN 2 transformer", local_hint="pass a local folder instead"):
+        return Path(snapshot_download(spec, revision=revision, allow_patterns=[f"{folder}/*.json", f"{folder}/*.safetensors"]))
+
+
+def resolve_pan2_checkpoint(path_or_repo: str | Path, subfolder: str | None = None, revision: str | None = None) -> PAN2Checkpoint:
+    """Locate config and weights (a folder, a repo root with `transformer/`, or a hub repo id).
 
     Raises:
-        InputError: no such path. CheckpointError: no config or weights, an inconsistent index.
+        InputError: no such path. CheckpointError: no config or weights, unknown config keys, an inconsistent index.
     """
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise InputError(f"no such file or folder: {path}", hint=_HINT)
-    if not path.is_dir():
-        raise CheckpointError(f"{path} is a file; the DiT loads from a folder", hint=_HINT)
-    folder = _model_folder(path)
-    config = PAN2TransformerConfig.from_config_dict(read_json_object(folder / CONFIG_NAME), source=str(folder / CONFIG_NAME))
-    return PAN2Checkpoint(folder, config, _weight_files(folder))
+    folder = _model_folder(_local_root(path_or_repo, subfolder, revision), subfolder)
+    return PAN2Checkpoint(folder, read_config(folder / CONFIG_NAME), _weight_files(folder))
 
 
 def _open_all(files: dict[str, Path]) -> tuple[dict[str, tuple[int, ...]], Callable[[str], torch.Tensor], list]:
@@ -148,46 +186,47 @@ def _open_all(files: dict[str, Path]) -> tuple[dict[str, tuple[int, ...]], Calla
     return shapes, read, list(handles.values())
 
 
+def keeps_fp32(key: str) -> bool:
+    """Whether a parameter belongs to a module kept in float32 (`PAN2Transformer3DModel.keep_in_fp32_modules`)."""
+    return any(f"{name}." in f".{key}" for name in PAN2Transformer3DModel.keep_in_fp32_modules)
+
+
 def load_pan2_transformer(
-    path: str | Path,
+    path_or_repo: str | Path,
     *,
-    dtype: torch.dtype = torch.bfloat16,
+    subfolder: str | None = None,
+    dtype: torch.dtype | None = torch.bfloat16,
+    revision: str | None = None,
     device: str | torch.device = "cpu",
+    keep_fp32_modules: bool = True,
 ) -> PAN2Transformer3DModel:
-    """Build the MMDiT from a checkpoint folder, strictly.
+    """Build the transformer from a checkpoint, strictly (`PAN2Transformer3DModel.from_pretrained` calls this).
 
     Args:
-        path: the folder (or a repository root with `transformer/`).
-        dtype: parameter dtype (bf16 by default; fp32 for reference runs).
+        path_or_repo, subfolder, revision: where the checkpoint is (see `resolve_pan2_checkpoint`).
+        dtype: parameter dtype (None: as stored); the AdaLN linears stay float32 when `keep_fp32_modules`
+            (unless `dtype` is float64, which takes everything).
         device: where the model lives; tensors stream there one at a time.
 
     Returns:
-        The model in eval mode without gradients; fused kernels on for CUDA (its default).
+        The model in eval mode without gradients.
 
     Raises:
         CheckpointError: missing, unexpected or mis-shaped keys (named), unreadable files.
     """
-    ckpt = resolve_pan2_checkpoint(path)
-    renamed = {rename_key(k): k for k in ckpt.files}
-    if len(renamed) != len(ckpt.files):
-        raise CheckpointError(f"{ckpt.folder} holds the same tensor under two key names")
-    with torch.device("meta"):
-        model = PAN2Transformer3DModel(ckpt.config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    ckpt = resolve_pan2_checkpoint(path_or_repo, subfolder, revision)
+    model = model_on_meta(ckpt.arguments)
     shapes, read, _handles = _open_all(ckpt.files)
-    shapes = {ours: shapes[theirs] for ours, theirs in renamed.items()}
-    problems = key_problems(shapes, expected)
-    if problems:
-        raise CheckpointError(
-            f"{ckpt.folder} does not match its config.json ({'; '.join(problems)})",
-            hint="check that config.json belongs to these weights",
-        )
+    check_tensor_shapes(shapes, ckpt.arguments, str(ckpt.folder))
     state = {}
-    for key in expected:
-        tensor = read(renamed[key])
+    for key in model.state_dict():
+        tensor = read(key)
         if not tensor.is_floating_point():
-            raise CheckpointError(f"{ckpt.files[renamed[key]]}: tensor {renamed[key]} has dtype {tensor.dtype}, expected a float")
-        state[key] = tensor.to(device=device, dtype=dtype)
+            raise CheckpointError(f"{ckpt.files[key]}: tensor {key} has dtype {tensor.dtype}, expected a float")
+        target = dtype or tensor.dtype
+        if keep_fp32_modules and keeps_fp32(key) and target != torch.float64:
+            target = torch.float32
+        state[key] = tensor.to(device=device, dtype=target)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)
 
@@ -202,7 +241,7 @@ def save_pan2_transformer(
     """Write `config.json` and the weights (sharded with an index when `max_shard_bytes` is given).
 
     Args:
-        model: the model to save (its parameters, as they are: dtype and names).
+        model: the model to save (its parameters as they are: dtype and names).
         folder: created if missing.
         max_shard_bytes: start a new shard when the current one would pass this size.
         stem: file name stem, `diffusion_pytorch_model` or `model`.
@@ -214,7 +253,7 @@ def save_pan2_transformer(
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / CONFIG_NAME).write_text(json.dumps(model.config.to_config_dict(), indent=2) + "\n")
+    (folder / CONFIG_NAME).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     if max_shard_bytes is None:
         save_file(state, str(folder / f"{stem}.safetensors"))

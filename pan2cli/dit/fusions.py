@@ -3,14 +3,18 @@
 Two ops, each with one signature for both paths:
 
 * `qk_norm_rope`: per-head RMSNorm of the video and text q/k (separate weights per stream), RoPE on the
-  video tokens only, written as the joint `[B, N + L, H, head_dim]` q and k (video tokens first).
-* `layer_norm_modulate`: `LayerNorm(x) · (1 + scale) + shift` with scale/shift per sample, per latent
-  frame or per token (`[B, G, D]`, G dividing N).
+  video tokens only (PAN 2's interleaved channel pairs), written as the joint `[B, N + L, H, head_dim]`
+  q and k (video tokens first). Without `cos`/`sin` it is the plain Q/K RMSNorm (the text refiner).
+* `layer_norm_modulate`: `LayerNorm(x) · (1 + scale) + shift` with scale/shift per sample (`[B, 1, D]`:
+  the video stream's AdaLN-Zero, or the text stream's static table broadcast over the batch), per
+  latent frame or per token (`[B, G, D]`, G dividing N).
 
 The fused path runs one Triton kernel per op and stream (files beside this one), registered as
 `torch.ops.pan2_fusions.*` custom ops with shape-only fakes so `torch.compile` keeps them as opaque
-calls. The reference path is plain PyTorch in float32 with one rounding at the end; the kernels do the
-same math, so both agree to float32 rounding (bf16 outputs differ by at most one bf16 ulp here and there).
+calls. The reference path is plain PyTorch in float32 (float64 for float64 inputs) with one rounding at
+the end; the kernels do the same math in float32, so both agree to float32 rounding (bf16 outputs differ
+by at most one bf16 ulp here and there). The text refiner's pre-norms (RMSNorm over D of at most ~1.5 k
+tokens) stay in PyTorch: a microsecond-scale pass once per forward.
 
 `set_fused_kernels(model, enabled)` picks the path for every module of a model that has a
 `fused_kernels` attribute; `None` (the default) means fused for CUDA tensors when Triton is installed,
@@ -30,10 +34,16 @@ from pan2cli.triton_support import triton_available
 
 
 # -- reference (unfused) PyTorch ------------------------------------------------------------------
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Per-head RMSNorm in float32: `x / sqrt(mean(x²) + eps) · weight`. Returns float32."""
-    xf = x.float()
-    return xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps) * weight.float()
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """Where norms and modulation are computed: float64 for float64 tensors, float32 for everything else."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in `compute_dtype(x)`: `x / sqrt(mean(x²) + eps) · weight`, not rounded back."""
+    xf = x.to(compute_dtype(x))
+    y = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps)
+    return y if weight is None else y * weight.to(xf.dtype)
 
 
 def qk_norm_rope_reference(
@@ -48,11 +58,14 @@ def qk_norm_rope_reference(
     q_text_weight: Optional[torch.Tensor] = None,
     k_text_weight: Optional[torch.Tensor] = None,
     eps: float = 1e-6,
+    interleaved: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of `qk_norm_rope` (float32 math, one rounding to the dtype of q). Same arguments."""
+    """Reference of `qk_norm_rope` (float32 math, float64 for float64 q; one rounding to the dtype of q)."""
     outs = []
     for x, w, x_text, w_text in ((q, q_weight, q_text, q_text_weight), (k, k_weight, k_text, k_text_weight)):
-        video = apply_rope(rms_norm_reference(x, w, eps), cos, sin)
+        video = rms_norm_reference(x, w, eps)
+        if cos is not None:
+            video = apply_rope(video, cos.to(video.dtype), sin.to(video.dtype), interleaved)
         if x_text is not None:
             video = torch.cat([video, rms_norm_reference(x_text, w_text, eps)], dim=1)
         outs.append(video.to(x.dtype))
@@ -62,11 +75,12 @@ def qk_norm_rope_reference(
 def layer_norm_modulate_reference(
     x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6
 ) -> torch.Tensor:
-    """Reference of `layer_norm_modulate` (float32 math, one rounding to the dtype of x). Same arguments."""
+    """Reference of `layer_norm_modulate` (float32 math, float64 for float64 x; one rounding to the dtype of x)."""
     batch, n_tokens, dim = x.shape
     groups = scale.shape[1]
-    xf = F.layer_norm(x.float().view(batch, groups, n_tokens // groups, dim), (dim,), eps=eps)
-    y = xf * (1 + scale.float()[:, :, None]) + shift.float()[:, :, None]
+    dtype = compute_dtype(x)
+    xf = F.layer_norm(x.to(dtype).reshape(batch, groups, n_tokens // groups, dim), (dim,), eps=eps)
+    y = xf * (1 + scale.to(dtype)[:, :, None]) + shift.to(dtype)[:, :, None]
     return y.view(batch, n_tokens, dim).to(x.dtype)
 
 
@@ -77,25 +91,26 @@ def _qk_norm_rope_op(
     k: torch.Tensor,
     q_weight: torch.Tensor,
     k_weight: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    cos: Optional[torch.Tensor],
+    sin: Optional[torch.Tensor],
     q_text: Optional[torch.Tensor],
     k_text: Optional[torch.Tensor],
     q_text_weight: Optional[torch.Tensor],
     k_text_weight: Optional[torch.Tensor],
     eps: float,
+    interleaved: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from pan2cli.dit.qk_norm_rope_kernel import qk_norm_rope as launch
 
     q_out, k_out = _joint_qk(q, q_text)
-    launch(q, k, q_weight, k_weight, cos, sin, q_out, k_out, eps=eps)
+    launch(q, k, q_weight, k_weight, cos, sin, q_out, k_out, eps=eps, interleaved=interleaved)
     if q_text is not None:
         launch(q_text, k_text, q_text_weight, k_text_weight, None, None, q_out, k_out, eps=eps, out_token_offset=q.shape[1])
     return q_out, k_out
 
 
 @_qk_norm_rope_op.register_fake
-def _(q, k, q_weight, k_weight, cos, sin, q_text, k_text, q_text_weight, k_text_weight, eps):
+def _(q, k, q_weight, k_weight, cos, sin, q_text, k_text, q_text_weight, k_text_weight, eps, interleaved):
     return _joint_qk(q, q_text)
 
 
@@ -127,8 +142,8 @@ def qk_norm_rope(
     k: torch.Tensor,
     q_weight: torch.Tensor,
     k_weight: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    cos: Optional[torch.Tensor],
+    sin: Optional[torch.Tensor],
     q_text: Optional[torch.Tensor] = None,
     k_text: Optional[torch.Tensor] = None,
     q_text_weight: Optional[torch.Tensor] = None,
@@ -136,22 +151,24 @@ def qk_norm_rope(
     *,
     eps: float,
     fused: bool,
+    interleaved: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Q/K RMSNorm per head + RoPE for video tokens, RMSNorm only for text tokens; joint output.
 
     Args:
         q, k: video `[B, N, H, head_dim]` (the `[H, head_dim]` block of each token contiguous).
         q_weight, k_weight: video RMSNorm weights `[head_dim]`.
-        cos, sin: `[N, head_dim/2]` float32 (`rope.rope_table`).
+        cos, sin: `[N, head_dim/2]` (`rope.rope_table`; float32 for the fused path), or None: no rotation.
         q_text, k_text: text `[B, L, H, head_dim]` or None; q_text_weight, k_text_weight: `[head_dim]`.
         eps: RMSNorm epsilon.
-        fused: run the Triton kernels (needs power-of-two head_dim) instead of the reference.
+        fused: run the Triton kernels (power-of-two head_dim, not float64) instead of the reference.
+        interleaved: RoPE pairs (2i, 2i+1), PAN 2's layout; False pairs (i, i + head_dim/2).
 
     Returns:
         (q, k), each `[B, N + L, H, head_dim]` contiguous in the dtype of q: video tokens, then text.
     """
     op = _qk_norm_rope_op if fused else qk_norm_rope_reference
-    return op(q, k, q_weight, k_weight, cos, sin, q_text, k_text, q_text_weight, k_text_weight, eps)
+    return op(q, k, q_weight, k_weight, cos, sin, q_text, k_text, q_text_weight, k_text_weight, eps, interleaved)
 
 
 def layer_norm_modulate(
@@ -174,7 +191,12 @@ def layer_norm_modulate(
 
 # -- the switch -----------------------------------------------------------------------------------
 def use_fused(setting: Optional[bool], x: torch.Tensor) -> bool:
-    """Resolve a module's `fused_kernels` setting for input `x`: None means CUDA and Triton present."""
+    """Resolve a module's `fused_kernels` setting for input `x`: None means CUDA and Triton present.
+
+    float64 always takes the reference: the kernels compute in float32.
+    """
+    if x.dtype == torch.float64:
+        return False
     if setting is None:
         return x.is_cuda and triton_available()
     return setting

@@ -1,18 +1,30 @@
-"""The PAN 2-style MMDiT: patch embedding, timestep/text embedding, dual-stream joint-attention blocks, AdaLN out.
+"""`PAN2Transformer3DModel`: the released PAN 2 MMDiT (IFM/PAN2, 29.2 B parameters), module for module.
 
-Shapes: latents `[B, 48, T, H, W]` → video tokens `[B, N, D]`, N = T·(H/2)·(W/2) in (t, h, w) order; text
-`[B, L, text_dim]` → `[B, L, D]`. Each block keeps separate weights for the two streams (AdaLN table,
-q/k/v, Q/K RMSNorm, output projection, MLP) and runs one attention over the `N + L` joint tokens (video
-first). Modulation follows Wan2.2: one shared projection of the timestep embedding to 6·D, plus a learnt
-`[1, 6, D]` table per block and stream, in the order (shift, scale, gate) for attention then for the MLP.
+Parameter names are the checkpoint's keys (diffusers names; the table is in `pan2cli.dit.checkpoint`).
+Facts and sources: ../shared/docs/pan2_model.md §2. The forward pass:
 
-Timesteps: `[B]` (one per sample), `[B, T]` (one per latent frame: image-to-video passes the clean
-start frame with timestep 0) or `[B, N]` (one per video token). Modulation is computed per group of
-consecutive tokens (G = 1, T or N) and never expanded to tokens unless G = N. The text stream is
-modulated per sample with the largest of the sample's timesteps (the noise level of the generated frames).
+1. `x_embedder`: Conv3d 97 → D (kernel = stride = patch (1, 2, 2)); tokens in (t, h, w) order. The 97
+   channels are the noisy latents (48), the condition latents (48) and the condition mask (1).
+2. `time_proj` (a 256-wide `[cos | sin]` sinusoid, no parameters) → `time_embedder` (Linear–SiLU–Linear)
+   → `temb [B, D]`: one timestep (σ·1000) per sample.
+3. Text: `context_embedder` (RMSNorm over the 4096 text features, then Linear) → `context_refiner`
+   (text-only pre-norm blocks: bias-free self-attention with Q/K RMSNorm, SwiGLU FFN) → plus the learned
+   `context_type_embedding`.
+4. 44 dual-stream blocks over [video ; text]: video modulation from `norm1.linear(SiLU(temb))`
+   (AdaLN-Zero: shift, scale, gate for attention, then for the MLP); text modulation from the block's
+   static `scale_shift_table_context` (no timestep); per-stream q/k/v/out with bias, per-head Q/K
+   RMSNorm on both streams, RoPE (interleaved pairs) on the video tokens only, one attention over the
+   joint tokens (video first, no mask); GELU-tanh MLPs (8·D video, 4·D text); gated residuals.
+5. `norm_out` (LayerNorm modulated by `(scale, shift) = norm_out.linear(SiLU(temb))`) → `proj_out` → 192
+   features per token read as (channel, pt, ph, pw) → `[B, 48, T, H, W]`: the flow velocity.
 
-The parameter names are the checkpoint keys (listed in `pan2cli.dit.checkpoint`). Numerics: LayerNorm,
-RMSNorm, RoPE and the modulation table sum in float32; projections and attention in the weights' dtype.
+Numerics: LayerNorm/RMSNorm statistics, modulation, RoPE tables and the timestep sinusoid are computed
+in float32 (float64 when the model is float64: then *everything* is float64); projections and attention
+run in the weights' dtype. The AdaLN linears (`norm1.linear`, `norm_out.linear`) are float32 in the
+release, and `from_pretrained` keeps them (and the modulation they compute) in float32 in a bf16 model:
+17.7 GB instead of 8.9 GB of the 67.3 GB model, for an exact modulation (a bf16 AdaLN shifts the
+modulation by up to 2⁻⁹ relative). Residual updates `x + gate·f(x)` are computed in float32 and
+rounded once.
 """
 
 from __future__ import annotations
@@ -25,88 +37,177 @@ import torch.nn.functional as F
 from torch import nn
 
 from pan2cli.dit.config import PAN2TransformerConfig
-from pan2cli.dit.fusions import layer_norm_modulate, qk_norm_rope, use_fused
+from pan2cli.dit.fusions import compute_dtype, layer_norm_modulate, qk_norm_rope, rms_norm_reference, use_fused
 from pan2cli.dit.rope import rope_table
 from pan2cli.errors import InputError
 
+TIMESTEP_CHANNELS = 256  # width of the timestep sinusoid (diffusers `Timesteps(256, flip_sin_to_cos=True)`)
 
-def timestep_embedding(timestep: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
-    """Sinusoidal embedding `[cos(t·f), sin(t·f)]`, f = max_period^(−i/(dim/2)), in float32.
+
+def timestep_embedding(timestep: torch.Tensor, dim: int, dtype: torch.dtype, max_period: float = 10000.0) -> torch.Tensor:
+    """Sinusoidal embedding `[cos(t·f_i) | sin(t·f_i)]`, f_i = exp(−ln(max_period)·i/(dim/2)), computed in `dtype`.
 
     Args:
-        timestep: any shape, values in [0, 1000].
-        dim: even embedding width.
+        timestep: `[B]` values in [0, 1000].
+        dim: even width.
+        dtype: float32, or float64 for a float64 model.
 
     Returns:
-        `timestep.shape + (dim,)` float32.
+        `[B, dim]` in `dtype`.
     """
     half = dim // 2
-    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half)
-    angles = timestep.float()[..., None] * freqs
+    exponent = -math.log(max_period) * torch.arange(half, dtype=dtype, device=timestep.device) / half
+    angles = timestep.to(dtype)[:, None] * torch.exp(exponent)[None, :]
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
-def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """`[B, N, D]` → `[B, G, N/G, D]` view (tokens of a modulation group together)."""
-    batch, n_tokens, dim = x.shape
-    return x.view(batch, groups, n_tokens // groups, dim)
+def gated_residual(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`x + gate·update` computed in `compute_dtype(x)` and rounded once to the dtype of x.
+
+    Args:
+        x, update: `[B, S, D]`. gate: `[B, 1, D]` or `[D]` (any float dtype).
+    """
+    dtype = compute_dtype(x)
+    return torch.addcmul(x.to(dtype), update.to(dtype), gate.to(dtype)).to(x.dtype)
 
 
-class PAN2MLP(nn.Module):
-    """`fc2(GELU_tanh(fc1(x)))`."""
+class PAN2TimestepEmbedding(nn.Module):
+    """`linear_2(SiLU(linear_1(sinusoid)))`: the timestep sinusoid → `temb [B, D]`."""
 
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.fc2 = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
-
-
-class PAN2EmbedMLP(nn.Module):
-    """`linear_2(act(linear_1(x)))`: the timestep (SiLU) and text (GELU tanh) embedders."""
-
-    def __init__(self, in_dim: int, dim: int, act: str):
+    def __init__(self, in_dim: int, dim: int):
         super().__init__()
         self.linear_1 = nn.Linear(in_dim, dim)
         self.linear_2 = nn.Linear(dim, dim)
-        self.act = act
+
+    def forward(self, sinusoid: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(sinusoid)))
+
+
+class PAN2RMSNorm(nn.Module):
+    """RMSNorm with a learned scale: `x / sqrt(mean(x²) + eps) · weight`, computed in `compute_dtype(x)`."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.linear_1(x)
-        x = F.silu(x) if self.act == "silu" else F.gelu(x, approximate="tanh")
-        return self.linear_2(x)
+        return rms_norm_reference(x, self.weight, self.eps).to(x.dtype)
 
 
-class PAN2ConditionEmbedder(nn.Module):
-    """Timestep → `temb` `[…, D]` and its modulation projection `[…, 6D]`; text → `[B, L, D]`."""
+class _Projection(nn.Module):
+    """`net.0` of a feed-forward: one Linear (`proj`) followed by the activation."""
 
-    def __init__(self, config: PAN2TransformerConfig):
+    def __init__(self, dim: int, out: int, activation: str, bias: bool):
         super().__init__()
-        dim = config.hidden_size
-        self.freq_dim = config.freq_dim
-        self.time_embedder = PAN2EmbedMLP(config.freq_dim, dim, "silu")
-        self.time_proj = nn.Linear(dim, 6 * dim)
-        self.text_embedder = PAN2EmbedMLP(config.text_dim, dim, "gelu")
+        self.proj = nn.Linear(dim, out, bias=bias)
+        self.activation = activation
 
-    def forward(self, timestep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """timestep `[B, G]` → (temb `[B, G, D]`, modulation `[B, G, 6D]`), dtype of the weights."""
-        dtype = self.time_embedder.linear_1.weight.dtype
-        temb = self.time_embedder(timestep_embedding(timestep, self.freq_dim).to(dtype))
-        return temb, self.time_proj(F.silu(temb))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        if self.activation == "swiglu":  # [value | gate]: value · SiLU(gate)
+            value, gate = x.chunk(2, dim=-1)
+            return value * F.silu(gate)
+        return F.gelu(x, approximate="tanh")
 
 
-class PAN2JointAttention(nn.Module):
-    """q/k/v per stream, Q/K RMSNorm per head (+ RoPE on video), one SDPA over video + text tokens."""
+class PAN2FeedForward(nn.Module):
+    """`net.2(act(net.0.proj(x)))`: GELU-tanh with bias (the blocks) or SwiGLU without bias (the refiner).
 
-    def __init__(self, config: PAN2TransformerConfig):
+    `net.1` is an empty slot, so that the keys are diffusers' (`net.0.proj`, `net.2`).
+    """
+
+    def __init__(self, dim: int, inner_dim: int, activation: str = "gelu-tanh", bias: bool = True):
         super().__init__()
-        dim, self.heads, self.head_dim, self.eps = config.hidden_size, config.num_attention_heads, config.head_dim, config.eps
-        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(dim, dim) for _ in range(4))
-        self.add_q_proj, self.add_k_proj, self.add_v_proj, self.to_add_out = (nn.Linear(dim, dim) for _ in range(4))
-        for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
-            setattr(self, name, nn.RMSNorm(self.head_dim, eps=config.eps))
+        proj_out = 2 * inner_dim if activation == "swiglu" else inner_dim
+        self.net = nn.ModuleList([_Projection(dim, proj_out, activation, bias), nn.Identity(), nn.Linear(inner_dim, dim, bias=bias)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for module in self.net:
+            x = module(x)
+        return x
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA over `[B, S, H, head_dim]` inputs (scale 1/√head_dim, no mask) → `[B, S, H·head_dim]`."""
+    batch, seq = q.shape[:2]
+    # SDPA wants [B, H, S, head_dim]; the transposed views need no copy for the flash/cuDNN kernels.
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2).reshape(batch, seq, -1)
+
+
+class PAN2RefinerAttention(nn.Module):
+    """Text self-attention of the refiner: bias-free q/k/v/out, per-head Q/K RMSNorm, no RoPE, no mask."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.heads, self.head_dim, self.eps = heads, head_dim, eps
+        inner = heads * head_dim
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_k = nn.Linear(dim, inner, bias=False)
+        self.to_v = nn.Linear(dim, inner, bias=False)
+        self.norm_q = PAN2RMSNorm(head_dim, eps)
+        self.norm_k = PAN2RMSNorm(head_dim, eps)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim, bias=False), nn.Identity()])
+        self.fused_kernels: Optional[bool] = None  # see fusions.set_fused_kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, n_text, _ = x.shape
+        heads = (self.heads, self.head_dim)
+        q, k = qk_norm_rope(
+            self.to_q(x).view(batch, n_text, *heads), self.to_k(x).view(batch, n_text, *heads),
+            self.norm_q.weight, self.norm_k.weight, None, None,
+            eps=self.eps, fused=use_fused(self.fused_kernels, x),
+        )  # fmt: skip
+        out = _attention(q, k, self.to_v(x).view(batch, n_text, *heads))
+        return self.to_out[0](out)
+
+
+class PAN2TokenRefinerBlock(nn.Module):
+    """Pre-norm text block: `x + attn(RMSNorm(x))`, then `x + SwiGLU(RMSNorm(x))`."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, mlp_ratio: float, eps: float):
+        super().__init__()
+        self.norm1 = PAN2RMSNorm(dim, eps)
+        self.attn = PAN2RefinerAttention(dim, heads, head_dim, eps)
+        self.norm2 = PAN2RMSNorm(dim, eps)
+        self.ff = PAN2FeedForward(dim, int(dim * mlp_ratio), activation="swiglu", bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.ff(self.norm2(x))
+
+
+class PAN2AdaLayerNormZero(nn.Module):
+    """`linear(SiLU(temb))` → six `[B, 1, D]` (shift, scale, gate for attention; shift, scale, gate for the MLP).
+
+    Computed in the linear's dtype (float32 as released), never rounded to the activations' dtype.
+    """
+
+    def __init__(self, dim: int, chunks: int = 6):
+        super().__init__()
+        self.chunks = chunks
+        self.linear = nn.Linear(dim, chunks * dim)
+
+    def forward(self, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        weight_dtype = self.linear.weight.dtype
+        emb = self.linear(F.silu(temb.to(weight_dtype)))
+        return emb[:, None, :].chunk(self.chunks, dim=-1)
+
+
+class PAN2Attention(nn.Module):
+    """Joint attention over [video ; text]: per-stream projections, Q/K RMSNorm, RoPE on video, one SDPA."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.heads, self.head_dim, self.eps = heads, head_dim, eps
+        inner = heads * head_dim
+        self.to_q, self.to_k, self.to_v = nn.Linear(dim, inner), nn.Linear(dim, inner), nn.Linear(dim, inner)
+        self.norm_q, self.norm_k = PAN2RMSNorm(head_dim, eps), PAN2RMSNorm(head_dim, eps)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Identity()])
+        self.add_q_proj, self.add_k_proj, self.add_v_proj = nn.Linear(dim, inner), nn.Linear(dim, inner), nn.Linear(dim, inner)
+        self.norm_added_q, self.norm_added_k = PAN2RMSNorm(head_dim, eps), PAN2RMSNorm(head_dim, eps)
+        self.to_add_out = nn.Linear(inner, dim)
 
     def forward(
         self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool
@@ -128,54 +229,39 @@ class PAN2JointAttention(nn.Module):
             self.norm_added_k.weight,
             eps=self.eps,
             fused=fused,
+            interleaved=True,
         )  # q, k: [B, N + L, H, head_dim]
         v = torch.cat([self.to_v(x), self.add_v_proj(ctx)], dim=1).view(batch, n_video + n_text, *heads)
-        # SDPA wants [B, H, S, head_dim]; the transposed views need no copy for the flash/cuDNN kernels.
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        out = out.transpose(1, 2).reshape(batch, n_video + n_text, -1)
-        return self.to_out(out[:, :n_video]), self.to_add_out(out[:, n_video:])
+        out = _attention(q, k, v)
+        return self.to_out[0](out[:, :n_video]), self.to_add_out(out[:, n_video:])
 
 
 class PAN2TransformerBlock(nn.Module):
-    """Dual-stream block: AdaLN-modulated joint attention, then AdaLN-modulated MLP, gated residuals."""
+    """Dual-stream block: modulated joint attention, then modulated MLPs, gated residuals (video AdaLN-Zero, text static table)."""
 
-    def __init__(self, config: PAN2TransformerConfig):
+    def __init__(self, dim: int, heads: int, head_dim: int, mlp_ratio: float, context_mlp_ratio: float, eps: float):
         super().__init__()
-        dim = config.hidden_size
-        self.eps = config.eps
-        self.head_dim = config.head_dim
-        self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
-        self.scale_shift_table_context = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
-        self.attn = PAN2JointAttention(config)
-        self.ffn = PAN2MLP(dim, config.ffn_dim)
-        self.ffn_context = PAN2MLP(dim, config.ffn_dim)
+        self.eps = eps
+        self.head_dim = head_dim
+        self.norm1 = PAN2AdaLayerNormZero(dim)
+        self.scale_shift_table_context = nn.Parameter(torch.zeros(6 * dim))
+        self.attn = PAN2Attention(dim, heads, head_dim, eps)
+        self.ff = PAN2FeedForward(dim, int(dim * mlp_ratio))
+        self.ff_context = PAN2FeedForward(dim, int(dim * context_mlp_ratio))
         self.fused_kernels: Optional[bool] = None  # see fusions.set_fused_kernels
 
-    @staticmethod
-    def _modulation(table: torch.Tensor, proj: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
-        """table `[1, 6, D]` + proj `[B, G, 6D]` summed in float32 → six `[B, G, D]` in `dtype`."""
-        batch, groups, _ = proj.shape
-        mod = (table.float()[:, None] + proj.float().view(batch, groups, 6, -1)).to(dtype)
-        return list(mod.unbind(dim=2))
-
     def forward(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        proj: torch.Tensor,
-        proj_ctx: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        self, x: torch.Tensor, ctx: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x `[B, N, D]`, ctx `[B, L, D]`, proj `[B, G, 6D]`, proj_ctx `[B, 1, 6D]`, cos/sin `[N, head_dim/2]`."""
+        """x `[B, N, D]`, ctx `[B, L, D]`, temb `[B, D]`, cos/sin `[N, head_dim/2]`."""
         fused = use_fused(self.fused_kernels, x)
-        shift1, scale1, gate1, shift2, scale2, gate2 = self._modulation(self.scale_shift_table, proj, x.dtype)
-        c_shift1, c_scale1, c_gate1, c_shift2, c_scale2, c_gate2 = self._modulation(
-            self.scale_shift_table_context, proj_ctx, ctx.dtype
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.norm1(temb)  # each [B, 1, D]
+        batch, dim = x.shape[0], x.shape[-1]
+        # The text table is the same for every sample and step: [1, 1, D] views broadcast over the batch.
+        c_shift1, c_scale1, c_gate1, c_shift2, c_scale2, c_gate2 = (
+            t.view(1, 1, dim).expand(batch, 1, dim) for t in self.scale_shift_table_context.chunk(6)
         )
-        groups = proj.shape[1]
 
-        # attention
         attn, attn_ctx = self.attn(
             layer_norm_modulate(x, scale1, shift1, eps=self.eps, fused=fused),
             layer_norm_modulate(ctx, c_scale1, c_shift1, eps=self.eps, fused=fused),
@@ -183,101 +269,178 @@ class PAN2TransformerBlock(nn.Module):
             sin,
             fused,
         )
-        x = (_grouped(x, groups) + gate1[:, :, None] * _grouped(attn, groups)).flatten(1, 2)
-        ctx = ctx + c_gate1 * attn_ctx
+        x = gated_residual(x, attn, gate1)
+        ctx = gated_residual(ctx, attn_ctx, c_gate1)
 
-        # MLP
-        mlp = self.ffn(layer_norm_modulate(x, scale2, shift2, eps=self.eps, fused=fused))
-        x = (_grouped(x, groups) + gate2[:, :, None] * _grouped(mlp, groups)).flatten(1, 2)
-        ctx = ctx + c_gate2 * self.ffn_context(layer_norm_modulate(ctx, c_scale2, c_shift2, eps=self.eps, fused=fused))
+        x = gated_residual(x, self.ff(layer_norm_modulate(x, scale2, shift2, eps=self.eps, fused=fused)), gate2)
+        ctx = gated_residual(ctx, self.ff_context(layer_norm_modulate(ctx, c_scale2, c_shift2, eps=self.eps, fused=fused)), c_gate2)
         return x, ctx
 
 
 class PAN2Transformer3DModel(nn.Module):
-    """The MMDiT: `forward(latents, timestep, text)` → the flow-matching prediction, shaped like the latents."""
+    """The PAN 2 MMDiT. Constructor arguments are the `transformer/config.json` keys; defaults are the release's.
 
-    def __init__(self, config: PAN2TransformerConfig):
+    Args:
+        patch_size (`tuple[int, int, int]`, defaults to (1, 2, 2)): (t, h, w) patch of the latents.
+        in_channels (`int`, defaults to 97): noisy latents (48) + condition latents (48) + condition mask (1).
+        out_channels (`int`, defaults to 48): the velocity's channels.
+        num_attention_heads (`int`, defaults to 32), attention_head_dim (`int`, defaults to 128): D = 4096.
+        num_layers (`int`, defaults to 44): dual-stream blocks.
+        num_refiner_layers (`int`, defaults to 4): text refiner blocks.
+        mlp_ratio (`float`, defaults to 8.0): video MLP width / D.
+        context_mlp_ratio (`float`, defaults to 4.0): text MLP width / D.
+        refiner_mlp_ratio (`float`, defaults to 4.0): refiner SwiGLU width / D.
+        text_embed_dim (`int`, defaults to 4096): width of the text encoder's features (Qwen3.5-9B).
+        rope_axes_dim (`tuple[int, int, int]`, defaults to (16, 56, 56)): head channels per (t, h, w) axis.
+        rope_theta (`float`, defaults to 256.0): RoPE base.
+        rope_temporal_scale (`float`, defaults to 16/24): factor on the frame positions.
+        norm_eps (`float`, defaults to 1e-6): the blocks' LayerNorms and Q/K RMSNorms, and `norm_out`.
+        text_norm_eps (`float`, defaults to 1e-5): the text embedder's and refiner's RMSNorms.
+    """
+
+    # Stored in float32 in the release and kept so by `from_pretrained` (see the module docstring).
+    keep_in_fp32_modules = ("norm1.linear", "norm_out.linear")
+
+    def __init__(
+        self,
+        patch_size: tuple[int, int, int] = (1, 2, 2),
+        in_channels: int = 97,
+        out_channels: int = 48,
+        num_attention_heads: int = 32,
+        attention_head_dim: int = 128,
+        num_layers: int = 44,
+        num_refiner_layers: int = 4,
+        mlp_ratio: float = 8.0,
+        context_mlp_ratio: float = 4.0,
+        refiner_mlp_ratio: float = 4.0,
+        text_embed_dim: int = 4096,
+        rope_axes_dim: tuple[int, int, int] = (16, 56, 56),
+        rope_theta: float = 256.0,
+        rope_temporal_scale: float = 16 / 24,
+        norm_eps: float = 1e-6,
+        text_norm_eps: float = 1e-5,
+    ):
         super().__init__()
-        self.config = config
-        dim = config.hidden_size
-        self.patch_embedding = nn.Conv3d(config.in_channels, dim, kernel_size=config.patch_size, stride=config.patch_size)
-        self.condition_embedder = PAN2ConditionEmbedder(config)
-        self.blocks = nn.ModuleList(PAN2TransformerBlock(config) for _ in range(config.num_layers))
-        self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
-        self.proj_out = nn.Linear(dim, config.out_channels * config.patch_volume)
-        self.fused_kernels: Optional[bool] = None  # the final AdaLN; see fusions.set_fused_kernels
+        self.config = config = PAN2TransformerConfig(
+            patch_size=patch_size, in_channels=in_channels, out_channels=out_channels,
+            num_attention_heads=num_attention_heads, attention_head_dim=attention_head_dim, num_layers=num_layers,
+            num_refiner_layers=num_refiner_layers, mlp_ratio=mlp_ratio, context_mlp_ratio=context_mlp_ratio,
+            refiner_mlp_ratio=refiner_mlp_ratio, text_embed_dim=text_embed_dim, rope_axes_dim=rope_axes_dim,
+            rope_theta=rope_theta, rope_temporal_scale=rope_temporal_scale, norm_eps=norm_eps, text_norm_eps=text_norm_eps,
+        )  # fmt: skip
+        dim, heads, head_dim = config.inner_dim, num_attention_heads, attention_head_dim
+        self.x_embedder = nn.Conv3d(in_channels, dim, kernel_size=config.patch_size, stride=config.patch_size)
+        self.time_embedder = PAN2TimestepEmbedding(TIMESTEP_CHANNELS, dim)
+        self.context_embedder = nn.Sequential(PAN2RMSNorm(text_embed_dim, text_norm_eps), nn.Linear(text_embed_dim, dim))
+        self.context_refiner = nn.ModuleList(
+            PAN2TokenRefinerBlock(dim, heads, head_dim, refiner_mlp_ratio, text_norm_eps) for _ in range(num_refiner_layers)
+        )
+        self.context_type_embedding = nn.Parameter(torch.zeros(dim))
+        self.transformer_blocks = nn.ModuleList(
+            PAN2TransformerBlock(dim, heads, head_dim, mlp_ratio, context_mlp_ratio, norm_eps) for _ in range(num_layers)
+        )
+        self.norm_out = PAN2AdaLayerNormZero(dim, chunks=2)  # (scale, shift) on SiLU(temb)
+        self.proj_out = nn.Linear(dim, config.patch_volume * out_channels)
+        self.fused_kernels: Optional[bool] = None  # the final modulation; see fusions.set_fused_kernels
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def rope(self, grid: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cos/sin table for a token grid, computed once per (grid, device) and kept (not in the state dict)."""
-        key = (grid, str(device))
-        if key not in self._rope_cache:
-            self._rope_cache[key] = rope_table(grid, self.config.rope_axes_dim, self.config.rope_theta, device)
-        return self._rope_cache[key]
-
-    def _timestep_groups(self, timestep: torch.Tensor, batch: int, grid: tuple[int, int, int]) -> torch.Tensor:
-        """Check the timestep's shape and return it as `[B, G]` (G = 1, latent frames or tokens)."""
-        t, h, w = grid
-        frames = t * self.config.patch_size[0]
-        if timestep.dim() == 0:
-            timestep = timestep.expand(batch)
-        if timestep.dim() == 1 and timestep.shape[0] == batch:
-            return timestep[:, None]
-        if timestep.dim() == 2 and timestep.shape[0] == batch:
-            if timestep.shape[1] == frames:
-                # one timestep per latent frame; a temporal patch takes its first frame's timestep
-                return timestep[:, :: self.config.patch_size[0]]
-            if timestep.shape[1] == t * h * w:
-                return timestep
-        raise InputError(
-            f"timestep has shape {list(timestep.shape)}; expected [{batch}] (per sample), "
-            f"[{batch}, {frames}] (per latent frame) or [{batch}, {t * h * w}] (per token)"
-        )
-
-    def forward(
-        self, latents: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor
-    ) -> torch.Tensor:
-        """Predict the flow for noisy latents.
+    # -- loading ---------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_repo: str,
+        subfolder: str | None = None,
+        torch_dtype: torch.dtype | None = None,
+        revision: str | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        keep_fp32_modules: bool = True,
+    ) -> "PAN2Transformer3DModel":
+        """Load `config.json` + safetensors (single file or sharded through the index), memory-mapped, strictly.
 
         Args:
-            latents: `[B, in_channels, T, H, W]`, H and W multiples of the patch size (2).
-            timestep: `[B]`, `[B, T]` or `[B, N]` (N video tokens), values in [0, 1000].
-            encoder_hidden_states: `[B, L, text_dim]` text-encoder states (only valid tokens: no mask).
+            path_or_repo: a folder (the transformer's, or a repo root holding `transformer/`) or a hub repo id.
+            subfolder: the folder inside it (e.g. "transformer").
+            torch_dtype: parameter dtype; None keeps the checkpoint's dtypes.
+            revision: branch, tag or commit of a hub repo.
+            device: where the weights go (one tensor at a time).
+            keep_fp32_modules: keep `keep_in_fp32_modules` in float32 whatever `torch_dtype` is.
+
+        Raises:
+            CheckpointError: unknown config keys, missing / unexpected / mis-shaped tensors (named).
+        """
+        from pan2cli.dit.checkpoint import load_pan2_transformer
+
+        return load_pan2_transformer(
+            path_or_repo, subfolder=subfolder, dtype=torch_dtype, revision=revision, device=device, keep_fp32_modules=keep_fp32_modules
+        )
+
+    # -- forward ---------------------------------------------------------------------------------
+    def rope(self, grid: tuple[int, int, int], device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos/sin table for a token grid, computed once per (grid, device, dtype) and kept (not in the state dict)."""
+        key = (grid, str(device), dtype)
+        if key not in self._rope_cache:
+            cfg = self.config
+            self._rope_cache[key] = rope_table(grid, cfg.rope_axes_dim, cfg.rope_theta, cfg.rope_temporal_scale, dtype=dtype, device=device)
+        return self._rope_cache[key]
+
+    def _check_inputs(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        if hidden_states.dim() != 5 or hidden_states.shape[1] != cfg.in_channels:
+            raise InputError(f"hidden_states must be [B, {cfg.in_channels}, T, H, W], got {list(hidden_states.shape)}")
+        batch, _, frames, height, width = hidden_states.shape
+        if any(size % patch for size, patch in zip((frames, height, width), cfg.patch_size)):
+            raise InputError(f"latent T, H, W {frames, height, width} must be multiples of the patch size {cfg.patch_size}")
+        if encoder_hidden_states.dim() != 3 or encoder_hidden_states.shape[0] != batch or encoder_hidden_states.shape[2] != cfg.text_embed_dim:
+            raise InputError(f"encoder_hidden_states must be [{batch}, L, {cfg.text_embed_dim}], got {list(encoder_hidden_states.shape)}")
+        if encoder_hidden_states.shape[1] < 1:
+            raise InputError("encoder_hidden_states has no tokens (an empty prompt is encoded as a space)")
+        timestep = torch.as_tensor(timestep, device=hidden_states.device)
+        if timestep.dim() == 0:
+            timestep = timestep.expand(batch)
+        if timestep.shape != (batch,):
+            raise InputError(f"timestep must be [{batch}] (one σ·1000 per sample), got {list(timestep.shape)}")
+        return timestep
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        """The flow velocity for noisy latents with their condition.
+
+        Args:
+            hidden_states: `[B, 97, T, H, W]` = [noisy latents ; condition latents ; mask], H and W even.
+            timestep: `[B]` (σ·1000; a scalar is broadcast).
+            encoder_hidden_states: `[B, L, text_embed_dim]` text features (valid tokens only: no mask).
 
         Returns:
-            `[B, out_channels, T, H, W]` in the weights' dtype.
+            `[B, 48, T, H, W]` in the dtype of `proj_out`'s weights.
 
         Raises:
             InputError: shapes that do not fit the config.
         """
         cfg = self.config
-        dtype = self.patch_embedding.weight.dtype
-        if latents.dim() != 5 or latents.shape[1] != cfg.in_channels:
-            raise InputError(f"latents must be [B, {cfg.in_channels}, T, H, W], got {list(latents.shape)}")
-        batch, _, frames, height, width = latents.shape
+        timestep = self._check_inputs(hidden_states, timestep, encoder_hidden_states)
+        dtype = self.x_embedder.weight.dtype
+        batch, _, frames, height, width = hidden_states.shape
         pt, ph, pw = cfg.patch_size
-        if frames % pt or height % ph or width % pw:
-            raise InputError(f"latent T, H, W {frames, height, width} must be multiples of the patch size {cfg.patch_size}")
-        if encoder_hidden_states.dim() != 3 or encoder_hidden_states.shape[0] != batch or encoder_hidden_states.shape[2] != cfg.text_dim:
-            raise InputError(
-                f"encoder_hidden_states must be [{batch}, L, {cfg.text_dim}], got {list(encoder_hidden_states.shape)}"
-            )
         grid = (frames // pt, height // ph, width // pw)
-        timestep = self._timestep_groups(timestep, batch, grid)  # [B, G]
 
-        # patches → tokens [B, N, D] in (t, h, w) order
-        x = self.patch_embedding(latents.to(dtype)).flatten(2).transpose(1, 2).contiguous()
-        temb, proj = self.condition_embedder(timestep)  # [B, G, D], [B, G, 6D]
-        _, proj_ctx = self.condition_embedder(timestep.amax(dim=1, keepdim=True))  # [B, 1, 6D]
-        ctx = self.condition_embedder.text_embedder(encoder_hidden_states.to(dtype))
-        cos, sin = self.rope(grid, x.device)
-        for block in self.blocks:
-            x, ctx = block(x, ctx, proj, proj_ctx, cos, sin)
-
-        # final AdaLN (shift, scale) + projection
-        shift, scale = (self.scale_shift_table.float()[:, None] + temb.float()[:, :, None]).to(dtype).unbind(dim=2)
-        x = layer_norm_modulate(x, scale, shift, eps=cfg.eps, fused=use_fused(self.fused_kernels, x))
-        x = self.proj_out(x)  # [B, N, pt·ph·pw·C_out], features in (pt, ph, pw, c) order
+        # 1. patches → video tokens [B, N, D] in (t, h, w) order
+        x = self.x_embedder(hidden_states.to(dtype)).flatten(2).transpose(1, 2).contiguous()
+        # 2. timestep → temb [B, D]
+        sinusoid = timestep_embedding(timestep, TIMESTEP_CHANNELS, compute_dtype(x))
+        temb = self.time_embedder(sinusoid.to(dtype))
+        # 3. text → [B, L, D]
+        ctx = self.context_embedder(encoder_hidden_states.to(dtype))
+        for block in self.context_refiner:
+            ctx = block(ctx)
+        ctx = ctx + self.context_type_embedding
+        # 4. blocks
+        cos, sin = self.rope(grid, x.device, compute_dtype(x))
+        for block in self.transformer_blocks:
+            x, ctx = block(x, ctx, temb, cos, sin)
+        # 5. final modulation (scale, shift) + projection, features read as (c, pt, ph, pw)
+        scale, shift = self.norm_out(temb)
+        x = layer_norm_modulate(x, scale, shift, eps=cfg.norm_eps, fused=use_fused(self.fused_kernels, x))
+        x = self.proj_out(x)
         t, h, w = grid
-        x = x.view(batch, t, h, w, pt, ph, pw, cfg.out_channels)
-        return x.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(batch, cfg.out_channels, frames, height, width)
+        x = x.view(batch, t, h, w, cfg.out_channels, pt, ph, pw)
+        return x.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(batch, cfg.out_channels, frames, height, width)

@@ -1,10 +1,12 @@
-"""Triton kernel: per-head RMSNorm of q and k plus 3D RoPE (halves layout), one pass, writing into the joint buffer.
+"""Triton kernel: per-head RMSNorm of q and k plus 3D RoPE, one pass, writing into the joint buffer.
 
 Each program takes `BLOCK_ROWS` (token, head) rows of one stream and handles both q and k for them, so the
-RoPE table rows and the norm weights are loaded once for both. A row is loaded as its two halves (each a
-contiguous `head_dim/2` vector), normalised and rotated in float32, rounded once to the output dtype,
-and stored at `out_token_offset + token` of the joint `[B, S, H, head_dim]` output: the concatenation of
-the video and text streams costs no extra pass.
+RoPE table rows and the norm weights are loaded once for both. A row is loaded as the two members of its
+channel pairs — channels (2i, 2i+1) for PAN 2's interleaved (GPT-J) pairs, or the two contiguous halves
+(i, i + head_dim/2) — normalised and rotated in float32, rounded once to the output dtype, and stored at
+`out_token_offset + token` of the joint `[B, S, H, head_dim]` output: the concatenation of the video and
+text streams costs no extra pass. The interleaved loads are stride-2, but a row's 256 bytes are one
+cache line pair either way.
 
 Numerics: sum of squares and every product in float32; `rsqrt` is the hardware approximation (≤ 2 ulp)
 on GPUs; one rounding per output element.
@@ -20,22 +22,22 @@ from pan2cli.triton_support import triton_interpreting
 
 
 @triton.jit
-def _norm_rope_tile(X, OUT, W, x_row, out_row, mask, cols, c, s, eps, HALF: tl.constexpr, ROTATE: tl.constexpr):
-    """Normalise (and rotate) one `[BLOCK_ROWS, head_dim]` tile of X into OUT."""
-    x1 = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(X + x_row[:, None] + HALF + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+def _norm_rope_tile(X, OUT, W, x_row, out_row, mask, first, second, c, s, eps, HALF: tl.constexpr, ROTATE: tl.constexpr):
+    """Normalise (and rotate) one `[BLOCK_ROWS, head_dim]` tile of X into OUT; `first`/`second`: the pairs' channels."""
+    x1 = tl.load(X + x_row[:, None] + first[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(X + x_row[:, None] + second[None, :], mask=mask, other=0.0).to(tl.float32)
     mean_sq = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
     rstd = tl.rsqrt(mean_sq + eps)[:, None]
-    y1 = x1 * rstd * tl.load(W + cols).to(tl.float32)[None, :]
-    y2 = x2 * rstd * tl.load(W + HALF + cols).to(tl.float32)[None, :]
+    y1 = x1 * rstd * tl.load(W + first).to(tl.float32)[None, :]
+    y2 = x2 * rstd * tl.load(W + second).to(tl.float32)[None, :]
     if ROTATE:
         o1 = y1 * c - y2 * s
         o2 = y2 * c + y1 * s
     else:
         o1 = y1
         o2 = y2
-    tl.store(OUT + out_row[:, None] + cols[None, :], o1.to(OUT.dtype.element_ty), mask=mask)
-    tl.store(OUT + out_row[:, None] + HALF + cols[None, :], o2.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(OUT + out_row[:, None] + first[None, :], o1.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(OUT + out_row[:, None] + second[None, :], o2.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -48,6 +50,7 @@ def _qk_norm_rope_kernel(
     HALF: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     ROTATE: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # flat (batch, token, head) index
@@ -63,6 +66,12 @@ def _qk_norm_rope_kernel(
     k_row = batch64 * stride_k_batch + token64 * stride_k_token + head_off
     out_row = batch64 * stride_out_batch + (token64 + out_token_offset) * stride_out_token + head_off
     cols = tl.arange(0, HALF)
+    if INTERLEAVED:
+        first = 2 * cols
+        second = 2 * cols + 1
+    else:
+        first = cols
+        second = cols + HALF
     mask = row_ok[:, None]
     if ROTATE:
         table = token64[:, None] * HALF + cols[None, :]
@@ -71,8 +80,8 @@ def _qk_norm_rope_kernel(
     else:
         c = 1.0
         s = 0.0
-    _norm_rope_tile(Q, Q_OUT, Q_WEIGHT, q_row, out_row, mask, cols, c, s, eps, HALF, ROTATE)
-    _norm_rope_tile(K, K_OUT, K_WEIGHT, k_row, out_row, mask, cols, c, s, eps, HALF, ROTATE)
+    _norm_rope_tile(Q, Q_OUT, Q_WEIGHT, q_row, out_row, mask, first, second, c, s, eps, HALF, ROTATE)
+    _norm_rope_tile(K, K_OUT, K_WEIGHT, k_row, out_row, mask, first, second, c, s, eps, HALF, ROTATE)
 
 
 def qk_norm_rope(
@@ -86,6 +95,7 @@ def qk_norm_rope(
     k_out: torch.Tensor,
     *,
     eps: float,
+    interleaved: bool = True,
     out_token_offset: int = 0,
     block_rows: int | None = None,
     num_warps: int | None = None,
@@ -101,6 +111,7 @@ def qk_norm_rope(
         q_out, k_out: `[B, S, H, head_dim]` (S ≥ out_token_offset + N), dtype of q, same strides as each
             other, `[H, head_dim]` contiguous; rows `out_token_offset : out_token_offset + N` are written.
         eps: RMSNorm epsilon.
+        interleaved: RoPE pairs are channels (2i, 2i+1) (PAN 2) rather than (i, i + head_dim/2).
         out_token_offset: first output token of this stream.
         block_rows, num_warps: launch shape; default `4096 // head_dim` rows (≥ 1, ≤ 64) and 4 warps.
     """
@@ -137,6 +148,6 @@ def qk_norm_rope(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1),
         eps,
-        HALF=half, BLOCK_ROWS=block_rows, ROTATE=rotate,
+        HALF=half, BLOCK_ROWS=block_rows, ROTATE=rotate, INTERLEAVED=interleaved,
         num_warps=num_warps or 4,
     )  # fmt: skip
