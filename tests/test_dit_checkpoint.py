@@ -1,4 +1,4 @@
-"""DiT checkpoints: round trips (single file, sharded with index, `model*` names, ComfyUI prefix), strict key checks."""
+"""Transformer checkpoints: round trips (single file, sharded with index, `model*` names), strict key and config checks."""
 
 from __future__ import annotations
 
@@ -8,28 +8,32 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pan2cli.dit import PAN2Transformer3DModel, PAN2TransformerConfig, load_pan2_transformer, save_pan2_transformer
-from pan2cli.dit.checkpoint import rename_key
+from pan2cli.dit import PAN2Transformer3DModel, load_pan2_transformer, save_pan2_transformer
 from pan2cli.errors import CheckpointError, InputError
 
-TINY = PAN2TransformerConfig(
-    hidden_size=32, num_attention_heads=2, num_layers=2, text_dim=8, freq_dim=16, rope_axes_dim=(4, 6, 6)
-)
+TINY = dict(num_attention_heads=2, attention_head_dim=16, num_layers=2, num_refiner_layers=1, text_embed_dim=8, rope_axes_dim=(4, 6, 6))
 
 
 @pytest.fixture(scope="module")
 def model() -> PAN2Transformer3DModel:
     torch.manual_seed(0)
-    return PAN2Transformer3DModel(TINY).eval()
+    model = PAN2Transformer3DModel(**TINY).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
 
 
 def assert_same_weights(loaded, model, dtype):
+    """Every tensor equal to the saved one in `dtype`; the AdaLN linears float32 unless the dtype is float64."""
     want = model.state_dict()
     got = loaded.state_dict()
     assert got.keys() == want.keys()
     for key, tensor in got.items():
-        assert tensor.dtype == dtype, key
-        assert torch.equal(tensor, want[key].to(dtype)), key
+        adaln = ".norm1.linear." in key or key.startswith("norm_out.linear.")
+        expected_dtype = torch.float32 if adaln and dtype != torch.float64 else dtype
+        assert tensor.dtype == expected_dtype, key
+        assert torch.equal(tensor, want[key].to(expected_dtype)), key  # kept float32: never rounded through bf16
 
 
 @pytest.mark.parametrize("stem", ["diffusion_pytorch_model", "model"])
@@ -40,7 +44,7 @@ def test_round_trip(tmp_path, model, stem, shard_bytes):
         index = json.loads((folder / f"{stem}.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 2  # really sharded
     loaded = load_pan2_transformer(tmp_path, dtype=torch.float32)  # a repository root with transformer/
-    assert loaded.config == TINY
+    assert loaded.config == model.config
     assert_same_weights(loaded, model, torch.float32)
     bf16 = load_pan2_transformer(folder)  # bf16 by default
     assert_same_weights(bf16, model, torch.bfloat16)
@@ -49,39 +53,35 @@ def test_round_trip(tmp_path, model, stem, shard_bytes):
 
 def test_loaded_model_runs(tmp_path, model):
     loaded = load_pan2_transformer(save_pan2_transformer(model, tmp_path), dtype=torch.float32)
-    latents = torch.randn(1, 48, 2, 2, 4)
-    text = torch.randn(1, 3, TINY.text_dim)
+    latents = torch.randn(1, 97, 2, 2, 4)
+    text = torch.randn(1, 3, TINY["text_embed_dim"])
     t = torch.tensor([500.0])
     with torch.no_grad():
         assert torch.equal(loaded(latents, t, text), model(latents, t, text))
 
 
-def test_comfyui_prefix_maps_through_the_table(tmp_path, model):
-    assert rename_key("model.diffusion_model.proj_out.weight") == "proj_out.weight"
-    folder = save_pan2_transformer(model, tmp_path)
-    weights = folder / "diffusion_pytorch_model.safetensors"
-    save_file({f"model.diffusion_model.{k}": v for k, v in load_file(weights).items()}, str(weights))
-    assert_same_weights(load_pan2_transformer(folder, dtype=torch.float32), model, torch.float32)
+def test_float64_takes_every_tensor(tmp_path, model):
+    assert_same_weights(load_pan2_transformer(save_pan2_transformer(model, tmp_path), dtype=torch.float64), model, torch.float64)
 
 
 def test_missing_and_unexpected_keys_are_named(tmp_path, model):
     folder = save_pan2_transformer(model, tmp_path)
     weights = folder / "diffusion_pytorch_model.safetensors"
     state = load_file(weights)
-    del state["blocks.1.attn.norm_added_k.weight"]
-    state["blocks.1.attn.to_qkv.weight"] = torch.zeros(96, 32)
+    del state["transformer_blocks.1.attn.norm_added_k.weight"]
+    state["transformer_blocks.1.attn.to_qkv.weight"] = torch.zeros(96, 32)
     state["proj_out.bias"] = torch.zeros(7)
     save_file(state, str(weights))
     with pytest.raises(CheckpointError) as err:
         load_pan2_transformer(folder)
     message = str(err.value)
-    assert "missing keys: blocks.1.attn.norm_added_k.weight" in message
-    assert "unexpected keys: blocks.1.attn.to_qkv.weight" in message
+    assert "missing keys: transformer_blocks.1.attn.norm_added_k.weight" in message
+    assert "unexpected keys: transformer_blocks.1.attn.to_qkv.weight" in message
     assert "proj_out.bias [7] (expected [192])" in message
 
 
 def test_broken_folders(tmp_path, model):
-    with pytest.raises(InputError, match="no such file"):
+    with pytest.raises(InputError, match="no such folder"):
         load_pan2_transformer(tmp_path / "nowhere")
     with pytest.raises(CheckpointError, match="no config.json"):
         load_pan2_transformer(tmp_path)
@@ -92,11 +92,14 @@ def test_broken_folders(tmp_path, model):
     (folder / first_shard).unlink()
     with pytest.raises(CheckpointError, match=f"lists {first_shard}"):
         load_pan2_transformer(folder)
-    (folder / "config.json").write_text(json.dumps({**TINY.to_config_dict(), "hidden_size": "wide"}))
-    with pytest.raises(CheckpointError, match="hidden_size"):
+    (folder / "config.json").write_text(json.dumps({**model.config.to_dict(), "num_layers": "deep"}))
+    with pytest.raises(CheckpointError, match="num_layers must be a positive whole number"):
+        load_pan2_transformer(folder)
+    (folder / "config.json").write_text(json.dumps({**model.config.to_dict(), "hidden_size": 5120}))
+    with pytest.raises(CheckpointError, match="not PAN2Transformer3DModel config keys: hidden_size"):
         load_pan2_transformer(folder)
     empty = tmp_path / "empty"
     empty.mkdir()
-    (empty / "config.json").write_text(json.dumps(TINY.to_config_dict()))
+    (empty / "config.json").write_text(json.dumps(model.config.to_dict()))
     with pytest.raises(CheckpointError, match="no diffusion_pytorch_model"):
         load_pan2_transformer(empty)

@@ -39,7 +39,7 @@ def _qk_inputs(batch, grid, n_text, heads, head_dim, axes, dtype, seed=0):
     def rand(*shape, scale=1.0, offset=0.0):
         return (torch.randn(*shape, generator=gen, device=DEVICE) * scale + offset).to(dtype)
 
-    cos, sin = rope_table(grid, axes, device=DEVICE)
+    cos, sin = rope_table(grid, axes, 256.0, 16 / 24, device=DEVICE)  # PAN 2's θ and frame scale
     return dict(
         q=rand(batch, n_video, heads, head_dim, scale=3.0),
         k=rand(batch, n_video, heads, head_dim),
@@ -54,20 +54,21 @@ def _qk_inputs(batch, grid, n_text, heads, head_dim, axes, dtype, seed=0):
     )
 
 
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "halves"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "batch, grid, n_text, heads, head_dim, axes",
     [
         (1, (3, 5, 7), 13, 3, 64, (20, 22, 22)),  # 105 video tokens, odd everything
-        (2, (2, 3, 5), 7, 2, 128, (44, 42, 42)),  # PAN 2's head_dim and axes split
+        (2, (2, 3, 5), 7, 2, 128, (16, 56, 56)),  # PAN 2's head_dim and axes split
         (1, (1, 1, 9), 0, 5, 64, (0, 32, 32)),  # one frame, no text, no temporal channels
         (2, (4, 1, 3), 1, 1, 128, (64, 32, 32)),  # a single text token
     ],
 )
-def test_qk_norm_rope_matches_reference(dtype, batch, grid, n_text, heads, head_dim, axes):
+def test_qk_norm_rope_matches_reference(dtype, batch, grid, n_text, heads, head_dim, axes, interleaved):
     inputs = _qk_inputs(batch, grid, n_text, heads, head_dim, axes, dtype)
-    fused = fusions.qk_norm_rope(**inputs, eps=1e-6, fused=True)
-    reference = fusions.qk_norm_rope(**inputs, eps=1e-6, fused=False)
+    fused = fusions.qk_norm_rope(**inputs, eps=1e-6, fused=True, interleaved=interleaved)
+    reference = fusions.qk_norm_rope(**inputs, eps=1e-6, fused=False, interleaved=interleaved)
     n_total = grid[0] * grid[1] * grid[2] + n_text
     for got, want in zip(fused, reference):
         assert got.shape == want.shape == (batch, n_total, heads, head_dim)
@@ -75,6 +76,22 @@ def test_qk_norm_rope_matches_reference(dtype, batch, grid, n_text, heads, head_
         assert rel_error(got, want) <= TOLERANCE[dtype]
         # text rows are only normalised: checked on their own, not just inside the global error
         assert rel_error(got[:, -n_text:], want[:, -n_text:]) <= TOLERANCE[dtype] if n_text else True
+
+
+def test_interleaved_rotation_is_the_complex_product():
+    """PAN 2's pairs: channels (2i, 2i+1) as one complex number, turned by e^{i·angle_i} (independent of apply_rope)."""
+    from pan2cli.dit.rope import apply_rope
+
+    grid, axes = (3, 2, 5), (16, 56, 56)
+    cos, sin = rope_table(grid, axes, 256.0, 16 / 24, dtype=torch.float64)
+    x = torch.randn(2, 30, 3, 128, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    pairs = torch.view_as_complex(x.view(2, 30, 3, 64, 2).contiguous())
+    turned = pairs * torch.polar(torch.ones_like(cos), torch.atan2(sin, cos))[None, :, None, :]
+    assert torch.allclose(apply_rope(x, cos, sin, interleaved=True), torch.view_as_real(turned).flatten(-2), atol=1e-12)
+    # the angles: pair 0 of token (t=2, h=0, w=0) turns by 2·16/24 rad; pair 8 (the first h pair) by h
+    token = 2 * 10
+    assert torch.allclose(torch.atan2(sin[token, 0], cos[token, 0]), torch.tensor(2 * 16 / 24, dtype=torch.float64))
+    assert torch.allclose(torch.atan2(sin[5 + 3, 8], cos[5 + 3, 8]), torch.tensor(1.0, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("block_rows", [1, 8, 32])
@@ -89,7 +106,7 @@ def test_qk_launcher_block_edges_and_strided_inputs(block_rows):
     q, k = qkv[:, :, 0], qkv[:, :, 1]  # token stride 3·H·head_dim
     w_q = torch.rand(head_dim, generator=gen, device=DEVICE) + 0.5
     w_k = torch.rand(head_dim, generator=gen, device=DEVICE) + 0.5
-    cos, sin = rope_table(grid, (20, 22, 22), device=DEVICE)
+    cos, sin = rope_table(grid, (20, 22, 22), 256.0, device=DEVICE)
     q_out = torch.full((batch, n_video + 4, heads, head_dim), float("nan"), device=DEVICE)
     k_out = torch.full_like(q_out, float("nan"))
     launch(q, k, w_q, w_k, cos, sin, q_out, k_out, eps=1e-6, out_token_offset=2, block_rows=block_rows)
@@ -158,7 +175,7 @@ def test_custom_ops_are_registered_with_fakes():
         t = torch.empty(2, 5, 3, 64)
         w = torch.empty(64)
         cos = torch.empty(6, 32)
-        q_out, k_out = torch.ops.pan2_fusions.qk_norm_rope(q, q, w, w, cos, cos, t, t, w, w, 1e-6)
+        q_out, k_out = torch.ops.pan2_fusions.qk_norm_rope(q, q, w, w, cos, cos, t, t, w, w, 1e-6, True)
         assert q_out.shape == k_out.shape == (2, 11, 3, 64)
         y = torch.ops.pan2_fusions.layer_norm_modulate(torch.empty(2, 6, 32), torch.empty(2, 1, 32), torch.empty(2, 1, 32), 1e-6)
         assert y.shape == (2, 6, 32)
@@ -166,9 +183,9 @@ def test_custom_ops_are_registered_with_fakes():
 
 # -- GPU: the real kernels at larger shapes, and under torch.compile -------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim, axes", [(128, (44, 42, 42)), (64, (16, 24, 24))])
+@pytest.mark.parametrize("head_dim, axes", [(128, (16, 56, 56)), (64, (16, 24, 24))])
 def test_gpu_qk_norm_rope_large(head_dim, axes):
-    inputs = _qk_inputs(2, (7, 22, 13), 77, 40 if head_dim == 128 else 8, head_dim, axes, torch.bfloat16, seed=4)
+    inputs = _qk_inputs(2, (7, 22, 13), 77, 32 if head_dim == 128 else 8, head_dim, axes, torch.bfloat16, seed=4)
     fused = fusions.qk_norm_rope(**inputs, eps=1e-6, fused=True)
     reference = fusions.qk_norm_rope(**inputs, eps=1e-6, fused=False)
     for got, want in zip(fused, reference):
@@ -181,9 +198,9 @@ def test_gpu_qk_norm_rope_large(head_dim, axes):
 @pytest.mark.parametrize("groups", [1, 7, 7 * 286])
 def test_gpu_layer_norm_modulate_large(groups):
     gen = _gen(5)
-    x = (torch.randn(2, 7 * 286, 5120, generator=gen, device="cuda") * 3).bfloat16()
-    scale = (torch.randn(2, groups, 5120, generator=gen, device="cuda") * 0.3).bfloat16()
-    shift = torch.randn(2, groups, 5120, generator=gen, device="cuda").bfloat16()
+    x = (torch.randn(2, 7 * 286, 4096, generator=gen, device="cuda") * 3).bfloat16()
+    scale = (torch.randn(2, groups, 4096, generator=gen, device="cuda") * 0.3).float()  # float32 AdaLN
+    shift = torch.randn(2, groups, 4096, generator=gen, device="cuda").float()
     got = fusions.layer_norm_modulate(x, scale, shift, eps=1e-6, fused=True)
     want = fusions.layer_norm_modulate(x, scale, shift, eps=1e-6, fused=False)
     assert rel_error(got, want) <= 1e-2
@@ -191,7 +208,7 @@ def test_gpu_layer_norm_modulate_large(groups):
 
 @pytest.mark.gpu
 def test_gpu_fused_ops_under_torch_compile():
-    inputs = _qk_inputs(1, (3, 6, 5), 9, 4, 128, (44, 42, 42), torch.bfloat16, seed=6)
+    inputs = _qk_inputs(1, (3, 6, 5), 9, 4, 128, (16, 56, 56), torch.bfloat16, seed=6)
 
     def both(x, scale, shift, **qk):
         q, k = fusions.qk_norm_rope(**qk, eps=1e-6, fused=True)

@@ -1,4 +1,4 @@
-"""The PAN 2-style MMDiT (config, model, checkpoint loading) and its fused Triton ops (`pan2_fusions`)."""
+"""The PAN 2 transformer (config, model, checkpoint loading) and its fused Triton ops (`pan2_fusions`)."""
 
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ F = 8D video MLP, F' = 4D text MLP, R = 4D refiner SwiGLU, h = 128, C_in = 97, C
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,7 @@ from typing import Any, Callable
 
 import torch
 
-from pan2cli.dit.config import config_arguments
+from pan2cli.dit.config import PAN2TransformerConfig, config_arguments
 from pan2cli.dit.model import PAN2Transformer3DModel
 from pan2cli.errors import CheckpointError, InputError
 from pan2cli.jsonfile import read_json_object
@@ -82,9 +83,23 @@ def check_tensor_shapes(shapes: dict[str, tuple[int, ...]], arguments: dict[str,
         )
 
 
+def release_defaults() -> dict[str, Any]:
+    """The constructor's defaults: the released model's config."""
+    return {name: p.default for name, p in inspect.signature(PAN2Transformer3DModel).parameters.items()}
+
+
 def read_config(path: Path) -> dict[str, Any]:
-    """The constructor arguments in a transformer `config.json` (checked)."""
-    return config_arguments(read_json_object(path), source=str(path))
+    """The constructor arguments in a transformer `config.json`, their names and values checked.
+
+    Raises:
+        CheckpointError: another model class, unknown keys, or values the model cannot take (all named).
+    """
+    arguments = config_arguments(read_json_object(path), source=str(path))
+    try:
+        PAN2TransformerConfig(**{**release_defaults(), **arguments})
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: {exc}", hint=exc.hint) from exc
+    return arguments
 
 
 def _model_folder(path: Path, subfolder: str | None) -> Path:

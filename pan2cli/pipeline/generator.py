@@ -2,7 +2,8 @@
 
 Stages (numbered as in `generate_batch`): 1. text encoding (the text encoder is released after it);
 2. start images through the VAE encoder (image-to-video only); 3. flow-matching Euler sampling with the
-MMDiT (released before the decode; `offload` streams its blocks from host memory); 4. VAE decode
+MMDiT on `[latents ; condition latents ; mask]` (97 channels: `pan2cli.pipeline.conditioning`),
+released before the decode (`offload` streams its blocks from host memory); 4. VAE decode
 chunk by chunk into uint8 host frames (one device-to-host copy per chunk) and, optionally, an MP4,
 its JSON sidecar and a `latents.pt`.
 
@@ -32,8 +33,9 @@ from pan2cli.decode import decode_latents
 from pan2cli.errors import CheckpointError, OutOfMemoryError, Pan2Error
 from pan2cli.pipeline.components import PAN2Components, resolve_components
 from pan2cli.pipeline.config import PAN2PipelineConfig
+from pan2cli.pipeline.conditioning import condition_latents
 from pan2cli.pipeline.image import encode_image, fit_image, load_image
-from pan2cli.pipeline.scheduler import euler_step, flow_sigmas, guided
+from pan2cli.pipeline.scheduler import euler_step, flow_sigmas, guided, uses_guidance
 from pan2cli.pipeline.settings import (
     GenerationJob,
     GenerationResult,
@@ -90,7 +92,7 @@ class VideoGenerator:
         self.vae_dtype = self.config.torch_vae_dtype(self.device)
         self.progress = progress or _no_progress
         self.info = info or (lambda line: None)
-        self.dit_config = resolve_pan2_checkpoint(components.folder("transformer")).config  # cheap: config + headers
+        self.dit_config = resolve_pan2_checkpoint(components.folder("transformer")).arguments  # cheap: config + headers
 
     @classmethod
     def from_pretrained(cls, path_or_repo: str | Path | None = None, *, config: PAN2PipelineConfig | None = None, revision: str | None = None, **kwargs) -> "VideoGenerator":
@@ -226,9 +228,10 @@ class VideoGenerator:
             self.components.folder("text_encoder"), self.components.folder("tokenizer"),
             dtype=self.dtype, device=self.device, hidden_layer=cfg.text_hidden_layer, max_length=cfg.text_max_length,
         )  # fmt: skip
-        if encoder.hidden_size != self.dit_config.text_dim:
+        text_dim = self.dit_config.get("text_embed_dim", 4096)
+        if encoder.hidden_size != text_dim:
             raise CheckpointError(
-                f"the text encoder's hidden size is {encoder.hidden_size}, the DiT expects text_dim {self.dit_config.text_dim}",
+                f"the text encoder's hidden size is {encoder.hidden_size}, the transformer expects text_embed_dim {text_dim}",
                 hint="text_encoder/ and transformer/ come from different checkpoints",
             )
         self._load_seconds(results, "load_text_encoder", time.perf_counter() - start)
@@ -239,7 +242,7 @@ class VideoGenerator:
 
                 def work(result=result, settings=settings):
                     cond = encoder.encode(settings.prompt)
-                    uncond = encoder.encode(settings.negative_prompt) if settings.guidance != 1.0 else None
+                    uncond = encoder.encode(settings.negative_prompt) if uses_guidance(settings.guidance) else None
                     result._text = (cond, uncond)
 
                 self._run_job(result, "text_encoding", work)
@@ -282,7 +285,7 @@ class VideoGenerator:
             model = load_pan2_transformer(folder, dtype=self.dtype, device=self.device)
         fused = False
         if cfg.dit_fused_kernels:
-            head_dim = self.dit_config.head_dim
+            head_dim = self.dit_config.get("attention_head_dim", 128)
             reason = None
             if self.device.type != "cuda":
                 reason = None  # the reference ops are the CPU path; nothing to say
@@ -325,36 +328,34 @@ class VideoGenerator:
     def sample(self, model, settings: GenerationSettings, cond: torch.Tensor, uncond: torch.Tensor | None, image_latent: torch.Tensor | None = None, on_step=None) -> torch.Tensor:
         """Flow-matching Euler with classifier-free guidance; returns normalised latents `[1, 48, T, h, w]` float32 on the host.
 
+        The seed contract: the initial noise is `torch.randn(shape, generator=torch.Generator("cpu").manual_seed(seed),
+        dtype=torch.float32)`, so a seed gives the same video on any device. The latents stay float32
+        through the loop and enter the model (with the condition) in its dtype, one timestep σ·1000 for
+        the whole sample; the prediction comes back to float32 for the guidance and the step.
+
         Args:
-            model: the MMDiT.
+            model: the PAN 2 transformer.
             settings: steps, shift, guidance, seed, size.
-            cond, uncond: `[1, L, text_dim]` prompt and negative-prompt states (`uncond` None when guidance is 1).
-            image_latent: `[1, 48, 1, h, w]` clean first latent frame (image-to-video): it enters with
-                timestep 0 and is put back after every step.
-            on_step: called after each step (progress).
+            cond, uncond: `[1, L, text_embed_dim]` prompt and negative-prompt features (`uncond` None
+                when guidance ≤ 1: the conditional prediction alone, as the release does).
+            image_latent: `[1, 48, 1, h, w]` normalised latent of the start image (image-to-video): it
+                conditions latent frame 0 through the condition channels; the noisy frame 0 is
+                denoised like the others.
+            on_step: called with 1 after each step (progress).
         """
         shape = settings.latent_shape
-        # Noise from a seeded CPU generator: the same seed gives the same video on any device.
         generator = torch.Generator(device="cpu").manual_seed(settings.seed)
         latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
+        condition = condition_latents(shape, image_latent).to(self.device, self.dtype)  # [1, 49, T, h, w]
         sigmas = flow_sigmas(settings.steps, settings.shift).tolist()
         scale = float(self.components.num_train_timesteps)
-        clean = image_latent.to(self.device, torch.float32) if image_latent is not None else None
-        if clean is not None:
-            latents[:, :, :1] = clean
-        use_uncond = settings.guidance != 1.0 and uncond is not None
+        use_uncond = uses_guidance(settings.guidance) and uncond is not None
         for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
-            if clean is None:
-                timestep = torch.full((1,), sigma * scale, device=self.device)
-            else:  # per latent frame: the clean start frame is at noise level 0
-                timestep = torch.full((1, shape[2]), sigma * scale, device=self.device)
-                timestep[:, 0] = 0.0
-            x = latents.to(self.dtype)
+            timestep = torch.full((1,), sigma * scale, device=self.device, dtype=torch.float32)
+            x = torch.cat([latents.to(self.dtype), condition], dim=1)
             v_cond = model(x, timestep, cond)
             v_uncond = model(x, timestep, uncond) if use_uncond else None
             latents = euler_step(latents, guided(v_cond, v_uncond, settings.guidance), sigma, sigma_next)
-            if clean is not None:
-                latents[:, :, :1] = clean
             if on_step is not None:
                 on_step(1)
         return latents.cpu()

@@ -1,4 +1,11 @@
-"""Image-to-video conditioning: read a start image, fit it to the video size, encode it to the clean first latent frame."""
+"""Image-to-video conditioning: read a start image, fit it to the video size as PAN 2 was trained, encode it.
+
+PAN 2 conditions on the start image by channel concatenation (pan2cli.pipeline.conditioning): the image's
+normalised VAE latent fills latent frame 0 of the condition, with mask 1 there. Preparation follows the
+release (../shared/docs/pan2_model.md §6): scale to cover H x W with sizes rounded, LANCZOS, centre crop
+at offsets `round((w − W)/2)`, `round((h − H)/2)` (Python's round: halves to even), pixels `/255·2 − 1`
+in float32, the posterior's mode (its mean, for a diagonal Gaussian) of the VAE encoder, normalised.
+"""
 
 from __future__ import annotations
 
@@ -29,27 +36,26 @@ def load_image(path: str | Path) -> "PIL.Image.Image":  # noqa: F821
 
 
 def fit_image(image, height: int, width: int) -> torch.Tensor:
-    """Resize so that the image covers `height x width` (aspect kept, bicubic), then centre-crop.
+    """Cover `height x width` (aspect kept, LANCZOS, sizes rounded), centre-crop, scale to [−1, 1].
 
     Returns:
-        `[3, height, width]` float32 in [−1, 1].
+        `[3, height, width]` float32.
     """
     from PIL import Image
 
-    scale = max(height / image.height, width / image.width)
-    size = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
-    image = image.resize(size, Image.BICUBIC)
-    left, top = (size[0] - width) // 2, (size[1] - height) // 2
+    scale = max(width / image.width, height / image.height)
+    image = image.resize((round(image.width * scale), round(image.height * scale)), resample=Image.LANCZOS)
+    left, top = round((image.width - width) / 2), round((image.height - height) / 2)
     image = image.crop((left, top, left + width, top + height))
     pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(height, width, 3)
-    return pixels.permute(2, 0, 1).float().div(127.5).sub(1.0)
+    return pixels.permute(2, 0, 1).float().div(255.0).mul(2.0).sub(1.0)
 
 
 def encode_image(encoder, pixels: torch.Tensor) -> torch.Tensor:
-    """The normalised latent of one frame: `(encoder(image) − mean) / std`, `[1, 48, 1, H/16, W/16]` float32.
+    """The normalised latent of one frame: `(mode − mean) / std`, `[1, 48, 1, H/16, W/16]` float32.
 
     Args:
-        encoder: a `pan2cli.vae.encoder.WanVAEEncoder`.
+        encoder: a `pan2cli.vae.encoder.WanVAEEncoder` (it returns the posterior's mean = its mode).
         pixels: `[3, H, W]` in [−1, 1].
     """
     raw = encoder.encode(pixels[None, :, None]).float()

@@ -1,6 +1,6 @@
 """Stream the DiT's blocks from (pinned) host memory to the device one at a time, with the next one prefetched.
 
-Everything but `model.blocks` lives on the device; each block's tensors stay in host memory and are
+Everything but `model.transformer_blocks` (28 of the 29.2 B parameters) lives on the device; each block's tensors stay in host memory and are
 copied in by a forward pre-hook (on a side stream on CUDA, the next block's copy overlapping the current
 block's compute) and dropped by a forward hook. At most two blocks occupy the device, so PAN 2's 29B
 parameters (58 GB in bf16) run on an 80 GB GPU. The output is the same: the same weights, the same ops.
@@ -19,7 +19,7 @@ class BlockStreamer:
 
     def __init__(self, model: nn.Module, device: torch.device):
         self.device = device
-        self.blocks = list(model.blocks)
+        self.blocks = list(model.transformer_blocks)
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None
         # (parameter, host copy) per block; pinned memory makes each copy one full-speed DMA.
@@ -72,17 +72,17 @@ class BlockStreamer:
 
 
 def enable_block_offload(model: nn.Module, device: torch.device) -> BlockStreamer:
-    """Put everything but `model.blocks` on `device` and stream the blocks in during forward.
+    """Put everything but `model.transformer_blocks` on `device` and stream the blocks in during forward.
 
     Args:
-        model: a `PAN2Transformer3DModel` (anything with a `blocks` ModuleList), on any device.
+        model: a `PAN2Transformer3DModel` (anything with a `transformer_blocks` ModuleList), on any device.
         device: where the forward runs.
 
     Returns:
         The streamer (its hooks stay until `remove()`).
     """
-    blocks = model.blocks
-    model.blocks = nn.ModuleList()
+    blocks = model.transformer_blocks
+    model.transformer_blocks = nn.ModuleList()
     model.to(device)
-    model.blocks = blocks
+    model.transformer_blocks = blocks
     return BlockStreamer(model, device)

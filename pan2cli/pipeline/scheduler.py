@@ -31,8 +31,14 @@ def euler_step(latents: torch.Tensor, velocity: torch.Tensor, sigma: float, sigm
     return latents + (sigma_next - sigma) * velocity.to(latents.dtype)
 
 
+def uses_guidance(guidance: float) -> bool:
+    """Whether classifier-free guidance runs (a second, negative-prompt pass): g > 1, as in PAN 2's pipeline."""
+    return guidance > 1.0
+
+
 def guided(cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float) -> torch.Tensor:
     """Classifier-free guidance in fp32: `u + g·(c − u)`; the conditional prediction alone when `uncond` is None."""
     if uncond is None:
         return cond.float()
-    return torch.lerp(uncond.float(), cond.float(), guidance)
+    cond, uncond = cond.float(), uncond.float()
+    return uncond + guidance * (cond - uncond)
