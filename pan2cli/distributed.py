@@ -29,7 +29,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from pan2cli.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_INTERRUPTED, InputError, Pan2Error
+from pan2cli.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_TERMINATED, InputError, Pan2Error, Terminated
 
 # Seconds a collective may wait for the other ranks before it fails (a rank died or hangs).
 ENV_TIMEOUT = "PAN2_DIST_TIMEOUT"
@@ -58,13 +58,6 @@ class WorkerExit(Exception):
 
 class PeerFailed(WorkerExit):
     """Another rank failed (and reports it); this rank exits quietly with the code."""
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM from torchrun (another rank failed, or Ctrl-C on the launcher): unwind quietly, exit 130.
-
-    A KeyboardInterrupt, so that writers abort and remove their temporary files as on Ctrl-C.
-    """
 
 
 # -- environment ----------------------------------------------------------------------------------
@@ -249,7 +242,8 @@ def launch(nproc: int, args: Sequence[str]) -> int:
 
     The same as `python -m torch.distributed.run --standalone --nproc-per-node NPROC -m pan2cli ARGS`,
     except that torchrun's own failure report stays off the terminal and the exit code is the failing
-    rank's (2 bad input, 1 otherwise, 130 interrupted) instead of torchrun's 1 for any failure.
+    rank's (2 bad input, 1 otherwise, 130 interrupted, 143 terminated) instead of torchrun's 1 for any
+    failure.
 
     Args:
         nproc: processes to start (≥ 2).
@@ -277,8 +271,11 @@ def launch(nproc: int, args: Sequence[str]) -> int:
             run(config)
         except ChildFailedError as exc:
             return _exit_code_of(exc.failures, _recorded_codes(folder))
-        except (SignalException, KeyboardInterrupt):
+        except (SignalException, KeyboardInterrupt) as exc:
             # The agent has sent the signal on to the workers, which remove their temporary files.
+            if isinstance(exc, Terminated) or getattr(exc, "sigval", None) == signal.SIGTERM:
+                _echo_err("Terminated.")
+                return EXIT_TERMINATED
             _echo_err("Interrupted.")
             return EXIT_INTERRUPTED
         finally:
@@ -293,8 +290,8 @@ def process_group(device: str | None) -> Iterator[torch.device]:
     """Join torchrun's process group for the duration of a command.
 
     NCCL with device cuda:LOCAL_RANK on CUDA, gloo on CPU; collectives time out after
-    `PAN2_DIST_TIMEOUT` seconds (default 300). SIGTERM (torchrun stopping the workers) raises
-    `Terminated` so that temporary outputs are removed.
+    `PAN2_DIST_TIMEOUT` seconds (default 300). Ctrl-C, or torchrun's SIGTERM (which the CLI turns
+    into `Terminated`), ends the rank quietly with 130 once temporary outputs are removed.
 
     Args:
         device: the `--device` value (`cpu`, `cuda`, or None: cuda when available).
@@ -323,7 +320,6 @@ def process_group(device: str | None) -> Iterator[torch.device]:
             hint="pass --device cuda (rank r uses cuda:LOCAL_RANK) or --device cpu",
         )
     timeout = _timeout()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     kwargs = {"device_id": this_device} if backend == "nccl" else {}
     dist.init_process_group(backend, timeout=timeout, **kwargs)
     _device, _joined = this_device, True
@@ -336,7 +332,7 @@ def process_group(device: str | None) -> Iterator[torch.device]:
         succeeded = True
     except KeyboardInterrupt as exc:  # Ctrl-C or torchrun's SIGTERM; outputs were aborted on the way
         destroy = False
-        raise WorkerExit(*_interrupted_exit()) from exc
+        raise WorkerExit(*interrupted_exit()) from exc
     except Exception as exc:
         destroy = backend == "gloo" and not is_comm_error(exc)
         if is_comm_error(exc):
@@ -344,7 +340,6 @@ def process_group(device: str | None) -> Iterator[torch.device]:
         raise
     finally:
         _device = None
-        signal.signal(signal.SIGTERM, previous)
         if destroy and dist.is_initialized():
             # After a failure, leave at once: the peers' pending collectives then fail fast.
             _leave_together() if succeeded else dist.destroy_process_group()
@@ -370,10 +365,6 @@ def _leave_together() -> None:
     except Exception:  # a peer already gone: nothing left to coordinate with
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated()
 
 
 def _comm_device() -> torch.device:
@@ -438,7 +429,8 @@ def is_comm_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(word in text for word in ("Gloo", "gloo", "NCCL", "Connection closed", "Timed out"))
 
 
-def _interrupted_exit() -> tuple[int, str | None]:
+def interrupted_exit() -> tuple[int, str | None]:
+    """`(exit code, line to print)` of a rank stopped by Ctrl-C or torchrun's SIGTERM."""
     # pan2's launcher prints "Interrupted." once; under a user's torchrun, rank 0 does.
     return EXIT_INTERRUPTED, None if has_parent_launcher() or env_rank() != 0 else "Interrupted."
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import imageio
@@ -230,6 +232,47 @@ def test_offline_without_cache_says_how_to_pass_a_path(latents_file, tmp_path):
     assert proc.stderr.startswith("Error: could not download the VAE")
     assert "--vae PATH" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# Loaded through PYTHONPATH: the decode stops after its first chunk until a signal comes.
+_SLOW_DECODE = """
+import time
+import pan2cli.vae.model as model
+real = model.WanVAEDecoder.decode_chunks
+
+def decode_chunks(self, *args, **kwargs):
+    chunks = real(self, *args, **kwargs)
+    yield next(chunks)
+    time.sleep(120)
+    yield from chunks
+
+model.WanVAEDecoder.decode_chunks = decode_chunks
+"""
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
+def test_sigterm_removes_the_partial_output_and_exits_143(tiny_vae, latents_file, tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_SLOW_DECODE)
+    latents = latents_file((48, 3, 2, 2))
+    env = {**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}"}
+    cmd = [sys.executable, "-m", "pan2cli", "decode", str(latents), "--vae", str(tiny_vae), "--device", "cpu", "-o", "out.mp4"]
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(p.name.startswith(".out.mp4.partial") for p in tmp_path.iterdir()):  # writing has started
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)  # what `kill` and job schedulers send
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "Terminated.", err
+    assert "Error" not in err and "Traceback" not in err and out == ""
+    assert _frames_on_disk(tmp_path) == ["hook", "latents.pt"]
 
 
 def test_python_dash_m_from_a_source_tree(tmp_path):

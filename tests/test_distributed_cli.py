@@ -121,7 +121,12 @@ def test_one_rank_failing_stops_all_with_its_code(tiny_vae, latents, tmp_path, f
 
 
 @pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
-def test_ctrl_c_stops_every_rank_and_removes_the_partial_output(tiny_vae, latents, tmp_path):
+@pytest.mark.parametrize(
+    "signum, code, line",
+    [(signal.SIGINT, 130, "Interrupted."), (signal.SIGTERM, 143, "Terminated.")],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_ctrl_c_stops_every_rank_and_removes_the_partial_output(tiny_vae, latents, tmp_path, signum, code, line):
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(_FAILING_RANK)
@@ -133,8 +138,8 @@ def test_ctrl_c_stops_every_rank_and_removes_the_partial_output(tiny_vae, latent
     while not any(p.name.startswith(".out.mp4.partial") for p in tmp_path.iterdir()):  # rank 0 is writing
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)  # what the terminal sends to the launcher on Ctrl-C
+    proc.send_signal(signum)  # SIGINT: the terminal's Ctrl-C; SIGTERM: `kill`, a job scheduler
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
-    assert err.count("Interrupted.") == 1 and not _error_lines(err), err
+    assert proc.returncode == code, err
+    assert err.count(line) == 1 and not _error_lines(err), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hook", "latents.pt"]
