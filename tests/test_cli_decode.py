@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -232,6 +234,44 @@ def test_offline_without_cache_says_how_to_pass_a_path(latents_file, tmp_path):
     assert proc.stderr.startswith("Error: could not download the VAE")
     assert "--vae PATH" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _closed_port_endpoint() -> str:
+    with socket.socket() as s:  # a port nothing listens on once the socket is closed
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_unreachable_hub_without_cache_fails_at_once(latents_file, tmp_path):
+    endpoint = _closed_port_endpoint()
+    env = {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": ""}
+    start = time.monotonic()
+    proc = _pan2("decode", latents_file((48, 1, 2, 2)), "--device", "cpu", env=env)  # the default --vae, from the hub
+    assert time.monotonic() - start < 20  # huggingface_hub's own retries took 25 s
+    assert proc.returncode == 1, proc.stderr
+    assert "Retrying" not in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"Error: could not download the VAE from Wan-AI/Wan2.2-TI2V-5B-Diffusers: the Hugging Face hub ({endpoint}) "
+        "is unreachable and no copy is cached",
+        "Hint: pass --vae PATH to a local Wan2.2_VAE.pth, wan2.2_vae.safetensors or diffusers vae/ folder",
+    ]
+
+
+def test_unreachable_hub_uses_the_cached_copy(tiny_vae, latents_file, tmp_path):
+    # huggingface_hub's cache layout: refs/main names the snapshot that holds the files.
+    repo = tmp_path / "hf" / "hub" / "models--Wan-AI--Wan2.2-TI2V-5B-Diffusers"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(tiny_vae, repo / "snapshots" / commit / "vae")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    endpoint = _closed_port_endpoint()
+    env = {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": ""}
+    proc = _pan2("decode", latents_file((48, 1, 2, 2)), "--device", "cpu", "-o", tmp_path / "out.pt", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(tmp_path / "out.pt")
+    assert "Retrying" not in proc.stderr
+    said = [line for line in proc.stderr.splitlines() if "Hugging Face hub" in line]
+    assert said == [f"Warning: the Hugging Face hub ({endpoint}) is unreachable; using the local cache"]
 
 
 # Loaded through PYTHONPATH: the decode stops after its first chunk until a signal comes.

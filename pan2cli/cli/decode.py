@@ -110,7 +110,8 @@ def plan_outputs(sources: list[LatentInput], output: Path | None, fmt: str) -> l
     "--vae",
     default=None,
     metavar="PATH|REPO",
-    help=f"VAE checkpoint: Wan2.2_VAE.pth, a .safetensors file, a diffusers folder, or a Hugging Face repo id.  "
+    help=f"VAE checkpoint: Wan2.2_VAE.pth, a .safetensors file, a diffusers folder, or a Hugging Face repo id "
+    "(read from the local cache when the hub is unreachable).  "
     f"[default: {DEFAULT_VAE_REPO}]",
 )
 @click.option("--revision", default=None, help="Branch, tag or commit of the Hugging Face repo given by --vae.")
