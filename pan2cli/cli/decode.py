@@ -123,7 +123,7 @@ def plan_outputs(sources: list[LatentInput], output: Path | None, fmt: str) -> l
     default="auto",
     show_default=True,
     help="The compiled CUDA decoder (bf16, sm_90a/sm_100a/sm_103a; built on first use and cached): auto uses it "
-    "where it applies and says why not otherwise, off always runs the reference PyTorch decoder, require fails "
+    "where it applies and says why not on a GPU, off always runs the reference PyTorch decoder, require fails "
     "when the kernel cannot run.",
 )
 @click.option(
