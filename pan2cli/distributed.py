@@ -8,9 +8,12 @@ rank 0 prints its error and the others exit quietly with their code; otherwise e
 prints its own error and the healthy ones exit quietly with the highest code. A failure inside the
 decode (out of memory on one rank) is printed by that rank; torchrun then stops the others (SIGTERM,
 which they turn into a quiet exit) or their next collective fails (a quiet exit too when pan2 itself
-launched torchrun; its parent prints one line if no rank did). When pan2 launched torchrun, the
-parent runs torchrun's agent in-process, keeps its log lines off the terminal, and exits with the
-code of the failing rank (torchrun alone would exit 1 and print a report).
+launched torchrun; its parent prints one line if no rank did). A rank stopped by a signal it cannot
+see at once (its main thread waits inside NCCL) ends itself `_UNWIND_S` seconds later (`_ExitIfStuck`),
+before torchrun's 30 s SIGKILL. When pan2 launched torchrun, the parent runs torchrun's agent
+in-process, keeps its log lines off the terminal, and exits with the code of the failing rank
+(torchrun alone would exit 1 and print a report); a rank that died without a word (killed by a
+signal) is named by the parent — the first to die, from torchrun's per-rank failures — with exit 1.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
@@ -29,7 +33,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from pan2cli.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_INTERRUPTED, InputError, Pan2Error
+from pan2cli.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_TERMINATED, InputError, Pan2Error, Terminated
 
 # Seconds a collective may wait for the other ranks before it fails (a rank died or hangs).
 ENV_TIMEOUT = "PAN2_DIST_TIMEOUT"
@@ -42,9 +46,13 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 # Exit code of a worker whose collective failed without an error of its own (pan2's launcher only;
 # never a user-visible code: the parent maps it to 1 and prints one line).
 _EXIT_PEER_LOST = 3
+# Seconds a rank stopped by Ctrl-C or SIGTERM has to unwind before it leaves without its main thread,
+# which may be stuck in a wait that signal handlers cannot interrupt (NCCL, for a peer that died).
+_UNWIND_S = 3.0
 
 _device: torch.device | None = None  # this rank's device once the process group is up
 _joined = False  # the process group was joined (errors from then on are each rank's own)
+_partials: list[str] = []  # this rank's temporary outputs being written (`partial_output`)
 
 
 class WorkerExit(Exception):
@@ -58,13 +66,6 @@ class WorkerExit(Exception):
 
 class PeerFailed(WorkerExit):
     """Another rank failed (and reports it); this rank exits quietly with the code."""
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM from torchrun (another rank failed, or Ctrl-C on the launcher): unwind quietly, exit 130.
-
-    A KeyboardInterrupt, so that writers abort and remove their temporary files as on Ctrl-C.
-    """
 
 
 # -- environment ----------------------------------------------------------------------------------
@@ -174,34 +175,42 @@ def record_exit(code: int) -> int:
 
 @contextmanager
 def partial_output(path: str | os.PathLike | None) -> Iterator[None]:
-    """Note a temporary output for pan2's launcher while it is being written.
+    """Note a temporary output (for `_ExitIfStuck` and pan2's launcher) while it is being written.
 
-    A rank stuck in a CUDA wait cannot run its SIGTERM handler, so torchrun kills it (SIGKILL, after
-    30 s) before its writer can remove the temporary file; the launcher removes what is noted here.
+    A rank stuck in a CUDA wait cannot run its signal handlers, so its writer cannot remove the
+    temporary file: its `_ExitIfStuck` thread removes what is noted here before it ends
+    the rank, and pan2's launcher does if the rank was killed outright.
     """
-    folder = os.environ.get(ENV_EXIT_DIR)
-    if path is None or not folder or not under_torchrun():
+    if path is None or not under_torchrun():
         yield
         return
-    note = os.path.join(folder, f"partial-{env_rank()}-{os.getpid()}")
-    with open(note, "w") as f:
-        f.write(os.path.abspath(path))
+    path = os.path.abspath(path)
+    _partials.append(path)
+    folder = os.environ.get(ENV_EXIT_DIR)
+    note = os.path.join(folder, f"partial-{env_rank()}-{os.getpid()}") if folder else None
+    if note:
+        with open(note, "w") as f:
+            f.write(path)
     try:
         yield
     finally:
-        os.remove(note)
+        _partials.remove(path)
+        if note:
+            os.remove(note)
+
+
+def _remove_path(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
 
 
 def _remove_noted_partials(folder: str) -> None:
     for name in os.listdir(folder):
-        if not name.startswith("partial-"):
-            continue
-        with open(os.path.join(folder, name)) as f:
-            path = f.read()
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        elif os.path.lexists(path):
-            os.remove(path)
+        if name.startswith("partial-"):
+            with open(os.path.join(folder, name)) as f:
+                _remove_path(f.read())
 
 
 def _recorded_codes(folder: str) -> dict[int, int]:
@@ -218,26 +227,48 @@ def _recorded_codes(folder: str) -> dict[int, int]:
 
 
 def _exit_code_of(failures: dict, recorded: dict[int, int]) -> int:
-    """The code to exit with: a real error (2, 1) of the lowest rank first, then 130.
+    """The code to exit with after a failed run, printing one `Error:` line where no rank said why.
+
+    In order: a rank's own error (2, 1), lowest rank first, which that rank printed; then a rank that
+    died without choosing a code (killed by a signal, say): the first to die is named, exit 1; then 130
+    (ranks stopped by Ctrl-C); then ranks that lost contact with each other, exit 1.
 
     Args:
-        failures: torchrun's per-rank failures (`.exitcode`; −15 for a rank it stopped).
+        failures: torchrun's per-rank failures: `.exitcode` (−N: killed by signal N; −15 for the
+            ranks torchrun stopped itself) and `.timestamp` (when torchrun saw it, in whole seconds).
         recorded: the codes the ranks chose themselves (`record_exit`), which win.
     """
     codes = {rank_: failure.exitcode for rank_, failure in failures.items()}
     codes.update(recorded)
-    for wanted in ((EXIT_BAD_INPUT, EXIT_FAILURE), (EXIT_INTERRUPTED,)):
-        real = [codes[r] for r in sorted(codes) if codes[r] in wanted]
-        if real:
-            return real[0]
-    if any(code == _EXIT_PEER_LOST for code in codes.values()):
+    reported = [codes[r] for r in sorted(codes) if codes[r] in (EXIT_BAD_INPUT, EXIT_FAILURE)]
+    if reported:
+        return reported[0]
+    died = [r for r in failures if r not in recorded]
+    if died:
+        # Timestamps tie within a second: then a signal other than torchrun's own SIGTERM came first.
+        first = min(died, key=lambda r: (failures[r].timestamp, failures[r].exitcode == -signal.SIGTERM, r))
+        _echo_err(f"Error: rank {first} {_how_it_ended(failures[first].exitcode)}")
+        return EXIT_FAILURE
+    if EXIT_INTERRUPTED in codes.values():
+        return EXIT_INTERRUPTED
+    if _EXIT_PEER_LOST in codes.values():
         _echo_err(
             "Error: the ranks lost contact with each other (a rank died, or a collective waited longer "
             f"than {ENV_TIMEOUT}={_timeout().total_seconds():g} s)"
         )
-    else:  # killed by a signal (negative code) or an unexpected exit code; its output says why
+    else:
         _echo_err(f"Error: a rank stopped unexpectedly (exit codes {sorted(codes.items())})")
     return EXIT_FAILURE
+
+
+def _how_it_ended(exit_code: int) -> str:
+    if exit_code >= 0:
+        return f"exited with code {exit_code} without an error message"
+    try:
+        name = signal.Signals(-exit_code).name
+    except ValueError:
+        name = "unknown"
+    return f"was killed by signal {-exit_code} ({name})"
 
 
 def _echo_err(line: str) -> None:
@@ -249,7 +280,8 @@ def launch(nproc: int, args: Sequence[str]) -> int:
 
     The same as `python -m torch.distributed.run --standalone --nproc-per-node NPROC -m pan2cli ARGS`,
     except that torchrun's own failure report stays off the terminal and the exit code is the failing
-    rank's (2 bad input, 1 otherwise, 130 interrupted) instead of torchrun's 1 for any failure.
+    rank's (2 bad input, 1 otherwise, 130 interrupted, 143 terminated) instead of torchrun's 1 for any
+    failure.
 
     Args:
         nproc: processes to start (≥ 2).
@@ -277,10 +309,16 @@ def launch(nproc: int, args: Sequence[str]) -> int:
             run(config)
         except ChildFailedError as exc:
             return _exit_code_of(exc.failures, _recorded_codes(folder))
-        except (SignalException, KeyboardInterrupt):
+        except (SignalException, KeyboardInterrupt) as exc:
             # The agent has sent the signal on to the workers, which remove their temporary files.
+            if isinstance(exc, Terminated) or getattr(exc, "sigval", None) == signal.SIGTERM:
+                _echo_err("Terminated.")
+                return EXIT_TERMINATED
             _echo_err("Interrupted.")
             return EXIT_INTERRUPTED
+        except Exception as exc:  # the agent itself failed (rendezvous, a port in use, ...)
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise Pan2Error(f"torchrun's agent could not run the {nproc} processes: {reason}") from exc
         finally:
             del os.environ[ENV_EXIT_DIR]
             _remove_noted_partials(folder)
@@ -293,8 +331,8 @@ def process_group(device: str | None) -> Iterator[torch.device]:
     """Join torchrun's process group for the duration of a command.
 
     NCCL with device cuda:LOCAL_RANK on CUDA, gloo on CPU; collectives time out after
-    `PAN2_DIST_TIMEOUT` seconds (default 300). SIGTERM (torchrun stopping the workers) raises
-    `Terminated` so that temporary outputs are removed.
+    `PAN2_DIST_TIMEOUT` seconds (default 300). Ctrl-C, or torchrun's SIGTERM (which the CLI turns
+    into `Terminated`), ends the rank quietly with 130 once temporary outputs are removed.
 
     Args:
         device: the `--device` value (`cpu`, `cuda`, or None: cuda when available).
@@ -323,9 +361,13 @@ def process_group(device: str | None) -> Iterator[torch.device]:
             hint="pass --device cuda (rank r uses cuda:LOCAL_RANK) or --device cpu",
         )
     timeout = _timeout()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     kwargs = {"device_id": this_device} if backend == "nccl" else {}
-    dist.init_process_group(backend, timeout=timeout, **kwargs)
+    watch = _ExitIfStuck()  # a rendezvous waits in C++ too
+    try:
+        dist.init_process_group(backend, timeout=timeout, **kwargs)
+    except BaseException:
+        watch.close()
+        raise
     _device, _joined = this_device, True
     # After a failure a collective may still be in flight (a peer waits for our halo rows): NCCL's
     # teardown could then hang, so the group is left to the process's end. gloo's is safe and needed:
@@ -336,7 +378,7 @@ def process_group(device: str | None) -> Iterator[torch.device]:
         succeeded = True
     except KeyboardInterrupt as exc:  # Ctrl-C or torchrun's SIGTERM; outputs were aborted on the way
         destroy = False
-        raise WorkerExit(*_interrupted_exit()) from exc
+        raise WorkerExit(*interrupted_exit()) from exc
     except Exception as exc:
         destroy = backend == "gloo" and not is_comm_error(exc)
         if is_comm_error(exc):
@@ -344,10 +386,54 @@ def process_group(device: str | None) -> Iterator[torch.device]:
         raise
     finally:
         _device = None
-        signal.signal(signal.SIGTERM, previous)
+        watch.close()
         if destroy and dist.is_initialized():
             # After a failure, leave at once: the peers' pending collectives then fail fast.
             _leave_together() if succeeded else dist.destroy_process_group()
+
+
+class _ExitIfStuck:
+    """After Ctrl-C or SIGTERM, end this rank `_UNWIND_S` seconds later unless it has left the group by then.
+
+    Python runs signal handlers in the main thread between bytecodes, so a rank waiting inside NCCL
+    for a peer that died never sees torchrun's SIGTERM, and torchrun waits 30 s before its SIGKILL.
+    This thread learns of the signal through the wakeup fd at once, removes the temporary outputs
+    (`partial_output`), records the interrupted exit and ends the process.
+    """
+
+    def __init__(self):
+        self._left = threading.Event()
+        self._previous = None
+        if threading.current_thread() is not threading.main_thread():
+            return
+        read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        self._previous = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(read_fd,), name="pan2-exit-if-stuck", daemon=True).start()
+
+    def _watch(self, read_fd: int) -> None:
+        with os.fdopen(read_fd, "rb", buffering=0) as signals:
+            while not self._left.is_set():
+                received = signals.read(64)
+                if not received:  # closed: the rank left the group
+                    return
+                if signal.SIGINT in received or signal.SIGTERM in received:
+                    break
+        if self._left.wait(_UNWIND_S):
+            return
+        for path in list(_partials):
+            _remove_path(path)
+        code, line = interrupted_exit()
+        if line:
+            _echo_err(line)
+        os._exit(record_exit(code))
+
+    def close(self) -> None:
+        self._left.set()
+        if self._previous is not None:
+            signal.set_wakeup_fd(self._previous)
+            os.close(self._write_fd)
+            self._previous = None
 
 
 def _leave_together() -> None:
@@ -370,10 +456,6 @@ def _leave_together() -> None:
     except Exception:  # a peer already gone: nothing left to coordinate with
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated()
 
 
 def _comm_device() -> torch.device:
@@ -438,7 +520,8 @@ def is_comm_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(word in text for word in ("Gloo", "gloo", "NCCL", "Connection closed", "Timed out"))
 
 
-def _interrupted_exit() -> tuple[int, str | None]:
+def interrupted_exit() -> tuple[int, str | None]:
+    """`(exit code, line to print)` of a rank stopped by Ctrl-C or torchrun's SIGTERM."""
     # pan2's launcher prints "Interrupted." once; under a user's torchrun, rank 0 does.
     return EXIT_INTERRUPTED, None if has_parent_launcher() or env_rank() != 0 else "Interrupted."
 

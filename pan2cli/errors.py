@@ -39,7 +39,15 @@ class OutOfMemoryError(Pan2Error):
     """The GPU ran out of memory. Exit code 1."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, a job scheduler, torchrun stopping its workers): unwind as on Ctrl-C.
+
+    A KeyboardInterrupt, so that writers abort and remove their temporary files on the way out.
+    """
+
+
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as shells report `kill`

@@ -1,16 +1,54 @@
-"""Hugging Face hub downloads: one mapping of huggingface_hub's errors to ours, for every component."""
+"""Hugging Face hub downloads: one quick reachability check, then one mapping of huggingface_hub's errors to ours, for every component."""
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from typing import Iterator
 
 from pan2cli.errors import DownloadError, InputError
 
+# Whether this process found the hub unreachable and switched huggingface_hub to its cache (None: not checked yet).
+_unreachable: bool | None = None
+_said_unreachable = False
+
+
+def _use_the_cache_if_unreachable() -> None:
+    """Once per process: one request to the hub (HF_HUB_ETAG_TIMEOUT, 10 s by default); if it fails,
+    huggingface_hub goes offline for this process and reads its cache.
+
+    Without it, an unreachable hub costs huggingface_hub's retries (five, up to 8 s apart) for every
+    file before it falls back to the cache.
+    """
+    global _unreachable
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if _unreachable is not None or constants.HF_HUB_OFFLINE:
+        return
+    try:
+        get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+        _unreachable = False
+    except Exception:  # no route, refused, DNS, TLS, timeout: whatever it is, downloads would fail too
+        constants.HF_HUB_OFFLINE = True  # read on every request (huggingface_hub's is_offline_mode)
+        _unreachable = True
+
+
+def _say_unreachable_once() -> None:
+    global _said_unreachable
+    from huggingface_hub import constants
+
+    from pan2cli import distributed
+
+    if _unreachable and not _said_unreachable and distributed.env_rank() == 0:
+        print(f"Warning: the Hugging Face hub ({constants.ENDPOINT}) is unreachable; using the local cache", file=sys.stderr)
+    _said_unreachable = True
+
 
 @contextmanager
 def hub_errors(repo_id: str, revision: str | None, *, what: str, local_hint: str) -> Iterator[str]:
-    """Turn huggingface_hub's download errors into `InputError` / `DownloadError` lines.
+    """Check once that the hub answers (else use the cache alone), and turn huggingface_hub's download
+    errors into `InputError` / `DownloadError` lines.
 
     Args:
         repo_id, revision: the repository asked for.
@@ -22,8 +60,9 @@ def hub_errors(repo_id: str, revision: str | None, *, what: str, local_hint: str
 
     Raises:
         InputError: no such repository or revision (exit 2).
-        DownloadError: gated, offline with nothing cached, or a network/disk error (exit 1).
+        DownloadError: gated, offline or the hub unreachable with nothing cached, or a network/disk error (exit 1).
     """
+    from huggingface_hub import constants
     from huggingface_hub.errors import (
         GatedRepoError,
         HFValidationError,
@@ -33,6 +72,7 @@ def hub_errors(repo_id: str, revision: str | None, *, what: str, local_hint: str
     )
 
     where = f"{repo_id}@{revision}" if revision else repo_id
+    _use_the_cache_if_unreachable()
     try:
         yield where
     except GatedRepoError as exc:
@@ -45,12 +85,16 @@ def hub_errors(repo_id: str, revision: str | None, *, what: str, local_hint: str
     except RevisionNotFoundError as exc:
         raise InputError(f"{repo_id} has no revision {revision!r}", hint="check --revision") from exc
     except LocalEntryNotFoundError as exc:  # offline, or the hub unreachable, and nothing cached
-        raise DownloadError(
-            f"could not download {what} from {where} and no copy is cached (offline, or the hub is unreachable)",
-            hint=local_hint,
-        ) from exc
+        if _unreachable:
+            why = f"the Hugging Face hub ({constants.ENDPOINT}) is unreachable and no copy is cached"
+        elif constants.HF_HUB_OFFLINE:
+            why = "HF_HUB_OFFLINE is set and no copy is cached"
+        else:
+            why = "no copy is cached (offline, or the hub is unreachable)"
+        raise DownloadError(f"could not download {what} from {where}: {why}", hint=local_hint) from exc
     except OSError as exc:  # network and disk errors below huggingface_hub
         raise DownloadError(f"download of {what} from {where} failed: {exc}", hint=local_hint) from exc
+    _say_unreachable_once()
 
 
 def looks_like_path(spec: str) -> bool:

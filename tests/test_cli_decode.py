@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import imageio
@@ -229,6 +233,85 @@ def test_offline_without_cache_says_how_to_pass_a_path(latents_file, tmp_path):
     assert proc.stderr.startswith("Error: could not download the VAE")
     assert "--vae PATH" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _closed_port_endpoint() -> str:
+    with socket.socket() as s:  # a port nothing listens on once the socket is closed
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_unreachable_hub_without_cache_fails_at_once(latents_file, tmp_path):
+    endpoint = _closed_port_endpoint()
+    env = {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": ""}
+    start = time.monotonic()
+    proc = _pan2("decode", latents_file((48, 1, 2, 2)), "--device", "cpu", env=env)  # the default --vae, from the hub
+    assert time.monotonic() - start < 20  # huggingface_hub's own retries took 25 s
+    assert proc.returncode == 1, proc.stderr
+    assert "Retrying" not in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"Error: could not download the VAE from Wan-AI/Wan2.2-TI2V-5B-Diffusers: the Hugging Face hub ({endpoint}) "
+        "is unreachable and no copy is cached",
+        "Hint: pass --vae PATH to a local Wan2.2_VAE.pth, wan2.2_vae.safetensors or diffusers vae/ folder",
+    ]
+
+
+def test_unreachable_hub_uses_the_cached_copy(tiny_vae, latents_file, tmp_path):
+    # huggingface_hub's cache layout: refs/main names the snapshot that holds the files.
+    repo = tmp_path / "hf" / "hub" / "models--Wan-AI--Wan2.2-TI2V-5B-Diffusers"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(tiny_vae, repo / "snapshots" / commit / "vae")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    endpoint = _closed_port_endpoint()
+    env = {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": ""}
+    proc = _pan2("decode", latents_file((48, 1, 2, 2)), "--device", "cpu", "-o", tmp_path / "out.pt", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(tmp_path / "out.pt")
+    assert "Retrying" not in proc.stderr
+    said = [line for line in proc.stderr.splitlines() if "Hugging Face hub" in line]
+    assert said == [f"Warning: the Hugging Face hub ({endpoint}) is unreachable; using the local cache"]
+
+
+# Loaded through PYTHONPATH: the decode stops after its first chunk until a signal comes.
+_SLOW_DECODE = """
+import time
+import pan2cli.vae.model as model
+real = model.WanVAEDecoder.decode_chunks
+
+def decode_chunks(self, *args, **kwargs):
+    chunks = real(self, *args, **kwargs)
+    yield next(chunks)
+    time.sleep(120)
+    yield from chunks
+
+model.WanVAEDecoder.decode_chunks = decode_chunks
+"""
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
+def test_sigterm_removes_the_partial_output_and_exits_143(tiny_vae, latents_file, tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_SLOW_DECODE)
+    latents = latents_file((48, 3, 2, 2))
+    env = {**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}"}
+    cmd = [sys.executable, "-m", "pan2cli", "decode", str(latents), "--vae", str(tiny_vae), "--device", "cpu", "-o", "out.mp4"]
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(p.name.startswith(".out.mp4.partial") for p in tmp_path.iterdir()):  # writing has started
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)  # what `kill` and job schedulers send
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "Terminated.", err
+    assert "Error" not in err and "Traceback" not in err and out == ""
+    assert _frames_on_disk(tmp_path) == ["hook", "latents.pt"]
 
 
 def test_python_dash_m_from_a_source_tree(tmp_path):

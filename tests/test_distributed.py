@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -115,3 +117,19 @@ def test_torchrun_environment_is_detected(monkeypatch):
     assert not distributed.under_torchrun()
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert distributed.under_torchrun() and distributed.env_rank() == 1 and distributed.env_world_size() == 2
+
+
+def test_a_failing_launcher_is_one_error_line(run_cli, tiny_vae, latents_file, monkeypatch):
+    def agent_fails(config):
+        raise RuntimeError("The server socket has failed to listen on any local network address.\nmore detail")
+
+    monkeypatch.setattr("torch.distributed.run.run", agent_fails)
+    # launch() sets these for its workers: monkeypatch puts them back afterwards
+    monkeypatch.setenv("PAN2_DIST_PARENT", "0")
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    result = run_cli("decode", latents_file((48, 1, 4, 2)), "--vae", tiny_vae, "--device", "cpu", "--gpus", 2)
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        "Error: torchrun's agent could not run the 2 processes: "
+        "The server socket has failed to listen on any local network address."
+    ]

@@ -32,6 +32,32 @@ if os.environ.get("RANK") == os.environ.get("PAN2_TEST_FAIL_RANK"):
     model.WanVAEDecoder.decode_chunks = decode_chunks
 '''
 
+# Loaded by every process through PYTHONPATH: each rank writes its pid to PIDS/rank<r>; after the first
+# chunk the victim waits to be killed while the other rank goes on into a collective ("collective"),
+# sleeps ("sleep": torchrun's SIGTERM ends it), or waits where no signal handler can run ("stuck",
+# as a rank inside an NCCL wait does).
+_RANK_TO_KILL = '''
+import os
+if "RANK" in os.environ and os.environ.get("PAN2_TEST_PIDS"):
+    with open(os.path.join(os.environ["PAN2_TEST_PIDS"], "rank" + os.environ["RANK"]), "w") as f:
+        f.write(str(os.getpid()))
+    import pan2cli.vae.model as model
+    real = model.WanVAEDecoder.decode_chunks
+
+    def decode_chunks(self, *args, **kwargs):
+        chunks = real(self, *args, **kwargs)
+        yield next(chunks)
+        if os.environ["RANK"] == os.environ["PAN2_TEST_VICTIM"]:
+            __import__("time").sleep(120)
+        elif os.environ["PAN2_TEST_SURVIVOR"] == "sleep":
+            __import__("time").sleep(120)
+        elif os.environ["PAN2_TEST_SURVIVOR"] == "stuck":
+            __import__("torch").futures.Future().wait()  # a C++ wait that never returns
+        yield from chunks
+
+    model.WanVAEDecoder.decode_chunks = decode_chunks
+'''
+
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -121,7 +147,12 @@ def test_one_rank_failing_stops_all_with_its_code(tiny_vae, latents, tmp_path, f
 
 
 @pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
-def test_ctrl_c_stops_every_rank_and_removes_the_partial_output(tiny_vae, latents, tmp_path):
+@pytest.mark.parametrize(
+    "signum, code, line",
+    [(signal.SIGINT, 130, "Interrupted."), (signal.SIGTERM, 143, "Terminated.")],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_ctrl_c_stops_every_rank_and_removes_the_partial_output(tiny_vae, latents, tmp_path, signum, code, line):
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(_FAILING_RANK)
@@ -133,8 +164,41 @@ def test_ctrl_c_stops_every_rank_and_removes_the_partial_output(tiny_vae, latent
     while not any(p.name.startswith(".out.mp4.partial") for p in tmp_path.iterdir()):  # rank 0 is writing
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)  # what the terminal sends to the launcher on Ctrl-C
+    proc.send_signal(signum)  # SIGINT: the terminal's Ctrl-C; SIGTERM: `kill`, a job scheduler
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
-    assert err.count("Interrupted.") == 1 and not _error_lines(err), err
+    assert proc.returncode == code, err
+    assert err.count(line) == 1 and not _error_lines(err), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hook", "latents.pt"]
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
+@pytest.mark.parametrize("victim, survivor", [("0", "collective"), ("1", "sleep"), ("0", "stuck")])
+def test_a_rank_killed_stops_all_and_is_named(tiny_vae, latents_file, tmp_path, victim, survivor):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_RANK_TO_KILL)
+    latents = latents_file((48, 3, 4, 3), seed=1)  # 2 latent rows per rank; 2 chunks with --chunk-latent-frames 2
+    env = _env(tmp_path, PAN2_TEST_PIDS=str(hook), PAN2_TEST_VICTIM=victim, PAN2_TEST_SURVIVOR=survivor)
+    env["PYTHONPATH"] = f"{hook}{os.pathsep}{env['PYTHONPATH']}"
+    cmd = [sys.executable, "-m", "pan2cli", "decode", str(latents), "--vae", str(tiny_vae), "--device", "cpu", "--gpus", "2",
+           "--chunk-latent-frames", "2", "-o", "out.mp4"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        pid_file = hook / f"rank{victim}"
+        while not (pid_file.exists() and any(p.name.startswith(".out.mp4.partial") for p in tmp_path.iterdir())):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        time.sleep(0.5)  # the other rank reaches its next collective (or its sleep, or its stuck wait)
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        killed = time.monotonic()
+        out, err = proc.communicate(timeout=90)
+        stopped_after = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err
+    assert _error_lines(err) == [f"Error: rank {victim} was killed by signal 9 (SIGKILL)"], err
+    assert "Interrupted." not in err and "Terminated." not in err and "Traceback" not in err
+    assert stopped_after < 20, err  # torchrun alone waits 30 s for a rank that ignores its SIGTERM
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hook", "latents.pt"]  # no partial output

@@ -18,9 +18,11 @@ from pan2cli.cli.kernels import kernels_group
 from pan2cli.cli.presets import presets_group
 
 _EPILOG = """\b
-Exit codes: 0 done; 2 bad input or usage; 1 any other known failure (download, out of memory);
-130 interrupted. Known errors print one `Error:` line (and a `Hint:`); set PAN2_DEBUG=1 or pass
---debug for the traceback."""
+Exit codes: 0 done; 2 bad input or usage; 1 any other known failure (download, out of memory, a
+rank that failed or died); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM). Temporary outputs
+are removed on the way out.
+Known errors print one `Error:` line (and a `Hint:`); set PAN2_DEBUG=1 or pass --debug for the
+traceback."""
 
 
 def _set_debug(ctx, param, value):

@@ -7,12 +7,16 @@ load torch, and an exception of theirs can only come from a command that importe
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import traceback
+from contextlib import contextmanager
+from typing import Iterator
 
 import click
 
-from pan2cli.errors import EXIT_INTERRUPTED, OutOfMemoryError, Pan2Error
+from pan2cli.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, OutOfMemoryError, Pan2Error, Terminated
 
 
 def debug_enabled() -> bool:
@@ -44,12 +48,15 @@ def _rank_failure(error: Exception):
     distributed = sys.modules.get("pan2cli.distributed")  # every command that runs on ranks imported it
     if distributed is None or not distributed.under_torchrun():
         return None
-    known = isinstance(error, (distributed.WorkerExit, Pan2Error)) or _is_out_of_memory(error)
+    known = isinstance(error, (distributed.WorkerExit, Pan2Error, _TerminatedCommand, click.exceptions.Abort)) or _is_out_of_memory(error)
     return distributed if known else None
 
 
 def _worker_exit(error: BaseException, distributed) -> int:
     """A rank under torchrun: print only what the failure protocol of pan2cli.distributed says to print."""
+    if isinstance(error, (KeyboardInterrupt, click.exceptions.Abort, _TerminatedCommand)):
+        # Ctrl-C, or torchrun stopping the ranks before they joined the process group
+        error = distributed.WorkerExit(*distributed.interrupted_exit())
     if isinstance(error, distributed.WorkerExit):
         if error.line:
             click.echo(error.line, err=True)
@@ -59,20 +66,51 @@ def _worker_exit(error: BaseException, distributed) -> int:
     return _report(error) if distributed.reports_error(error) else error.exit_code
 
 
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM raises `Terminated` while a command runs, so that it cleans up as on Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _TerminatedCommand(Exception):
+    """A command stopped by SIGTERM, past click (which would print a blank line for a KeyboardInterrupt)."""
+
+
 class Pan2Group(click.Group):
     """A click group whose `main` turns our typed errors into exit codes (CliRunner sees the same)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except Terminated as exc:
+            raise _TerminatedCommand() from exc
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         # The raw arguments, for commands that re-launch themselves (`--gpus N`).
         extra.setdefault("obj", {"argv": list(args) if args is not None else sys.argv[1:]})
         try:
             try:
-                result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+                with _sigterm_unwinds():
+                    result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
             except Exception as exc:
                 distributed = _rank_failure(exc)
                 if distributed is None:
                     raise
                 sys.exit(distributed.record_exit(_worker_exit(exc, distributed)))
+        except _TerminatedCommand:
+            click.echo("Terminated.", err=True)
+            sys.exit(EXIT_TERMINATED)
         except click.exceptions.Exit as exc:
             sys.exit(exc.exit_code)
         except click.ClickException as exc:  # usage errors: exit 2, with click's usage line

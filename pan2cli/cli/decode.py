@@ -153,7 +153,8 @@ def _check_not_an_input(output: Path, inputs: list[Path]) -> None:
     "--vae",
     default=None,
     metavar="PATH|REPO",
-    help=f"VAE checkpoint: Wan2.2_VAE.pth, a .safetensors file, a diffusers folder, or a Hugging Face repo id.  "
+    help=f"VAE checkpoint: Wan2.2_VAE.pth, a .safetensors file, a diffusers folder, or a Hugging Face repo id "
+    "(read from the local cache when the hub is unreachable).  "
     f"[default: {DEFAULT_VAE_REPO}]",
 )
 @click.option("--revision", default=None, help="Branch, tag or commit of the Hugging Face repo given by --vae.")
@@ -165,7 +166,7 @@ def _check_not_an_input(output: Path, inputs: list[Path]) -> None:
     default="auto",
     show_default=True,
     help="The compiled CUDA decoder (bf16, sm_90a/sm_100a/sm_103a; built on first use and cached): auto uses it "
-    "where it applies and says why not otherwise, off always runs the reference PyTorch decoder, require fails "
+    "where it applies and says why not on a GPU, off always runs the reference PyTorch decoder, require fails "
     "when the kernel cannot run.",
 )
 @click.option(

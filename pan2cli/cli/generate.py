@@ -96,7 +96,7 @@ def _jobs(prompt, prompts_file, output, preset, overrides, save_latents, overwri
 @click.argument("prompt", required=False)
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False, path_type=Path), default=None, help="A prompt file: JSON records (prompt, negative_prompt, duration, image, seed, name) or plain text, one prompt per line.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Output MP4 (one prompt) or an existing folder (--prompts).  [default: <slug>.mp4 / <index>_<slug>.mp4 in the current folder]")
-@click.option("--model", default=None, metavar="PATH|REPO", help=f"PAN 2 checkpoint: a folder with transformer/, text_encoder/, tokenizer/, vae/, or a Hugging Face repo id.  [default: {DEFAULT_MODEL_REPO}]")
+@click.option("--model", default=None, metavar="PATH|REPO", help=f"PAN 2 checkpoint: a folder with transformer/, text_encoder/, tokenizer/, vae/, or a Hugging Face repo id (read from the local cache when the hub is unreachable).  [default: {DEFAULT_MODEL_REPO}]")
 @click.option("--revision", default=None, help="Branch, tag or commit of the Hugging Face repo given by --model.")
 @click.option("--preset", default=DEFAULT_PRESET, show_default=True, help="Generation preset (name or .toml path); the options below override it.")
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Denoising steps.  [default: the preset's, 50]")

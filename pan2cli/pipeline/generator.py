@@ -375,7 +375,9 @@ class VideoGenerator:
         parallel = cfg.vae_decode_kernel_parallel and shared and single_machine
         reference.config = reference.config.replace(decode_kernel_parallel=parallel)
         decoder, note = select_decode_path(reference)
-        if shared and not distributed.agree_all(decoder is not reference):
+        # agree_all first (a collective: every rank takes part); only a rank that could use the kernel
+        # needs another reason than its own note.
+        if shared and not distributed.agree_all(decoder is not reference) and decoder is not reference:
             note, decoder = "Using the reference decoder: another rank could not use the compiled kernel.", reference
         if note:
             self.info(note)

@@ -328,7 +328,7 @@ def select_decode_path(decoder, mode: str | None = None):
 
     Returns:
         `(decoder, note)`: a `WanKernelDecoder` or the reference itself, and one line saying why the
-        reference runs under "auto" (None otherwise).
+        reference runs on a GPU under "auto" (None otherwise, and on the CPU, where it is the only path).
 
     Raises:
         InputError: "require" where the kernel cannot apply (CPU, fp32, another GPU).
@@ -351,4 +351,6 @@ def select_decode_path(decoder, mode: str | None = None):
             return WanKernelDecoder(decoder, ops), None
     elif mode == "require":
         raise InputError(f"--decode-kernel require: {reason}", hint="use --decode-kernel auto or off")
+    if decoder.device.type == "cpu":
+        return decoder, None  # the reference decoder is the CPU path: nothing to explain
     return decoder, f"Using the reference decoder: {reason}."
