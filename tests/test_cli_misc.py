@@ -114,13 +114,28 @@ def test_unknown_preset_exits_2(run_cli):
     assert "pan2-10s" in result.stderr  # lists what exists
 
 
+def _pan2_without_a_gpu(*args, env=None) -> subprocess.CompletedProcess:
+    """`python -m pan2cli ARGS` with every GPU hidden (CUDA_VISIBLE_DEVICES=""): the no-GPU behaviour on any host."""
+    environment = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "pan2cli", *map(str, args)], capture_output=True, text=True, env=environment)
+
+
 def test_doctor_reports_the_machine(run_cli):
     result = run_cli("doctor", "--json")
     assert result.exit_code == 0
     report = json.loads(result.stdout)
     assert report["pan2cli"] == pan2cli.__version__
-    assert "reference" in report["decode_path"]
+    assert report["cuda_available"] == torch.cuda.is_available()
+    assert len(report["gpus"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
     assert report["ffmpeg"] and "not found" not in report["ffmpeg"]
+
+
+def test_doctor_without_a_gpu_names_the_reference_decoder():
+    proc = _pan2_without_a_gpu("doctor", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["gpus"] == [] and report["cuda_available"] is False
+    assert "reference" in report["decode_path"] and report["decode_default"] == "cpu, float32"
 
 
 def test_decode_kernel_require_without_a_gpu_is_refused(run_cli, tiny_vae, latents_file, tmp_path):
@@ -137,13 +152,15 @@ def test_decode_kernel_auto_on_cpu_says_nothing_about_the_kernel(run_cli, tiny_v
     assert "(reference decoder)" in result.stderr
 
 
-def test_kernels_status_and_clean(run_cli, tmp_path, monkeypatch):
-    monkeypatch.setenv("PAN2_CACHE_DIR", str(tmp_path / "cache"))
+def test_kernels_status_and_clean(tmp_path):
+    env = {"PAN2_CACHE_DIR": str(tmp_path / "cache")}
     (tmp_path / "cache" / "kernels" / "0.0" / "x").mkdir(parents=True)
-    status = json.loads(run_cli("kernels", "status", "--json").stdout)
-    assert status["built"] is False and "reference" in status["decode_path"]
-    cleaned = run_cli("kernels", "clean")
-    assert cleaned.exit_code == 0 and cleaned.stdout.strip() == str(tmp_path / "cache" / "kernels")
+    status = _pan2_without_a_gpu("kernels", "status", "--json", env=env)
+    assert status.returncode == 0, status.stderr
+    report = json.loads(status.stdout)
+    assert report["built"] is False and "reference" in report["decode_path"]
+    cleaned = _pan2_without_a_gpu("kernels", "clean", env=env)
+    assert cleaned.returncode == 0 and cleaned.stdout.strip() == str(tmp_path / "cache" / "kernels")
     assert not (tmp_path / "cache" / "kernels").exists()
 
 
@@ -156,7 +173,7 @@ def test_kernels_status_without_a_gpu_says_so_plainly(run_cli, monkeypatch):
     assert re.search(r"^convs +PyTorch's CPU convolutions", result.stdout, re.M)
 
 
-def test_kernels_build_without_a_gpu_exits_1(run_cli):
-    result = run_cli("kernels", "build")
-    assert result.exit_code == 1
-    assert result.stderr.startswith("Error: ")
+def test_kernels_build_without_a_gpu_exits_1():
+    result = _pan2_without_a_gpu("kernels", "build")
+    assert result.returncode == 1
+    assert result.stderr.startswith("Error: ") and "GPU" in result.stderr
