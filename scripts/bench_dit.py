@@ -1,0 +1,141 @@
+"""Time the real PAN 2 transformer (29.2 B parameters, random weights) on one GPU: a forward and a CFG step per length.
+
+The model is built on the meta device and materialised on the GPU in bf16 with the AdaLN linears in float32,
+as released (67.3 GB), weights drawn at random (fast, on the GPU). Per video length at 704x1248 (121 frames =
+26,598 video tokens, 241 = 52,338, 481 = 103,818) with ~300 text tokens: one CFG step (two forwards, prompt
+and negative prompt, as `pan2 generate` runs them), timed with CUDA events after a warm-up step; FLOPs per
+forward from the model's shapes (linears, attention, refiner, patch embed and projection) and the achieved
+TFLOP/s; peak memory; the 50-step estimate. `--variants` compares the fused Triton ops with the PyTorch
+reference ops in the same run.
+
+    python scripts/bench_dit.py --frames 121 241 --out dit.json
+    python scripts/bench_dit.py --device cpu --small        # dry run of the set-up on a tiny config
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pan2cli.dit import PAN2Transformer3DModel, set_fused_kernels  # noqa: E402
+from pan2cli.dit.checkpoint import keeps_fp32  # noqa: E402
+
+SMALL = dict(num_attention_heads=2, attention_head_dim=16, num_layers=2, num_refiner_layers=1, text_embed_dim=32, rope_axes_dim=(4, 6, 6))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--frames", type=int, nargs="+", default=[121], help="video frames, 1 + 4k (default 121)")
+    parser.add_argument("--height", type=int, default=704)
+    parser.add_argument("--width", type=int, default=1248)
+    parser.add_argument("--text", type=int, default=300, help="text tokens (default 300)")
+    parser.add_argument("--steps", type=int, default=2, help="timed CFG steps per length (default 2)")
+    parser.add_argument("--variants", nargs="+", default=["fused"], choices=["fused", "unfused"], help="DiT ops to time")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--small", action="store_true", help="a tiny config (dry run)")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    return parser.parse_args()
+
+
+def random_model(config: dict, device: torch.device) -> PAN2Transformer3DModel:
+    """The model with random weights: bf16 (float32 where the release keeps float32), drawn on `device`."""
+    with torch.device("meta"):
+        model = PAN2Transformer3DModel(**config)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    for name, param in model.named_parameters():
+        param.data = torch.empty_like(param, dtype=torch.float32 if keeps_fp32(name) else dtype, device="meta")
+    model = model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1:  # norm weights around 1, biases and tables small
+                param.copy_(torch.randn(param.shape, generator=generator, device=device) * 0.02 + (1.0 if "norm" in name and "linear" not in name else 0.0))
+            else:
+                param.normal_(0.0, param.shape[1] ** -0.5 if param.dim() == 2 else 0.02, generator=generator)
+    return model.eval().requires_grad_(False)
+
+
+def forward_flops(config: dict, video_tokens: int, text_tokens: int) -> float:
+    """Multiply-adds x 2 of one forward from the shapes (elementwise work and the tiny AdaLN GEMVs left out)."""
+    d = config["num_attention_heads"] * config["attention_head_dim"]
+    s, l = video_tokens, text_tokens
+    blocks = config["num_layers"] * (
+        2 * s * (4 * d * d + 2 * d * int(d * config["mlp_ratio"]))
+        + 2 * l * (4 * d * d + 2 * d * int(d * config["context_mlp_ratio"]))
+        + 4 * (s + l) ** 2 * d  # QK^T and PV over the joint tokens
+    )
+    inner = int(d * config["refiner_mlp_ratio"])
+    refiner = config["num_refiner_layers"] * (2 * l * (4 * d * d + 3 * d * inner) + 4 * l * l * d)
+    edges = 2 * s * d * (config["in_channels"] * 4 + config["out_channels"] * 4) + 2 * l * d * (config["text_embed_dim"] + d)
+    return float(blocks + refiner + edges)
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device(args.device)
+    config = {**{k: v.default for k, v in __import__("inspect").signature(PAN2Transformer3DModel).parameters.items()}, **(SMALL if args.small else {})}
+    start = time.perf_counter()
+    model = random_model(config, device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync()
+    results = {
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "weights_gib": round(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30, 2),
+        "materialise_s": round(time.perf_counter() - start, 1),
+        "runs": [],
+    }
+    print(json.dumps({k: v for k, v in results.items() if k != "runs"}), flush=True)
+    dtype = next(model.x_embedder.parameters()).dtype
+    for frames in args.frames:
+        height, width = (64, 96) if args.small else (args.height, args.width)
+        shape = (1, 97, 1 + (frames - 1) // 4, height // 16, width // 16)
+        video_tokens = shape[2] * shape[3] // 2 * shape[4] // 2
+        generator = torch.Generator(device=device).manual_seed(1)
+        hidden = torch.randn(shape, generator=generator, device=device).to(dtype)
+        cond = torch.randn(1, args.text, config["text_embed_dim"], generator=generator, device=device).to(dtype)
+        uncond = torch.randn(1, 12, config["text_embed_dim"], generator=generator, device=device).to(dtype)  # " " through the template
+        timestep = torch.tensor([900.0], device=device)
+        for variant in args.variants:
+            set_fused_kernels(model, variant == "fused" and device.type == "cuda")
+
+            def step():
+                model(hidden, timestep, cond)
+                model(hidden, timestep, uncond)
+
+            with torch.inference_mode():
+                step()  # warm-up: Triton compiles, cuBLAS picks its kernels
+                sync()
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                times = []
+                for _ in range(args.steps):
+                    begin = time.perf_counter()
+                    step()
+                    sync()
+                    times.append(time.perf_counter() - begin)
+            seconds = min(times)
+            flops = forward_flops(config, video_tokens, args.text) + forward_flops(config, video_tokens, 12)
+            row = {
+                "frames": frames, "variant": variant, "video_tokens": video_tokens, "text_tokens": args.text,
+                "cfg_step_s": round(seconds, 3), "cfg_step_s_all": [round(t, 3) for t in times],
+                "tflops_per_step": round(flops / 1e12, 1), "tflop_per_s": round(flops / seconds / 1e12, 1),
+                "fifty_steps_min": round(50 * seconds / 60, 1),
+                "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+            }  # fmt: skip
+            results["runs"].append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
