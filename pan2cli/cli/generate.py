@@ -12,6 +12,7 @@ by the ranks together (rows split), rank 0 writing.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -50,16 +51,18 @@ def _jobs(prompt, prompts_file, output, preset, overrides, save_latents, overwri
         if prompt is not None:
             raise InputError("give a PROMPT or --prompts FILE, not both")
         records, warnings = read_prompt_file(prompts_file)
-        folder = output if output is not None else Path.cwd()
+        folder = Path(output) if output is not None else Path.cwd()
         if not folder.is_dir():
             raise InputError(f"-o {folder}: with --prompts, -o is an existing folder", hint="create it first")
         entries = [(r, folder / f"{r.stem}.mp4") for r in shard(records, rank, world)]
     else:
         if prompt is None:
             raise InputError("no prompt", hint='pass the text, e.g. pan2 generate "a red fox in the snow", or --prompts FILE')
-        if output is not None and output.is_dir():
-            output = output / f"{slugify(prompt)}.mp4"
-        entries = [(None, output if output is not None else Path.cwd() / f"{slugify(prompt)}.mp4")]
+        if output is not None and (output.endswith(("/", os.sep)) or Path(output).is_dir()):
+            if not Path(output).is_dir():  # a trailing slash names a folder, never a file
+                raise InputError(f"-o {output}: the folder does not exist", hint=f"create it first (mkdir -p {output})")
+            output = Path(output) / f"{slugify(prompt)}.mp4"
+        entries = [(None, Path(output) if output is not None else Path.cwd() / f"{slugify(prompt)}.mp4")]
     jobs, skipped = [], []
     for record, out in entries:
         if out.suffix.lower() != ".mp4":
@@ -86,7 +89,7 @@ def _jobs(prompt, prompts_file, output, preset, overrides, save_latents, overwri
             metadata.update(index=record.index, name=record.name)
         job = GenerationJob(
             settings, output=out, latents_path=_latents_path(out) if save_latents else None, overwrite=overwrite,
-            crf=crf, return_frames=False, metadata=metadata,
+            crf=crf, return_frames=False, metadata=metadata, redo_leftovers=skip_existing,
         )  # fmt: skip
         jobs.append(job)
     return jobs, skipped, warnings, prompts_file is not None
@@ -95,7 +98,7 @@ def _jobs(prompt, prompts_file, output, preset, overrides, save_latents, overwri
 @click.command("generate")
 @click.argument("prompt", required=False)
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False, path_type=Path), default=None, help="A prompt file: JSON records (prompt, negative_prompt, duration, image, seed, name) or plain text, one prompt per line.")
-@click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Output MP4 (one prompt) or an existing folder (--prompts).  [default: <slug>.mp4 / <index>_<slug>.mp4 in the current folder]")
+@click.option("-o", "--output", type=click.Path(), default=None, help="Output MP4 (one prompt) or an existing folder (--prompts).  [default: <slug>.mp4 / <index>_<slug>.mp4 in the current folder]")
 @click.option("--model", default=None, metavar="PATH|REPO", help=f"PAN 2 checkpoint: a folder with transformer/, text_encoder/, tokenizer/, vae/, or a Hugging Face repo id (read from the local cache when the hub is unreachable).  [default: {DEFAULT_MODEL_REPO}]")
 @click.option("--revision", default=None, help="Branch, tag or commit of the Hugging Face repo given by --model.")
 @click.option("--preset", default=DEFAULT_PRESET, show_default=True, help="Generation preset (name or .toml path); the options below override it.")

@@ -148,11 +148,15 @@ class VideoGenerator:
         job.settings.check()
         if job.settings.image is not None:
             load_image(job.settings.image)
-        for path in (job.output, job.latents_path):
-            if path is not None:
-                check_output_path(path, job.overwrite)
+        if job.output is not None:
+            check_output_path(job.output, job.overwrite)
+        # The sidecar and latents beside an MP4 that does not exist are left from a run that did not finish
+        # (or whose video was deleted): redoing the video replaces them when the caller says so.
+        extras_overwrite = job.overwrite or (job.redo_leftovers and job.output is not None and not job.output.exists())
+        if job.latents_path is not None:
+            check_output_path(job.latents_path, extras_overwrite)
         if job.output is not None and job.sidecar:
-            check_output_path(sidecar_path(job.output), job.overwrite)
+            check_output_path(sidecar_path(job.output), extras_overwrite)
 
     def generate_batch(
         self, jobs: list[GenerationJob], *, ranks_share_jobs: bool = True, on_result: Callable[[GenerationResult], None] | None = None

@@ -123,6 +123,7 @@ class GenerationJob:
     crf: int = DEFAULT_CRF
     return_frames: bool = True
     metadata: dict = field(default_factory=dict)  # extra sidecar entries (preset, overrides, name)
+    redo_leftovers: bool = False  # replace a sidecar / latents file whose MP4 is missing (`--skip-existing`)
 
 
 @dataclass
