@@ -221,11 +221,9 @@ class VideoGenerator:
         from pan2cli.pipeline.text import PAN2TextEncoder
 
         start = time.perf_counter()
-        cfg = self.config
         encoder = PAN2TextEncoder.load(
-            self.components.folder("text_encoder"), self.components.folder("tokenizer"),
-            dtype=self.dtype, device=self.device, hidden_layer=cfg.text_hidden_layer, max_length=cfg.text_max_length,
-        )  # fmt: skip
+            self.components.folder("text_encoder"), self.components.folder("tokenizer"), dtype=self.dtype, device=self.device
+        )
         if encoder.hidden_size != self.dit_config.text_dim:
             raise CheckpointError(
                 f"the text encoder's hidden size is {encoder.hidden_size}, the DiT expects text_dim {self.dit_config.text_dim}",
@@ -233,13 +231,21 @@ class VideoGenerator:
             )
         self._load_seconds(results, "load_text_encoder", time.perf_counter() - start)
         todo = [r for r in results if r.error is None]
+
+        def encode(prompt: str) -> torch.Tensor:
+            features, cut = encoder.encode(prompt)
+            if cut:  # the release keeps at most 1536 tokens after the chat template's user header
+                short = prompt if len(prompt) <= 40 else prompt[:40] + "…"
+                self.info(f"Warning: the prompt {short!r} is {cut} tokens over the text encoder's limit of {encoder.max_length}; its last {cut} tokens were cut.")
+            return features
+
         with self.progress("Encoding the prompts", len(todo), "prompts") as advance:
             for result in todo:
                 settings = result.job.settings
 
                 def work(result=result, settings=settings):
-                    cond = encoder.encode(settings.prompt)
-                    uncond = encoder.encode(settings.negative_prompt) if settings.guidance != 1.0 else None
+                    cond = encode(settings.prompt)
+                    uncond = encode(settings.negative_prompt) if settings.guidance != 1.0 else None
                     result._text = (cond, uncond)
 
                 self._run_job(result, "text_encoding", work)
