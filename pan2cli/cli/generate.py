@@ -192,7 +192,7 @@ def _generate(prompt, prompts_file, output, model, revision, preset, overrides, 
     try:
         jobs_checked = []
         with status("Locating the PAN 2 checkpoint…", quiet_here):
-            generator = VideoGenerator.from_pretrained(model, config=config, revision=revision, progress=_progress(quiet_here), info=lambda line: info(line, quiet_here))
+            generator = VideoGenerator.from_pretrained(model, config=config, revision=revision, progress=_progress(quiet_here), info=lambda line: info(line, quiet_here), warn=warn)
         for job in jobs:
             generator.check_job(job)
             jobs_checked.append(job)

@@ -32,9 +32,6 @@ class PAN2PipelineConfig:
         offload (`bool`, defaults to False): keep the DiT's blocks in (pinned) host memory and stream
             them to the device one at a time; same output, a fraction of the memory.
         chunk_latent_frames (`int`, *optional*): VAE decode chunk; None means the preset's.
-        text_hidden_layer (`int`, defaults to -1): which hidden states of the text encoder feed the DiT
-            (an index into `hidden_states`: -1 the last layer's output, -2 the one before, ...).
-        text_max_length (`int`, defaults to 512): prompts are truncated to this many tokens.
     """
 
     device: str | None = None
@@ -45,8 +42,6 @@ class PAN2PipelineConfig:
     dit_fused_kernels: bool = True
     offload: bool = False
     chunk_latent_frames: int | None = None
-    text_hidden_layer: int = -1
-    text_max_length: int = 512
 
     def __post_init__(self) -> None:
         for name in ("dtype", "vae_dtype"):
@@ -60,8 +55,6 @@ class PAN2PipelineConfig:
                 raise InputError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.chunk_latent_frames is not None and (not isinstance(self.chunk_latent_frames, int) or self.chunk_latent_frames < 1):
             raise InputError(f"chunk_latent_frames must be a whole number ≥ 1, got {self.chunk_latent_frames!r}")
-        if not isinstance(self.text_max_length, int) or self.text_max_length < 1:
-            raise InputError(f"text_max_length must be a whole number ≥ 1, got {self.text_max_length!r}")
 
     def torch_device(self) -> torch.device:
         """The device to run on (checked: a CUDA device that does not exist is bad input)."""

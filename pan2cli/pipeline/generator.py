@@ -19,6 +19,7 @@ import gc
 import json
 import os
 import time
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -80,9 +81,11 @@ class VideoGenerator:
         config: run-time choices (`PAN2PipelineConfig`).
         progress: optional progress factory `(description, total, unit) → context manager yielding advance(n)`.
         info: optional callable for one-line notes (fallbacks, load times).
+        warn: optional callable for warnings that must be seen (a prompt cut to the text encoder's limit);
+            Python's `warnings.warn` by default.
     """
 
-    def __init__(self, components: PAN2Components, config: PAN2PipelineConfig | None = None, progress=None, info=None):
+    def __init__(self, components: PAN2Components, config: PAN2PipelineConfig | None = None, progress=None, info=None, warn=None):
         from pan2cli.dit.checkpoint import resolve_pan2_checkpoint
 
         self.components = components
@@ -92,6 +95,7 @@ class VideoGenerator:
         self.vae_dtype = self.config.torch_vae_dtype(self.device)
         self.progress = progress or _no_progress
         self.info = info or (lambda line: None)
+        self.warn = warn or (lambda line: warnings.warn(line, stacklevel=3))
         self.dit_config = resolve_pan2_checkpoint(components.folder("transformer")).arguments  # cheap: config + headers
 
     @classmethod
@@ -227,11 +231,9 @@ class VideoGenerator:
         from pan2cli.pipeline.text import PAN2TextEncoder
 
         start = time.perf_counter()
-        cfg = self.config
         encoder = PAN2TextEncoder.load(
-            self.components.folder("text_encoder"), self.components.folder("tokenizer"),
-            dtype=self.dtype, device=self.device, hidden_layer=cfg.text_hidden_layer, max_length=cfg.text_max_length,
-        )  # fmt: skip
+            self.components.folder("text_encoder"), self.components.folder("tokenizer"), dtype=self.dtype, device=self.device
+        )
         text_dim = self.dit_config.get("text_embed_dim", 4096)
         if encoder.hidden_size != text_dim:
             raise CheckpointError(
@@ -240,13 +242,21 @@ class VideoGenerator:
             )
         self._load_seconds(results, "load_text_encoder", time.perf_counter() - start)
         todo = [r for r in results if r.error is None]
+
+        def encode(prompt: str) -> torch.Tensor:
+            features, cut = encoder.encode(prompt)
+            if cut:  # the release keeps at most 1536 tokens after the chat template's user header
+                short = prompt if len(prompt) <= 40 else prompt[:40] + "…"
+                self.warn(f"the prompt {short!r} is {cut} tokens over the text encoder's limit of {encoder.max_length}; its last {cut} tokens were cut.")
+            return features
+
         with self.progress("Encoding the prompts", len(todo), "prompts") as advance:
             for result in todo:
                 settings = result.job.settings
 
                 def work(result=result, settings=settings):
-                    cond = encoder.encode(settings.prompt)
-                    uncond = encoder.encode(settings.negative_prompt) if uses_guidance(settings.guidance) else None
+                    cond = encode(settings.prompt)
+                    uncond = encode(settings.negative_prompt) if uses_guidance(settings.guidance) else None
                     result._text = (cond, uncond)
 
                 self._run_job(result, "text_encoding", work)

@@ -1,50 +1,240 @@
-"""The text encoder: a transformers model + tokenizer (PAN 2 uses Qwen3.5) turning prompts into DiT conditioning."""
+"""The PAN 2 text recipe: Qwen3.5's chat template with a system message, the tokens after the user header, `hidden_states[-3]`.
+
+Source for every constant: vLLM-Omni's PAN 2 pipeline (`encode_prompt` in
+vllm-project/vllm-omni:vllm_omni/diffusion/models/pan2/pipeline_pan2.py @f1ef55bd, identical in IFM's fork),
+summarised in ../shared/docs/pan2_model.md §4.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import re
 from pathlib import Path
+from typing import Iterator, Mapping, NamedTuple
 
 import torch
 
-from pan2cli.errors import CheckpointError
+from pan2cli.errors import CheckpointError, InputError
+from pan2cli.jsonfile import read_json_object
+from pan2cli.statedict import key_problems, listing
+
+SYSTEM_MESSAGE = "You are a helpful assistant. Generate the video with the following instructions."
+# The conditioning is the hidden states *before* the text model's last two layers (no final norm: the DiT's
+# context embedder normalises), `PAN2_TEXT_ENCODER_LAYERS_TO_SKIP = 2` in the source.
+HIDDEN_LAYER = -3
+# Tokens kept after the user header (the prompt, `<|im_end|>` and the assistant header): `PAN2_MAX_SEQUENCE_LENGTH`.
+MAX_PROMPT_TOKENS = 1536
+# The features start right after this header of the ChatML template.
+USER_HEADER = "<|im_start|>user\n"
+
+TEXT_MODEL_TYPE = "qwen3_5_text"  # config.json of a Qwen3_5TextModel
+MULTIMODAL_MODEL_TYPE = "qwen3_5"  # config.json of a Qwen3_5ForConditionalGeneration (text_config + vision_config)
+# Where a checkpoint keeps the language model's tensors, read from what transformers 5.24 saves:
+# Qwen3_5TextModel → no prefix; Qwen3_5ForConditionalGeneration (the layout of Qwen's own Qwen3.5 releases)
+# → "model.language_model."; Qwen3_5Model → "language_model.". Everything else (`model.visual.*`, `lm_head.*`,
+# `mtp.*`) belongs to the vision tower or the heads and is never read.
+LANGUAGE_MODEL_PREFIXES = ("", "model.language_model.", "language_model.")
+_OTHER_PARTS = ("model.visual.", "visual.", "lm_head.", "mtp.")
+_HINT = "text_encoder/ must hold the Qwen3.5 text model of a PAN 2 checkpoint (IFM/PAN2)"
+
+
+class EncodedPrompt(NamedTuple):
+    """What `PAN2TextEncoder.encode` returns.
+
+    features: `[1, L, hidden]` in the model's dtype, L ≤ `max_length` (no padding, so the DiT needs no mask).
+    tokens_cut: tokens dropped from the end because the prompt passed `max_length` (0 mostly).
+    """
+
+    features: torch.Tensor
+    tokens_cut: int
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Hide transformers' load reports, progress bars and fallback notes (pan2 prints its own lines)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def load_tokenizer(folder: Path):
+    """The tokenizer in `folder` (transformers' AutoTokenizer, local files only), checked to have a chat template.
+
+    Raises:
+        CheckpointError: unreadable, or without a chat template.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        with quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # transformers raises OSError, ValueError, KeyError...
+        raise CheckpointError(f"{folder} could not be read as a tokenizer: {exc}") from exc
+    if not getattr(tokenizer, "chat_template", None):
+        raise CheckpointError(
+            f"the tokenizer in {folder} has no chat template",
+            hint="PAN 2 renders prompts with the tokenizer's own ChatML template (chat_template.jinja or tokenizer_config.json)",
+        )
+    return tokenizer
+
+
+def read_text_config(folder: Path):
+    """The `Qwen3_5TextConfig` of `folder/config.json`: the file itself, or the `text_config` of a multimodal one.
+
+    Raises:
+        CheckpointError: no config, or a model type other than qwen3_5_text / qwen3_5 (named).
+    """
+    from transformers import Qwen3_5Config, Qwen3_5TextConfig
+
+    path = folder / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"no config.json in {folder}", hint=_HINT)
+    model_type = read_json_object(path).get("model_type")
+    if model_type not in (TEXT_MODEL_TYPE, MULTIMODAL_MODEL_TYPE):
+        raise CheckpointError(
+            f"{path} describes a {model_type!r} model, not Qwen3.5 ({TEXT_MODEL_TYPE!r} or {MULTIMODAL_MODEL_TYPE!r})",
+            hint=_HINT,
+        )
+    try:
+        if model_type == TEXT_MODEL_TYPE:
+            config = Qwen3_5TextConfig.from_pretrained(str(folder), local_files_only=True)
+        else:
+            config = Qwen3_5Config.from_pretrained(str(folder), local_files_only=True).text_config
+    except Exception as exc:  # the config classes validate their fields with ValueError/TypeError
+        raise CheckpointError(f"{path} is not a valid {model_type} config: {exc}") from exc
+    if config.num_hidden_layers < -HIDDEN_LAYER - 1:
+        raise CheckpointError(f"{path}: the text model has {config.num_hidden_layers} layers; PAN 2 reads hidden_states[{HIDDEN_LAYER}]")
+    return config
+
+
+def checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name → shape of `model.safetensors` or the shards of `model.safetensors.index.json` (headers only)."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no weight_map of tensor → shard file")
+        files = sorted({folder / str(name) for name in weight_map.values()})
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    else:
+        raise CheckpointError(f"{folder} has no model.safetensors or model.safetensors.index.json", hint=_HINT)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                shapes.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
+        except Exception as exc:  # missing shard, truncated header: safetensors raises its own errors and OSError
+            raise CheckpointError(f"{file} could not be read as safetensors: {exc}", hint=_HINT) from exc
+    return shapes
+
+
+def language_model_prefix(shapes: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], source: str) -> str:
+    """The prefix of the language model's tensors in `shapes`, checked strictly against `expected` (its own names).
+
+    Raises:
+        CheckpointError: no language model found, or missing / unexpected / mis-shaped language-model tensors (named).
+    """
+    prefix = next((p for p in LANGUAGE_MODEL_PREFIXES if f"{p}embed_tokens.weight" in shapes), None)
+    if prefix is None:
+        raise CheckpointError(
+            f"{source} holds no Qwen3.5 language model (no embed_tokens.weight under any of "
+            f"{', '.join(repr(p) for p in LANGUAGE_MODEL_PREFIXES)}); it has {listing(shapes)}",
+            hint=_HINT,
+        )
+    if prefix:
+        ours = {k[len(prefix) :]: s for k, s in shapes.items() if k.startswith(prefix)}
+    else:
+        ours = {k: s for k, s in shapes.items() if not k.startswith(_OTHER_PARTS + LANGUAGE_MODEL_PREFIXES[1:])}
+    problems = key_problems(ours, expected)
+    if problems:
+        where = f" (under {prefix!r})" if prefix else ""
+        raise CheckpointError(f"{source} does not hold the language model its config.json describes{where}: {'; '.join(problems)}", hint=_HINT)
+    return prefix
+
+
+def load_text_model(folder: Path, *, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    """The `Qwen3_5TextModel` in `folder`, from a text-only or a multimodal Qwen3.5 checkpoint (local files only).
+
+    A multimodal checkpoint gives its language model only: the model is built from `config.text_config` and
+    only the tensors under the language model's prefix are loaded; the vision tower is never built nor read.
+
+    Args:
+        folder: `text_encoder/` (config.json + model.safetensors or a sharded index).
+        dtype: parameter dtype (bf16 on GPU in the release).
+        device: where the model runs.
+
+    Returns:
+        The model in eval mode without gradients.
+
+    Raises:
+        CheckpointError: another model type (named), missing / unexpected / mis-shaped tensors (named), unreadable files.
+    """
+    from transformers import Qwen3_5TextModel
+
+    config = read_text_config(folder)
+    with quiet_transformers(), torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Qwen3_5TextModel(config).state_dict().items()}
+    prefix = language_model_prefix(checkpoint_shapes(folder), expected, str(folder))
+    try:
+        with quiet_transformers():
+            model, info = Qwen3_5TextModel.from_pretrained(
+                str(folder), config=config, dtype=dtype, local_files_only=True, output_loading_info=True,
+                key_mapping={f"^{re.escape(prefix)}": ""} if prefix else None,
+            )  # fmt: skip
+    except Exception as exc:
+        raise CheckpointError(f"{folder} could not be read as a Qwen3.5 text model: {exc}", hint=_HINT) from exc
+    if info.get("missing_keys") or info.get("mismatched_keys"):  # checked above; transformers would fill them randomly
+        raise CheckpointError(f"{folder}: transformers left tensors unloaded: {listing(map(str, [*info['missing_keys'], *info['mismatched_keys']]))}")
+    return model.to(device).eval().requires_grad_(False)
 
 
 class PAN2TextEncoder:
-    """Tokenise a prompt and return the hidden states of one layer of the text model.
+    """Turn a prompt into PAN 2's text conditioning with the Qwen3.5 text model and its tokenizer.
+
+    The prompt is rendered with the tokenizer's own chat template: a system message (`SYSTEM_MESSAGE`), the
+    prompt as the user message (an empty prompt as " ", as in training), `add_generation_prompt=True` and no
+    other template option. The model runs on the tokens up to `max_length` past the `<|im_start|>user\\n`
+    header; the features are `hidden_states[-3]` from the first token after that header.
 
     Args:
-        tokenizer: a transformers tokenizer.
-        model: a transformers model returning `hidden_states` with `output_hidden_states=True`.
-        hidden_layer: index into `hidden_states` (-1 the last layer's output).
-        max_length: tokens kept per prompt.
+        tokenizer: a transformers tokenizer with a ChatML chat template.
+        model: a `Qwen3_5TextModel` (anything returning `hidden_states` with `output_hidden_states=True`).
+        max_length (`int`, defaults to 1536): tokens kept after the user header; longer prompts lose their tail.
+
+    Raises:
+        CheckpointError: the template has no user header the tokenizer can find.
     """
 
-    def __init__(self, tokenizer, model, hidden_layer: int = -1, max_length: int = 512):
+    def __init__(self, tokenizer, model, max_length: int = MAX_PROMPT_TOKENS):
+        if max_length < 1:
+            raise ValueError(f"max_length must be ≥ 1, got {max_length}")
         self.tokenizer = tokenizer
         self.model = model
-        self.hidden_layer = hidden_layer
         self.max_length = max_length
+        self.header_ids = list(tokenizer(USER_HEADER, add_special_tokens=False)["input_ids"])
 
     @classmethod
-    def load(cls, text_encoder: Path, tokenizer: Path, *, dtype: torch.dtype, device: torch.device, hidden_layer: int = -1, max_length: int = 512) -> "PAN2TextEncoder":
-        """Read both with transformers' Auto classes from local folders (no download here).
+    def load(
+        cls, text_encoder: Path, tokenizer: Path, *, dtype: torch.dtype, device: torch.device | str, max_length: int = MAX_PROMPT_TOKENS
+    ) -> "PAN2TextEncoder":
+        """Read the tokenizer (`load_tokenizer`) and the text model (`load_text_model`) from local folders.
 
         Raises:
-            CheckpointError: transformers cannot read a folder (named).
+            CheckpointError: a folder that is not what PAN 2 needs (named).
         """
-        from transformers import AutoModel, AutoTokenizer
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # pan2's own progress is on stderr; no second bar per load
-        try:
-            tok = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
-        except Exception as exc:  # transformers raises OSError, ValueError, KeyError...
-            raise CheckpointError(f"{tokenizer} could not be read as a tokenizer: {exc}") from exc
-        try:
-            model = AutoModel.from_pretrained(str(text_encoder), dtype=dtype, local_files_only=True)
-        except Exception as exc:
-            raise CheckpointError(f"{text_encoder} could not be read as a transformers model: {exc}") from exc
-        return cls(tok, model.to(device).eval().requires_grad_(False), hidden_layer, max_length)
+        tok = load_tokenizer(Path(tokenizer))
+        return cls(tok, load_text_model(Path(text_encoder), dtype=dtype, device=device), max_length)
 
     @property
     def device(self) -> torch.device:
@@ -52,24 +242,49 @@ class PAN2TextEncoder:
 
     @property
     def hidden_size(self) -> int:
-        config = self.model.config
-        config = getattr(config, "text_config", None) or config  # multimodal configs nest the text model
-        return int(config.hidden_size)
+        return int(self.model.config.hidden_size)
+
+    def token_ids(self, prompt: str) -> tuple[list[int], int]:
+        """The rendered template's token ids and the index of the first token after the user header.
+
+        Raises:
+            CheckpointError: the header is not in the rendered ids (the template is not ChatML).
+            InputError: the prompt starts with line breaks that merge with the header (the release fails there too).
+        """
+        messages = [{"role": "system", "content": SYSTEM_MESSAGE}, {"role": "user", "content": prompt or " "}]
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding by default
+            ids = ids["input_ids"]
+        ids = [int(i) for i in ids]
+        n = len(self.header_ids)
+        start = next((i + n for i in range(len(ids) - n + 1) if n and ids[i : i + n] == self.header_ids), None)
+        if start is None:
+            if USER_HEADER in self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False):
+                raise InputError(
+                    f"the prompt {prompt[:40]!r} starts with line breaks that the tokenizer joins to the chat template's "
+                    f"{USER_HEADER!r} header, so the prompt's tokens cannot be told apart",
+                    hint="remove the line breaks at the start of the prompt",
+                )
+            raise CheckpointError(
+                f"the tokenizer's chat template does not render the {USER_HEADER!r} header",
+                hint="PAN 2 needs the ChatML template of the Qwen3.5 tokenizer (tokenizer/ of IFM/PAN2)",
+            )
+        return ids, start
 
     @torch.inference_mode()
-    def encode(self, prompt: str) -> torch.Tensor:
-        """`[1, L, hidden]` states of the prompt's tokens (no padding, so the DiT needs no mask).
+    def encode(self, prompt: str) -> EncodedPrompt:
+        """The conditioning of one prompt (the negative prompt goes the same way).
 
-        An empty prompt (the default negative prompt) becomes one end-of-text token: the model needs
-        at least one token.
+        Returns:
+            `EncodedPrompt(features [1, L, hidden], tokens_cut)`: L counts the prompt's tokens, `<|im_end|>` and
+            whatever the template puts after it (the assistant header), at most `max_length`.
         """
-        ids = self.tokenizer(prompt, truncation=True, max_length=self.max_length, add_special_tokens=True)["input_ids"]
-        if not ids:
-            fallback = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.tokenizer.pad_token_id
-            ids = [fallback if fallback is not None else 0]
-        input_ids = torch.tensor([ids], device=self.device)
-        out = self.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), output_hidden_states=True)
-        return out.hidden_states[self.hidden_layer]
+        ids, start = self.token_ids(prompt)
+        kept = ids[: start + self.max_length]
+        # One sequence, no padding: the causal mask transformers builds without `attention_mask` is the whole story.
+        with quiet_transformers():  # its once-per-process notes on optional kernels are not pan2's output
+            out = self.model(input_ids=torch.tensor([kept], device=self.device), output_hidden_states=True)
+        return EncodedPrompt(out.hidden_states[HIDDEN_LAYER][:, start:], len(ids) - len(kept))
 
     def release(self) -> None:
         """Drop the model's weights (and the GPU memory they held)."""
