@@ -1,4 +1,8 @@
-"""`pan2 generate` and `VideoGenerator` on CPU with a tiny random PAN 2 checkpoint."""
+"""`pan2 generate` and `VideoGenerator` on CPU with a tiny release-shaped PAN 2 repository (scripts/make_tiny_pan2.py).
+
+The sampler is checked against diffusers' FlowMatchEulerDiscreteScheduler (the release's scheduler, used here
+as an oracle only), the image conditioning against the release's recipe written out step by step.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +17,7 @@ import torch
 from pan2cli.errors import InputError
 from pan2cli.latents import normalize
 from pan2cli.pipeline import PAN2PipelineConfig, VideoGenerator
-from pan2cli.pipeline.image import fit_image, load_image
-from pan2cli.vae.checkpoint import load_vae_decoder, load_vae_encoder
-from pan2cli.video import psnr
+from pan2cli.vae.checkpoint import load_vae_encoder
 
 SMALL = dict(preset="pan2-5s", steps=2, frames=5, height=64, width=96)
 CLI_SMALL = ("--steps", 2, "--frames", 5, "--size", "64x96", "--device", "cpu")
@@ -38,24 +40,75 @@ def generator(tiny_pan2):
 
 @pytest.fixture(scope="module")
 def start_image(tmp_path_factory):
-    """A smooth 80x120 RGB picture (resized + centre-cropped to 64x96 by the pipeline)."""
-    y, x = np.mgrid[0:80, 0:120]
-    img = np.stack([128 + 100 * np.sin(x / 9.0), 128 + 100 * np.cos(y / 7.0), (x + y) % 256], axis=-1).astype(np.uint8)
+    """A 104x120 RGB picture whose channels and positions can be told apart (cover-resized to 83x96, cropped to 64x96)."""
+    y, x = np.mgrid[0:104, 0:120]
+    img = np.stack([(2 * x) % 256, (3 * y) % 256, (x * y) % 251], axis=-1).astype(np.uint8)
     path = tmp_path_factory.mktemp("img") / "start.png"
     iio.imwrite(path, img)
     return path
 
 
+class _Spy:
+    """Records every transformer call's (hidden_states, timestep, encoder_hidden_states)."""
+
+    def __init__(self, monkeypatch):
+        from pan2cli.dit.model import PAN2Transformer3DModel
+
+        self.calls = []
+        real = PAN2Transformer3DModel.forward
+
+        def spy(model, hidden_states, timestep, encoder_hidden_states):
+            self.calls.append((hidden_states.clone(), timestep.clone(), encoder_hidden_states.clone()))
+            return real(model, hidden_states, timestep, encoder_hidden_states)
+
+        monkeypatch.setattr(PAN2Transformer3DModel, "forward", spy)
+
+
 def test_cli_writes_mp4_and_sidecar(tiny_pan2, run_cli, tmp_path):
     out = tmp_path / "x.mp4"
-    res = run_cli("generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "-o", out)
+    res = run_cli("generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "--fps", 12, "-o", out)
     assert res.exit_code == 0, res.stderr
     assert res.stdout.strip() == str(out)
     assert _mp4_frames(out).shape == (5, 64, 96, 3)
+    import imageio
+
+    reader = imageio.get_reader(out, "ffmpeg")
+    try:
+        assert reader.get_meta_data()["fps"] == 12
+    finally:
+        reader.close()
     side = json.loads((tmp_path / "x.json").read_text())
     assert side["prompt"] == "a cat" and side["seed"] == 123 and side["steps"] == 2 and side["preset"] == "pan2-10s"
-    assert side["model"] == str(tiny_pan2) and side["pan2cli_version"] and side["overrides"]["steps"] == 2
+    assert side["fps"] == 12.0 and side["dtype"] == "float32"  # --device cpu runs float32
+    assert side["model"] == str(tiny_pan2.resolve()) and side["pan2cli_version"] and side["overrides"]["steps"] == 2
     assert {"text_encoding", "denoising", "decode"} <= set(side["seconds"])
+
+
+def test_sampler_is_the_release_flow_matching_euler_with_cfg(tiny_pan2, generator):
+    """Seeded CPU noise, shifted sigmas, σ·1000 timesteps, u + g·(c − u), Euler: diffusers' scheduler as the oracle."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from pan2cli.dit import PAN2Transformer3DModel
+    from pan2cli.pipeline.text import PAN2TextEncoder
+
+    steps, guidance, seed = 3, 3.5, 11
+    got = generator.generate("a red fox", negative_prompt="snow", seed=seed, guidance=guidance, **{**SMALL, "steps": steps}).latents
+
+    encoder = PAN2TextEncoder.load(tiny_pan2 / "text_encoder", tiny_pan2 / "tokenizer", dtype=torch.float32, device=torch.device("cpu"))
+    cond, uncond = encoder.encode("a red fox").features, encoder.encode("snow").features
+    model = PAN2Transformer3DModel.from_pretrained(tiny_pan2, subfolder="transformer", torch_dtype=torch.float32)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_pan2, subfolder="scheduler")
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1])
+    latents = torch.randn((1, 48, 2, 4, 6), generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32)
+    condition = torch.zeros(1, 49, 2, 4, 6)
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            x = torch.cat([latents, condition], dim=1)
+            c = model(x, t.expand(1), cond)
+            u = model(x, t.expand(1), uncond)
+            latents = scheduler.step(u + guidance * (c - u), t, latents).prev_sample
+    assert got.shape == latents.shape
+    assert (got - latents).abs().max().item() <= 1e-4  # float32 sigmas in diffusers, float64 here
 
 
 def test_seed_decides_the_frames(generator):
@@ -67,23 +120,20 @@ def test_seed_decides_the_frames(generator):
     assert not torch.equal(a, c)
 
 
-def test_guidance_one_is_the_conditional_prediction(generator, monkeypatch):
-    from pan2cli.dit.model import PAN2Transformer3DModel
-
-    calls = []
-    real = PAN2Transformer3DModel.forward
-
-    def counting(self, *args, **kwargs):
-        calls.append(1)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(PAN2Transformer3DModel, "forward", counting)
+def test_text_to_video_condition_is_zero_and_guidance_one_skips_the_negative(generator, monkeypatch):
+    spy = _Spy(monkeypatch)
     one = generator.generate("a dog", guidance=1.0, negative_prompt="snow", **SMALL)
-    assert len(calls) == 2  # one pass per step: no unconditional pass
-    other = generator.generate("a dog", guidance=1.0, negative_prompt="the city at night", **SMALL)
-    assert torch.equal(one.latents, other.latents)  # the negative prompt plays no part
+    assert len(spy.calls) == 2  # one pass per step: no unconditional pass
+    for hidden, timestep, _ in spy.calls:
+        assert hidden.shape == (1, 97, 2, 4, 6) and not hidden[:, 48:].any()  # no condition, no mask
+        assert timestep.shape == (1,)
+    assert [round(c[1].item(), 3) for c in spy.calls] == [1000.0, round(1000 * 9 * 0.5 / (1 + 8 * 0.5), 3)]
+    other = generator.generate("a dog", guidance=0.5, negative_prompt="the city at night", **SMALL)
+    assert len(spy.calls) == 4  # g ≤ 1: the release skips guidance
+    assert torch.equal(one.latents, other.latents)
     guided = generator.generate("a dog", guidance=2.5, negative_prompt="snow", **SMALL)
-    assert len(calls) == 2 + 2 + 4
+    assert len(spy.calls) == 4 + 4
+    assert not torch.equal(spy.calls[-1][2], spy.calls[-2][2])  # prompt and negative prompt differ
     assert not torch.equal(one.latents, guided.latents)
 
 
@@ -91,33 +141,32 @@ def test_offload_gives_the_same_frames(tiny_pan2, generator):
     offloaded = VideoGenerator.from_pretrained(tiny_pan2, config=PAN2PipelineConfig(device="cpu", offload=True))
     a = generator.generate("the door opens", **SMALL)
     b = offloaded.generate("the door opens", **SMALL)
-    # Same weights, same ops. On CPU the streamed copies of the weights give bit-identical DiT outputs
-    # except for a one-token text (the empty negative prompt), where the text-stream GEMVs round the
-    # last bit differently (measured 3.6e-7 per forward, 1.2e-6 in the latents): frames within 1 level.
+    # Same weights, same ops; the streamed copies can round a GEMV's last bit differently on CPU.
     assert torch.allclose(a.latents, b.latents, rtol=0, atol=1e-5)
     assert (a.frames.int() - b.frames.int()).abs().max().item() <= 1
-    # with guidance 1 (no one-token negative pass) the two runs are identical
-    a1 = generator.generate("the door opens", guidance=1.0, **SMALL)
-    b1 = offloaded.generate("the door opens", guidance=1.0, **SMALL)
-    assert torch.equal(a1.frames, b1.frames)
 
 
-def test_image_to_video_first_frame(tiny_pan2, generator, start_image):
-    res = generator.generate("the door opens", image=start_image, **SMALL)
-    # Random tiny VAE weights do not reproduce pictures, so the reference is decode(encode(image)):
-    # the first output frame must be the decode of the clean, normalised image latent.
+def test_image_to_video_conditions_frame_0_with_the_release_recipe(tiny_pan2, generator, start_image, monkeypatch):
+    """Cover-resize 104x120 → 83x96 (LANCZOS), crop rows round(19/2) = 10 (half to even) … 74, /255·2 − 1,
+    the VAE posterior's mode normalised, on condition frame 0 with mask 1 there; frame 0 itself still noised."""
+    from PIL import Image
+
+    spy = _Spy(monkeypatch)
+    res = generator.generate("the door opens", image=start_image, guidance=1.0, **SMALL)
+    with Image.open(start_image) as image:
+        resized = np.asarray(image.convert("RGB").resize((96, 83), resample=Image.LANCZOS))
+    crop = resized[10:74, 0:96].astype(np.float32)  # rows 10…73, RGB order kept
+    pixels = torch.from_numpy(crop).permute(2, 0, 1) / 255.0 * 2.0 - 1.0
     encoder = load_vae_encoder(tiny_pan2 / "vae")
-    decoder = load_vae_decoder(tiny_pan2 / "vae")
-    pixels = fit_image(load_image(start_image), 64, 96)
-    raw = encoder.encode(pixels[None, :, None])
-    expected = decoder.decode(raw)  # (1, 3, 1, 64, 96) in [-1, 1]
-    expected = ((expected[0, :, 0].permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255)
-    db = psnr(res.frames[0], expected)
-    print(f"i2v first frame vs decode(encode(image)): PSNR {db:.1f} dB")
-    assert db > 45.0
-    # and it is the image's latent that entered: frame 0 of the latents equals the normalised encoding
-    z0 = normalize(raw, decoder.config.latents_mean, decoder.config.latents_std)
-    assert torch.allclose(res.latents[:, :, :1], z0, atol=1e-5)
+    expected = normalize(encoder.encode(pixels[None, :, None]).float(), encoder.config.latents_mean, encoder.config.latents_std)
+    for hidden, _, _ in spy.calls:
+        assert torch.allclose(hidden[:, 48:96, :1], expected, atol=1e-5)
+        assert not hidden[:, 48:96, 1:].any()
+        assert (hidden[:, 96, 0] == 1).all() and not hidden[:, 96, 1:].any()
+    assert not torch.equal(spy.calls[0][0][:, :48, :1], expected)  # the noisy frame 0 is not replaced
+    assert not torch.allclose(res.latents[:, :, :1], expected, atol=1e-2)
+    plain = generator.generate("the door opens", guidance=1.0, **SMALL)
+    assert not torch.equal(plain.latents, res.latents)
 
 
 def test_save_latents_round_trip_through_pan2_decode(tiny_pan2, generator, run_cli, tmp_path):
@@ -126,11 +175,20 @@ def test_save_latents_round_trip_through_pan2_decode(tiny_pan2, generator, run_c
     assert res.exit_code == 0, res.stderr
     latents = tmp_path / "v.latents.pt"
     data = torch.load(latents, weights_only=True)
-    assert data["latents"].shape == (48, 2, 4, 6) and data["fps"] == 24.0
+    assert data["latents"].shape == (48, 2, 4, 6) and data["latents"].dtype == torch.float32 and data["fps"] == 24.0
+    again = generator.generate("a cat runs", **SMALL)
+    assert torch.equal(data["latents"], again.latents[0])
     dec = run_cli("decode", latents, "--vae", tiny_pan2 / "vae", "--device", "cpu", "-o", tmp_path / "d.pt")
     assert dec.exit_code == 0, dec.stderr
-    again = generator.generate("a cat runs", **SMALL)
     assert torch.equal(torch.load(tmp_path / "d.pt", weights_only=True), again.frames)
+
+
+def test_a_long_prompt_is_cut_with_a_warning_quiet_or_not(tiny_pan2, run_cli, tmp_path):
+    prompt = " ".join(["the red fox runs over the snow"] * 300)  # well over 1536 tokens after the header
+    res = run_cli("generate", prompt, "--model", tiny_pan2, *CLI_SMALL, "--steps", 1, "-q", "-o", tmp_path / "long.mp4")
+    assert res.exit_code == 0, res.stderr
+    warnings = [line for line in res.stderr.splitlines() if line.startswith("Warning:")]
+    assert len(warnings) == 1 and "tokens were cut" in warnings[0] and "1536" in warnings[0], res.stderr
 
 
 def test_prompt_file_batch_skip_existing_and_failures(tiny_pan2, run_cli, tmp_path, monkeypatch):
@@ -150,13 +208,15 @@ def test_prompt_file_batch_skip_existing_and_failures(tiny_pan2, run_cli, tmp_pa
     side = json.loads((out / "001_dog-run.json").read_text())
     assert side["negative_prompt"] == "visual: blurry, dark; motion: jitter" and side["name"] == "Dog Run"
 
-    # resume: only the missing one is made again
+    # resume: only the missing one is made again, its leftover sidecar replaced without --overwrite
     (out / "001_dog-run.mp4").unlink()
+    (out / "001_dog-run.json").write_text("{}")
     before = (out / "000_a-cat-jumps.mp4").stat().st_mtime_ns
-    res = run_cli("generate", "--prompts", prompts, "--model", tiny_pan2, *CLI_SMALL, "-o", out, "--skip-existing", "--overwrite")
+    res = run_cli("generate", "--prompts", prompts, "--model", tiny_pan2, *CLI_SMALL, "-o", out, "--skip-existing")
     assert res.exit_code == 0, res.stderr
     assert res.stdout.split() == [str(out / "001_dog-run.mp4")]
     assert (out / "000_a-cat-jumps.mp4").stat().st_mtime_ns == before
+    assert json.loads((out / "001_dog-run.json").read_text())["name"] == "Dog Run"
 
     # a failing prompt is reported, the others are made, exit 1 with a summary
     from pan2cli.pipeline.generator import VideoGenerator as G
@@ -186,15 +246,63 @@ def test_plain_text_prompt_file(tiny_pan2, run_cli, tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.mp4")) == ["000_a-cat.mp4", "001_the-dog.mp4"]
 
 
+def _broken_repo(tiny_pan2, tmp_path, case):
+    """A copy of the tiny repository with one thing wrong."""
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "broken"
+    shutil.copytree(tiny_pan2, model, ignore=shutil.ignore_patterns("vae") if case == "missing component" else None)
+    config_path = model / "transformer" / "config.json"
+    config = json.loads(config_path.read_text())
+    if case == "another model's transformer":
+        config_path.write_text(json.dumps({"_class_name": "WanTransformer3DModel", "num_layers": 30}))
+    elif case == "unknown config key":
+        config_path.write_text(json.dumps({**config, "hidden_size": 5120}))
+    elif case.startswith(("missing key", "unexpected key", "wrong shape")):
+        shard = sorted((model / "transformer").glob("*.safetensors"))[-1]
+        state = load_file(shard)
+        if case == "missing key":
+            state.pop("proj_out.weight")
+        elif case == "unexpected key":
+            state["proj_out.extra"] = torch.zeros(3)
+        else:
+            state["proj_out.bias"] = torch.zeros(7)
+        save_file(state, str(shard))
+        index_path = next((model / "transformer").glob("*.index.json"))
+        index = json.loads(index_path.read_text())
+        index["weight_map"] = {k: shard.name if k in state else v for k, v in index["weight_map"].items() if k in state or v != shard.name}
+        index_path.write_text(json.dumps(index))
+    elif case == "tokenizer without a chat template":
+        for name in ("tokenizer_config.json",):
+            path = model / "tokenizer" / name
+            data = json.loads(path.read_text())
+            data.pop("chat_template", None)
+            path.write_text(json.dumps(data))
+        for path in (model / "tokenizer").glob("chat_template*"):
+            path.unlink()
+    return model
+
+
 @pytest.mark.parametrize(
-    "case",
-    ["missing component", "empty prompt", "unreadable image", "frames not 1 mod 4", "size not multiple of 32"],
+    "case, message",
+    [
+        ("missing component", "vae/"),
+        ("another model's transformer", "WanTransformer3DModel"),
+        ("unknown config key", "hidden_size"),
+        ("missing key", "missing keys: proj_out.weight"),
+        ("unexpected key", "unexpected keys: proj_out.extra"),
+        ("wrong shape", "proj_out.bias [7] (expected [192])"),
+        ("tokenizer without a chat template", "chat template"),
+        ("empty prompt", "prompt is empty"),
+        ("unreadable image", "could not be read as an image"),
+        ("frames not 1 mod 4", "not 1 + 4·k"),
+        ("size not multiple of 32", "multiple of 32"),
+    ],
 )
-def test_bad_input_exits_2_without_a_file(case, tiny_pan2, run_cli, tmp_path):
+def test_bad_input_exits_2_with_one_error_line_and_no_file(case, message, tiny_pan2, run_cli, tmp_path):
     model, args = tiny_pan2, ["a cat"]
-    if case == "missing component":
-        model = tmp_path / "broken"
-        shutil.copytree(tiny_pan2, model, ignore=shutil.ignore_patterns("vae"))
+    if case in ("missing component", "another model's transformer", "unknown config key", "missing key", "unexpected key", "wrong shape", "tokenizer without a chat template"):
+        model = _broken_repo(tiny_pan2, tmp_path, case)
     elif case == "empty prompt":
         args = [""]
     elif case == "unreadable image":
@@ -209,10 +317,24 @@ def test_bad_input_exits_2_without_a_file(case, tiny_pan2, run_cli, tmp_path):
         small[small.index("--size") + 1] = "60x96"
     res = run_cli("generate", *args, "--model", model, *small, "-o", out)
     assert res.exit_code == 2, res.stderr
-    assert res.stderr.startswith("Error: ")
+    errors = [line for line in res.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1 and message in errors[0], res.stderr
     assert not out.exists() and not (tmp_path / "x.json").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".x.mp4")]
 
 
-def test_duration_sets_frames(generator):
-    res = generator.generate("a cat", preset="pan2-5s", steps=1, duration=0.3, fps=10, height=64, width=96)
-    assert res.frames.shape[0] == 5  # 4·round(3/4) + 1
+def test_output_folder_with_a_trailing_slash_must_exist(tiny_pan2, run_cli, tmp_path):
+    res = run_cli("generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "-o", f"{tmp_path}/clips/")
+    assert res.exit_code == 2 and "the folder does not exist" in res.stderr
+    assert not (tmp_path / "clips").exists()
+    (tmp_path / "clips").mkdir()
+    res = run_cli("generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "--steps", 1, "-o", f"{tmp_path}/clips/")
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout.strip() == str(tmp_path / "clips" / "a-cat.mp4")
+
+
+@pytest.mark.parametrize("duration, frames", [(0.52, 5), (0.64, 9)])
+def test_duration_rounds_to_the_nearest_frame_count(generator, duration, frames):
+    """frames = 4·round(duration·fps/4) + 1: 5.2/4 = 1.3 → 1 (not up to 2), 6.4/4 = 1.6 → 2 (not down to 1)."""
+    res = generator.generate("a cat", preset="pan2-5s", steps=1, duration=duration, fps=10, height=64, width=96)
+    assert res.frames.shape[0] == frames
