@@ -176,7 +176,7 @@ def test_missing_component_folder_named(release):
     shutil.rmtree(release / "tokenizer")
     with pytest.raises(CheckpointError, match=r"has no tokenizer/, vae/ \(a PAN 2 checkpoint needs") as info:
         resolve_components(release)
-    assert "the index puts vae in the repo IFM/PAN2" in str(info.value)  # a local folder is not completed from the hub
+    assert info.value.hint == "its index takes them from IFM/PAN2: pass --model IFM/PAN2 to fetch from the hub"  # no download
 
 
 def test_transformer_config_of_another_model_refused(release, no_tensor_reads):
@@ -471,3 +471,37 @@ def test_real_huggingface_hub_offline_reads_a_cached_snapshot(release_template, 
     assert components.revision == SHA and components.folder("tokenizer") == repo / "snapshots" / SHA / "tokenizer"
     with pytest.raises(DownloadError, match="no copy is cached"):
         resolve_components("IFM/Other")
+
+
+# -- through the CLI: one `Error:` line naming the problem, exit 2, nothing written ---------------------
+@pytest.mark.parametrize(
+    ("case", "named"),
+    [
+        ("missing component", "has no vae/"),
+        ("another pipeline", "describes a WanPipeline, not a PAN 2 pipeline"),
+        ("another transformer", "describes a WanTransformer3DModel, not a PAN2Transformer3DModel"),
+        ("unknown config key", "not PAN2Transformer3DModel config keys: qk_norm"),
+        ("wrong tensor shape", r"wrong shapes: proj_out.weight [8, 32] (expected [192, 32])"),
+    ],
+)
+def test_generate_refuses_a_wrong_checkpoint_in_one_line(release, run_cli, tmp_path, case, named):
+    if case == "missing component":
+        shutil.rmtree(release / "vae")
+    elif case == "another pipeline":
+        _write_json(release / "modular_model_index.json", {"_class_name": "WanPipeline"})
+    elif case == "another transformer":
+        _write_json(release / "transformer" / "config.json", {"_class_name": "WanTransformer3DModel"})
+    elif case == "unknown config key":
+        config = json.loads((release / "transformer" / "config.json").read_text())
+        _write_json(release / "transformer" / "config.json", {**config, "qk_norm": "rms_norm"})
+    else:
+        state = _single_file_transformer(release / "transformer")
+        state["proj_out.weight"] = torch.zeros(8, 32)
+        save_file(state, str(release / "transformer" / "diffusion_pytorch_model.safetensors"))
+    out = tmp_path / "x.mp4"
+    res = run_cli("generate", "a cat", "--model", release, "--device", "cpu", "--steps", 2, "--frames", 5, "--size", "64x96", "-o", out)
+    assert res.exit_code == 2, res.stderr
+    first = res.stderr.splitlines()[0]
+    assert first.startswith("Error: ") and named in first, res.stderr
+    assert not any(line.startswith("Error: ") for line in res.stderr.splitlines()[1:])
+    assert not out.exists() and not (tmp_path / "x.json").exists()

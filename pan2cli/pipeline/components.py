@@ -118,11 +118,11 @@ def read_pipeline_index(root: Path, label: Callable[[Path], str] = str) -> dict[
     return {c: ComponentPlace(c, c) for c in (*COMPONENTS, *OPTIONAL_COMPONENTS)}
 
 
-def missing_components_error(source: str, missing: list[ComponentPlace], elsewhere: str = "") -> CheckpointError:
+def missing_components_error(source: str, missing: list[ComponentPlace], hint: str = HINT) -> CheckpointError:
     """The error for required component folders that are not there (all of them named)."""
     folders = ", ".join(place.shown for place in missing)
     needs = ", ".join(f"{c}/" for c in COMPONENTS)
-    return CheckpointError(f"{source} has no {folders} (a PAN 2 checkpoint needs {needs}){elsewhere}", hint=HINT)
+    return CheckpointError(f"{source} has no {folders} (a PAN 2 checkpoint needs {needs})", hint=hint)
 
 
 def cached_commit(folder: Path) -> str | None:
@@ -145,8 +145,9 @@ def local_components(root: Path) -> PAN2Components:
     folders = {name: place.folder(root) for name, place in places.items()}
     missing = [places[name] for name in COMPONENTS if not folders[name].is_dir()]
     if missing:
-        notes = [f"the index puts {p.name} in the repo {p.repo_id}" for p in missing if p.repo_id and not looks_like_path(p.repo_id)]
-        raise missing_components_error(str(root), missing, "".join(f"; {note}" for note in notes))
+        repos = sorted({p.repo_id for p in missing if p.repo_id and not looks_like_path(p.repo_id)})
+        hint = f"its index takes them from {' and '.join(repos)}: pass --model {repos[0]} to fetch from the hub" if repos else HINT
+        raise missing_components_error(str(root), missing, hint)
     if not folders["scheduler"].is_dir():
         del folders["scheduler"]
     checked = check_components(folders, LOCAL_FILES)
