@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 from pan2cli.errors import DownloadError, InputError
@@ -100,3 +101,73 @@ def hub_errors(repo_id: str, revision: str | None, *, what: str, local_hint: str
 def looks_like_path(spec: str) -> bool:
     """Whether a `--model`-style spec that does not exist locally is a (missing) path rather than a repo id `owner/name`."""
     return spec.startswith(("/", "./", "../", "~", ".")) or spec.count("/") != 1
+
+
+# -- calls to the hub, one function each (so that a reachability probe can wrap them) ---------------
+def hub_offline() -> bool:
+    """Whether huggingface_hub is in offline mode (`HF_HUB_OFFLINE=1`): no request is made, the cache decides."""
+    from huggingface_hub import constants
+
+    is_offline = getattr(constants, "is_offline_mode", None)  # huggingface_hub >= 1.0; older: the constant
+    return bool(is_offline() if is_offline is not None else constants.HF_HUB_OFFLINE)
+
+
+def hub_snapshot(repo_id: str, revision: str | None, allow_patterns: list[str]) -> Path:
+    """`snapshot_download` of the files matching `allow_patterns` (cache, token, offline mode and progress bars as usual).
+
+    Returns:
+        The snapshot folder, named by the commit that `revision` resolved to (it may not exist when
+        nothing matched).
+    """
+    from huggingface_hub import snapshot_download
+
+    with _connection_errors():
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(allow_patterns)))
+
+
+def hub_list_files(repo_id: str, revision: str | None) -> set[str] | None:
+    """Every file path of a repo at `revision`, or None when offline or the hub cannot be reached (the cache decides)."""
+    if hub_offline():
+        return None
+    import huggingface_hub
+
+    try:
+        return set(huggingface_hub.list_repo_files(repo_id, revision=revision))
+    except Exception as exc:
+        if isinstance(exc, _unreachable_errors()):
+            return None
+        raise
+
+
+def hub_tensor_shapes(repo_id: str, filename: str, revision: str | None) -> dict[str, tuple[int, ...]]:
+    """Tensor name → shape, from the header of one safetensors file of a repo (HTTP range requests: no tensor is downloaded)."""
+    import huggingface_hub
+
+    with _connection_errors():
+        metadata = huggingface_hub.parse_safetensors_file_metadata(repo_id, filename, revision=revision)
+    return {name: tuple(info.shape) for name, info in metadata.tensors.items()}
+
+
+def _unreachable_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean "no connection" (offline mode, refused, timed out) in the HTTP client huggingface_hub uses."""
+    import importlib
+
+    errors: list[type[BaseException]] = [ConnectionError, TimeoutError]  # includes OfflineModeIsEnabled
+    for module, names in (("httpx2", ("TransportError",)), ("httpx", ("TransportError",)), ("requests", ("ConnectionError", "Timeout"))):
+        try:
+            loaded = importlib.import_module(module)
+        except ImportError:
+            continue
+        errors += [getattr(loaded, name) for name in names if isinstance(getattr(loaded, name, None), type)]
+    return tuple(errors)
+
+
+@contextmanager
+def _connection_errors() -> Iterator[None]:
+    """The HTTP client's connection errors (not OSErrors in httpx) as `ConnectionError`, which `hub_errors` maps."""
+    try:
+        yield
+    except Exception as exc:
+        if isinstance(exc, OSError) or not isinstance(exc, _unreachable_errors()):
+            raise
+        raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc

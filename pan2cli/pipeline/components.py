@@ -1,93 +1,178 @@
-"""Locate a PAN 2 checkpoint's components in a folder or a Hugging Face repo (downloading only what is needed).
+"""Locate a PAN 2 checkpoint (a folder or a Hugging Face repo) and check its components before anything big is read.
 
-Layout (diffusers-style, as `IFM/PAN2` ships it):
+Layout (IFM/PAN2, a Modular Diffusers repository):
 
-    transformer/   config.json + diffusion_pytorch_model*.safetensors (our MMDiT keys: pan2cli.dit.checkpoint)
-    text_encoder/  a transformers model (config.json + weights), read with AutoModel
-    tokenizer/     its tokenizer, read with AutoTokenizer
-    vae/           diffusers AutoencoderKLWan: config.json + diffusion_pytorch_model.safetensors (encoder + decoder)
-    scheduler/     optional: scheduler_config.json (`num_train_timesteps`; the shift comes from the preset)
+    modular_model_index.json  `_class_name` PAN2ModularPipeline; per component `[library, class_name, spec]`,
+                              the spec's `subfolder` (and `pretrained_model_name_or_path`, `revision`)
+    transformer/   config.json + diffusion_pytorch_model[-0000i-of-0000n].safetensors (+ .index.json)
+    text_encoder/  Qwen3.5 (transformers): config.json + model[-0000i-of-0000n].safetensors (+ .index.json)
+    tokenizer/     tokenizer.json, tokenizer_config.json, chat template (chat_template.jinja)
+    vae/           AutoencoderKLWan: config.json + diffusion_pytorch_model.safetensors
+    scheduler/     optional: scheduler_config.json (`num_train_timesteps`, `shift`)
+
+Without `modular_model_index.json`, a `model_index.json` (`PAN2Pipeline`) is read; with neither, the
+components are in the folders named above. Checks (`component_checks`) run on the small files and the
+safetensors headers before any weight is read; from the hub, before the weights are downloaded (`hub_check`).
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, Mapping
 
 from pan2cli.errors import CheckpointError, InputError
-from pan2cli.hub import hub_errors
+from pan2cli.hub import looks_like_path
+from pan2cli.jsonfile import read_json_object
 
 DEFAULT_MODEL_REPO = "IFM/PAN2"
 COMPONENTS = ("transformer", "text_encoder", "tokenizer", "vae")
 OPTIONAL_COMPONENTS = ("scheduler",)
-# Only these files are fetched from the hub (not original-format duplicates, images or docs).
-ALLOW_PATTERNS = (
-    "model_index.json",
-    *(f"{name}/*.json" for name in (*COMPONENTS, *OPTIONAL_COMPONENTS)),
-    *(f"{name}/*.safetensors" for name in ("transformer", "text_encoder", "vae")),
-    "tokenizer/*",
-)
-_HINT = "pass --model with a PAN 2 folder (transformer/, text_encoder/, tokenizer/, vae/) or a Hugging Face repo id"
+INDEX_FILES = ("modular_model_index.json", "model_index.json")  # the first one present is read
+PIPELINE_CLASSES = ("PAN2ModularPipeline", "PAN2Pipeline")
+HINT = "pass --model with a PAN 2 folder (transformer/, text_encoder/, tokenizer/, vae/) or a Hugging Face repo id"
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+@dataclass(frozen=True)
+class ComponentPlace:
+    """Where a pipeline index puts a component: a subfolder ("" for the root) of this checkpoint or of another repo."""
+
+    name: str
+    subfolder: str
+    repo_id: str | None = None  # `pretrained_model_name_or_path` of the spec; None: this checkpoint
+    revision: str | None = None
+
+    def folder(self, root: Path) -> Path:
+        return root / self.subfolder if self.subfolder else root
+
+    @property
+    def shown(self) -> str:
+        return f"{self.subfolder}/" if self.subfolder else "the root"
 
 
 @dataclass(frozen=True)
 class PAN2Components:
-    """Where each component lives, and where the checkpoint came from (for sidecars)."""
+    """A checked PAN 2 checkpoint: where each component's files are, and where they came from (for sidecars).
+
+    Attributes:
+        root: the checkpoint's folder (a hub repo: its snapshot folder in the huggingface_hub cache).
+        model_id: the repo id, or the folder's absolute path.
+        revision: the commit of the hub snapshot (a folder inside the hub cache: its commit; else None).
+        num_train_timesteps, scheduler_shift: from `scheduler/scheduler_config.json` (1000 / None when absent);
+            the shift is informational: sampling takes the preset's.
+        folders: component name → folder (a component from another repo: in that repo's snapshot).
+        sources: component name → where it came from (`repo@commit:subfolder`, or a path), for messages.
+        transformer_arguments: the checked constructor arguments of `transformer/config.json`.
+    """
 
     root: Path
     model_id: str
     revision: str | None
     num_train_timesteps: int = 1000
+    scheduler_shift: float | None = None
+    folders: Mapping[str, Path] = field(default_factory=dict)
+    sources: Mapping[str, str] = field(default_factory=dict)
+    transformer_arguments: Mapping[str, Any] = field(default_factory=dict)
 
     def folder(self, name: str) -> Path:
-        return self.root / name
+        return self.folders.get(name, self.root / name)
 
 
-def _check_folder(root: Path, source: str) -> None:
-    missing = [name for name in COMPONENTS if not (root / name).is_dir()]
+def _place(index: Mapping[str, Any], name: str, source: str) -> ComponentPlace:
+    entry = index.get(name)
+    if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], Mapping)):
+        return ComponentPlace(name, name)  # absent, or a model_index.json pair [library, class_name]
+    spec = entry[2]
+    subfolder = spec.get("subfolder", name)
+    subfolder = "" if subfolder is None else subfolder
+    if not isinstance(subfolder, str) or Path(subfolder).is_absolute() or ".." in Path(subfolder).parts:
+        raise CheckpointError(f"{source}: {name}'s subfolder {subfolder!r} is not a folder inside the checkpoint")
+    repo_id, revision = spec.get("pretrained_model_name_or_path"), spec.get("revision")
+    for key, value in (("pretrained_model_name_or_path", repo_id), ("revision", revision)):
+        if value is not None and not isinstance(value, str):
+            raise CheckpointError(f"{source}: {name}'s {key} must be a string or null, got {value!r}")
+    if spec.get("variant"):
+        raise CheckpointError(f"{source}: {name} names the weight variant {spec['variant']!r}; pan2 reads the default weight files only")
+    return ComponentPlace(name, subfolder.strip("/"), repo_id or None, revision or None)
+
+
+def read_pipeline_index(root: Path, label: Callable[[Path], str] = str) -> dict[str, ComponentPlace]:
+    """Where each component is, from `modular_model_index.json` (or `model_index.json`); defaults without either.
+
+    Raises:
+        CheckpointError: the index names another pipeline class, or a component spec is malformed.
+    """
+    for name in INDEX_FILES:
+        path = root / name
+        if path.is_file():
+            index = read_json_object(path)
+            class_name = index.get("_class_name")
+            if class_name is not None and class_name not in PIPELINE_CLASSES:
+                raise CheckpointError(
+                    f"{label(path)} describes a {class_name}, not a PAN 2 pipeline ({' or '.join(PIPELINE_CLASSES)})",
+                    hint=HINT,
+                )
+            return {c: _place(index, c, label(path)) for c in (*COMPONENTS, *OPTIONAL_COMPONENTS)}
+    return {c: ComponentPlace(c, c) for c in (*COMPONENTS, *OPTIONAL_COMPONENTS)}
+
+
+def missing_components_error(source: str, missing: list[ComponentPlace], hint: str = HINT) -> CheckpointError:
+    """The error for required component folders that are not there (all of them named)."""
+    folders = ", ".join(place.shown for place in missing)
+    needs = ", ".join(f"{c}/" for c in COMPONENTS)
+    return CheckpointError(f"{source} has no {folders} (a PAN 2 checkpoint needs {needs})", hint=hint)
+
+
+def cached_commit(folder: Path) -> str | None:
+    """The commit of a huggingface_hub cache snapshot folder (`…/snapshots/<commit>`), else None."""
+    return folder.name if folder.parent.name == "snapshots" and _COMMIT.fullmatch(folder.name) else None
+
+
+def local_components(root: Path) -> PAN2Components:
+    """Check a local checkpoint folder (every component must be in it) and describe it.
+
+    A component whose index spec names another repo must still be in the folder: a local folder is read
+    without network (pass the repo id as --model to fetch such components).
+
+    Raises:
+        CheckpointError: see `read_pipeline_index`, a missing component folder (named), `check_components`.
+    """
+    from pan2cli.pipeline.component_checks import LOCAL_FILES, check_components
+
+    places = read_pipeline_index(root)
+    folders = {name: place.folder(root) for name, place in places.items()}
+    missing = [places[name] for name in COMPONENTS if not folders[name].is_dir()]
     if missing:
-        raise CheckpointError(
-            f"{source} has no {', '.join(f'{m}/' for m in missing)} (a PAN 2 checkpoint needs {', '.join(f'{c}/' for c in COMPONENTS)})",
-            hint=_HINT,
-        )
-
-
-def _num_train_timesteps(root: Path) -> int:
-    path = root / "scheduler" / "scheduler_config.json"
-    if not path.is_file():
-        return 1000
-    try:
-        value = json.loads(path.read_text()).get("num_train_timesteps", 1000)
-    except (OSError, ValueError, AttributeError) as exc:
-        raise CheckpointError(f"{path} is not a readable JSON object: {exc}") from exc
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CheckpointError(f"{path}: num_train_timesteps must be a positive whole number, got {value!r}")
-    return value
-
-
-def _download(repo_id: str, revision: str | None) -> Path:
-    from huggingface_hub import snapshot_download
-
-    local_hint = "pass --model PATH to a local PAN 2 folder (or connect to the hub / unset HF_HUB_OFFLINE)"
-    with hub_errors(repo_id, revision, what="the PAN 2 checkpoint", local_hint=local_hint):
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(ALLOW_PATTERNS)))
-
-
-def _looks_like_path(spec: str) -> bool:
-    return spec.startswith(("/", "./", "../", "~", ".")) or spec.count("/") != 1
+        repos = sorted({p.repo_id for p in missing if p.repo_id and not looks_like_path(p.repo_id)})
+        hint = f"its index takes them from {' and '.join(repos)}: pass --model {repos[0]} to fetch from the hub" if repos else HINT
+        raise missing_components_error(str(root), missing, hint)
+    if not folders["scheduler"].is_dir():
+        del folders["scheduler"]
+    checked = check_components(folders, LOCAL_FILES)
+    return PAN2Components(
+        root, str(root), cached_commit(root), checked.num_train_timesteps, checked.scheduler_shift,
+        folders, {name: str(folder) for name, folder in folders.items()}, checked.transformer_arguments,
+    )  # fmt: skip
 
 
 def resolve_components(spec: str | Path | None = None, revision: str | None = None) -> PAN2Components:
-    """Find (or fetch) a PAN 2 checkpoint and check that every component is there.
+    """Find (or fetch) a PAN 2 checkpoint and check every component before anything big is read.
 
     Args:
-        spec: a local folder, or a Hugging Face repo id (default `IFM/PAN2`), fetched with
-            `snapshot_download` (only the files in `ALLOW_PATTERNS`; cache, token and offline mode as usual).
+        spec: a local folder, or a Hugging Face repo id (default `IFM/PAN2`): its small files are fetched
+            and checked first, then the weights (`pan2cli.pipeline.hub_check`; cache, token and
+            `HF_HUB_OFFLINE` as usual).
         revision: branch, tag or commit of the repo (ignored for folders).
 
+    Returns:
+        The checked components; `model_id` is the repo id or the folder's absolute path, `revision` the
+        commit used.
+
     Raises:
-        CheckpointError: a component folder is missing (exit 2).
+        CheckpointError: another pipeline or model, unknown config keys, a missing component (named),
+            tensors missing, unexpected or mis-shaped (named) (exit 2).
         InputError: no such folder, repository or revision (exit 2).
         DownloadError: the download failed, or offline with nothing cached (exit 1).
     """
@@ -95,11 +180,10 @@ def resolve_components(spec: str | Path | None = None, revision: str | None = No
     path = Path(spec).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise InputError(f"--model {spec} is a file; a PAN 2 checkpoint is a folder", hint=_HINT)
-        _check_folder(path, str(path))
-        return PAN2Components(path, str(path), None, _num_train_timesteps(path))
-    if _looks_like_path(spec):
-        raise InputError(f"no such folder: {spec}", hint=_HINT)
-    root = _download(spec, revision)
-    _check_folder(root, f"{spec}@{revision}" if revision else spec)
-    return PAN2Components(root, spec, revision, _num_train_timesteps(root))
+            raise InputError(f"--model {spec} is a file; a PAN 2 checkpoint is a folder", hint=HINT)
+        return local_components(path.resolve())
+    if looks_like_path(spec):
+        raise InputError(f"no such folder: {spec}", hint=HINT)
+    from pan2cli.pipeline.hub_check import hub_components
+
+    return hub_components(spec, revision)

@@ -1,0 +1,236 @@
+"""The cheap checks of a PAN 2 checkpoint's components, run before any weight is read or downloaded.
+
+They read small files only (config JSONs, safetensors indexes, tokenizer files) and safetensors headers,
+through a `FileView`, so that the same checks run on a local folder (files on disk, headers memory-mapped)
+and on a hub repo before its weights are downloaded (its file list; headers by HTTP range requests).
+Every failure is a `CheckpointError` (exit 2) naming the file, key or folder that does not match.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from pan2cli.errors import CheckpointError
+from pan2cli.jsonfile import read_json_object
+from pan2cli.statedict import key_problems, listing
+
+Shapes = dict[str, tuple[int, ...]]
+CONFIG = "config.json"
+SCHEDULER_CONFIG = "scheduler_config.json"
+# Weight file stems (`<stem>.safetensors`, or shards listed by `<stem>.safetensors.index.json`), first match wins.
+WEIGHT_STEMS = {"transformer": ("diffusion_pytorch_model", "model"), "text_encoder": ("model",), "vae": ("diffusion_pytorch_model",)}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+_DEFAULT_TIMESTEPS = 1000
+
+
+def _local_tensor_shapes(paths: list[Path]) -> list[Shapes]:
+    """Tensor name → shape of each file, from its header (memory-mapped; no tensor is read)."""
+    from safetensors import safe_open
+
+    out = []
+    for path in paths:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                out.append({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
+        except Exception as exc:  # safetensors raises its own SafetensorError and OSErrors
+            raise CheckpointError(f"{path} could not be read as safetensors (truncated or not a safetensors file): {exc}") from exc
+    return out
+
+
+@dataclass(frozen=True)
+class FileView:
+    """How the checks see a checkpoint's files (small files are on disk either way).
+
+    Args:
+        exists: whether a file, or a folder holding files, is in the checkpoint.
+        tensor_shapes: tensor name → shape of each safetensors file, from the headers only.
+        label: how messages name a path.
+    """
+
+    exists: Callable[[Path], bool] = Path.exists
+    tensor_shapes: Callable[[list[Path]], list[Shapes]] = _local_tensor_shapes
+    label: Callable[[Path], str] = str
+
+
+LOCAL_FILES = FileView()
+
+
+@dataclass(frozen=True)
+class CheckedComponents:
+    """What the checks read: the transformer's constructor arguments and the scheduler's values."""
+
+    transformer_arguments: dict[str, Any] = field(default_factory=dict)
+    num_train_timesteps: int = _DEFAULT_TIMESTEPS
+    scheduler_shift: float | None = None
+
+
+def check_components(folders: Mapping[str, Path], files: FileView = LOCAL_FILES) -> CheckedComponents:
+    """Check every component's small files and the transformer's and VAE's tensor names and shapes.
+
+    Args:
+        folders: component name → its folder (`transformer`, `text_encoder`, `tokenizer`, `vae`; `scheduler` optional).
+        files: how the files are seen (`LOCAL_FILES`, or a hub repo's view).
+
+    Raises:
+        CheckpointError: the first component that does not match, naming the file, keys or values.
+    """
+    arguments = check_transformer(folders["transformer"], files)
+    check_text_encoder(folders["text_encoder"], files, arguments.get("text_embed_dim", _transformer_default("text_embed_dim")))
+    check_tokenizer(folders["tokenizer"], files)
+    check_vae(folders["vae"], files)
+    timesteps, shift = read_scheduler(folders["scheduler"], files) if "scheduler" in folders else (_DEFAULT_TIMESTEPS, None)
+    return CheckedComponents(arguments, timesteps, shift)
+
+
+def weight_files(folder: Path, stems: tuple[str, ...], files: FileView = LOCAL_FILES) -> tuple[Path | None, list[Path]]:
+    """The index (None for a single file) and the safetensors files of a component, checked to exist.
+
+    Raises:
+        CheckpointError: no weights, a malformed index, or shards the index lists that are not there.
+    """
+    from pan2cli.dit.checkpoint import index_weight_map
+
+    for stem in stems:
+        index = folder / f"{stem}.safetensors.index.json"
+        if files.exists(index):
+            shards = sorted(set(index_weight_map(index).values()))
+            odd = [name for name in shards if Path(name).name != name or name in (".", "..")]
+            if odd:
+                raise CheckpointError(f"{files.label(index)} lists shard files outside its folder: {listing(odd)}")
+            missing = [name for name in shards if not files.exists(folder / name)]
+            if missing:
+                raise CheckpointError(f"{files.label(index)} lists {listing(missing)}, not in {files.label(folder)}")
+            return index, [folder / name for name in shards]
+        single = folder / f"{stem}.safetensors"
+        if files.exists(single):
+            return None, [single]
+    names = " or ".join(f"{stem}.safetensors (or shards with {stem}.safetensors.index.json)" for stem in stems)
+    raise CheckpointError(f"{files.label(folder)} has no {names}")
+
+
+def weight_shapes(folder: Path, stems: tuple[str, ...], files: FileView = LOCAL_FILES) -> Shapes:
+    """Tensor name → shape over all the files of a component, from their headers; the index checked against them.
+
+    Raises:
+        CheckpointError: a key in two shards, or an index mapping keys to shards that do not hold them.
+    """
+    from pan2cli.dit.checkpoint import index_weight_map
+
+    index, paths = weight_files(folder, stems, files)
+    shapes: Shapes = {}
+    owner: dict[str, str] = {}
+    for path, header in zip(paths, files.tensor_shapes(paths)):
+        for key, shape in header.items():
+            if key in owner:
+                raise CheckpointError(f"{key} is in both {owner[key]} and {path.name} ({files.label(folder)})")
+            shapes[key], owner[key] = tuple(shape), path.name
+    if index is not None:
+        wrong = sorted(key for key, shard in index_weight_map(index).items() if owner.get(key) != shard)
+        if wrong:
+            raise CheckpointError(f"{files.label(index)} maps keys to shards that do not hold them: {listing(wrong)}")
+    return shapes
+
+
+def _transformer_default(name: str) -> Any:
+    from pan2cli.dit.model import PAN2Transformer3DModel
+
+    return inspect.signature(PAN2Transformer3DModel.__init__).parameters[name].default
+
+
+def _config(folder: Path, files: FileView, name: str, what: str) -> Path:
+    path = folder / name
+    if not files.exists(path):
+        raise CheckpointError(f"{files.label(folder)} has no {name} ({what})")
+    return path
+
+
+def check_transformer(folder: Path, files: FileView = LOCAL_FILES) -> dict[str, Any]:
+    """`config.json` is a PAN 2 transformer's with known keys, and the weights hold exactly its tensors.
+
+    Returns:
+        The constructor arguments from `config.json`.
+    """
+    from pan2cli.dit.checkpoint import WEIGHT_STEMS as DIT_STEMS
+    from pan2cli.dit.checkpoint import check_tensor_shapes
+    from pan2cli.dit.config import config_arguments
+
+    config = _config(folder, files, CONFIG, "the PAN2Transformer3DModel config")
+    arguments = config_arguments(read_json_object(config), source=files.label(config))
+    check_tensor_shapes(weight_shapes(folder, DIT_STEMS, files), arguments, files.label(folder))
+    return arguments
+
+
+def _text_hidden_size(config: Mapping[str, Any]) -> int | None:
+    """`hidden_size` of a text-only (`qwen3_5_text`) or multimodal (`qwen3_5`, under `text_config`) config."""
+    for candidate in (config.get("text_config"), config):
+        if isinstance(candidate, Mapping) and isinstance(candidate.get("hidden_size"), int):
+            return candidate["hidden_size"]
+    return None
+
+
+def check_text_encoder(folder: Path, files: FileView, text_embed_dim: int) -> None:
+    """A transformers `config.json` whose hidden size is the transformer's `text_embed_dim`, and its weights."""
+    config = _config(folder, files, CONFIG, "the Qwen3.5 text encoder's transformers config")
+    weight_files(folder, WEIGHT_STEMS["text_encoder"], files)
+    hidden = _text_hidden_size(read_json_object(config))
+    if hidden is not None and hidden != text_embed_dim:
+        raise CheckpointError(
+            f"{files.label(config)} has hidden_size {hidden}, but the transformer's text_embed_dim is {text_embed_dim}",
+            hint="text_encoder/ and transformer/ come from different checkpoints",
+        )
+
+
+def check_tokenizer(folder: Path, files: FileView) -> None:
+    """Tokenizer files, with a chat template (`chat_template.jinja`/`.json`, or `chat_template` in tokenizer_config.json)."""
+    if not any(files.exists(folder / name) for name in _TOKENIZER_FILES):
+        raise CheckpointError(f"{files.label(folder)} has no {' or '.join(_TOKENIZER_FILES)}")
+    if files.exists(folder / "chat_template.jinja") or files.exists(folder / "chat_template.json"):
+        return
+    tokenizer_config = folder / "tokenizer_config.json"
+    if files.exists(tokenizer_config) and read_json_object(tokenizer_config).get("chat_template"):
+        return
+    raise CheckpointError(
+        f"{files.label(folder)} has no chat template (chat_template.jinja, or chat_template in tokenizer_config.json)",
+        hint="PAN 2 encodes prompts with the tokenizer's own chat template; use the tokenizer/ of IFM/PAN2",
+    )
+
+
+def check_vae(folder: Path, files: FileView) -> None:
+    """An AutoencoderKLWan `config.json` and `diffusion_pytorch_model.safetensors` holding its decoder (and encoder)."""
+    import torch
+
+    from pan2cli.vae.checkpoint import DIFFUSERS_WEIGHTS, check_decoder_keys
+    from pan2cli.vae.config import WanVAEConfig
+    from pan2cli.vae.encoder import WanVAEEncoder
+    from pan2cli.vae.model import WanVAEDecoder
+
+    config_path = _config(folder, files, CONFIG, "the AutoencoderKLWan config")
+    config = WanVAEConfig.from_diffusers_config(read_json_object(config_path), source=files.label(config_path))
+    weights = _config(folder, files, DIFFUSERS_WEIGHTS, "the Wan2.2 VAE weights")
+    shapes = files.tensor_shapes([weights])[0]
+    with torch.device("meta"):
+        decoder, encoder = WanVAEDecoder(config), WanVAEEncoder(config)
+    check_decoder_keys(shapes, {k: tuple(v.shape) for k, v in decoder.state_dict().items()}, files.label(weights))
+    # The encoder (image-to-video) is checked when the file has one; `load_vae_encoder` says so when it has none.
+    encoder_shapes = {k: v for k, v in shapes.items() if k.startswith(("encoder.", "quant_conv."))}
+    problems = key_problems(encoder_shapes, {k: tuple(v.shape) for k, v in encoder.state_dict().items()}) if encoder_shapes else []
+    if problems:
+        raise CheckpointError(f"{files.label(weights)} does not match the Wan2.2 VAE encoder ({'; '.join(problems)})")
+
+
+def read_scheduler(folder: Path, files: FileView) -> tuple[int, float | None]:
+    """`num_train_timesteps` (1000 when absent) and `shift` (None when absent) of `scheduler_config.json`, if any."""
+    path = folder / SCHEDULER_CONFIG
+    if not files.exists(path):
+        return _DEFAULT_TIMESTEPS, None
+    config = read_json_object(path)
+    timesteps = config.get("num_train_timesteps", _DEFAULT_TIMESTEPS)
+    if isinstance(timesteps, bool) or not isinstance(timesteps, int) or timesteps < 1:
+        raise CheckpointError(f"{files.label(path)}: num_train_timesteps must be a positive whole number, got {timesteps!r}")
+    shift = config.get("shift")
+    if shift is not None and (isinstance(shift, bool) or not isinstance(shift, (int, float)) or not shift > 0):
+        raise CheckpointError(f"{files.label(path)}: shift must be a positive number, got {shift!r}")
+    return timesteps, float(shift) if shift is not None else None
