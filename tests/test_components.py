@@ -10,6 +10,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+import pan2cli.hub
 import torch
 from safetensors.torch import load_file, save_file  # bound before `no_tensor_reads` replaces safetensors' readers
 
@@ -327,6 +329,7 @@ def fake_hub(monkeypatch, tmp_path):
         return hub
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(pan2cli.hub, "_unreachable", False)  # the fake hub answers: no reachability probe
     return install
 
 

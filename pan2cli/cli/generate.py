@@ -19,7 +19,7 @@ import click
 
 from pan2cli.cli._launch import run_on_ranks
 from pan2cli.cli._options import device_option, dtype_option, gpus_option, quiet_option
-from pan2cli.cli._output import info, progress_bar, result, status, warn
+from pan2cli.cli._output import info, progress_bar, result, warn
 from pan2cli.errors import InputError
 from pan2cli.pipeline.components import DEFAULT_MODEL_REPO
 from pan2cli.presets import DEFAULT_PRESET, load_preset
@@ -191,8 +191,12 @@ def _generate(prompt, prompts_file, output, model, revision, preset, overrides, 
     error, generator = None, None
     try:
         jobs_checked = []
-        with status("Locating the PAN 2 checkpoint…", quiet_here):
-            generator = VideoGenerator.from_pretrained(model, config=config, revision=revision, progress=_progress(quiet_here), info=lambda line: info(line, quiet_here), warn=warn)
+        # No spinner here: a first run downloads the weights with huggingface_hub's own progress bars.
+        if quiet_here:
+            from huggingface_hub.utils import disable_progress_bars
+
+            disable_progress_bars()
+        generator = VideoGenerator.from_pretrained(model, config=config, revision=revision, progress=_progress(quiet_here), info=lambda line: info(line, quiet_here), warn=warn)
         for job in jobs:
             generator.check_job(job)
             jobs_checked.append(job)

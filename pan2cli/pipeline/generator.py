@@ -31,7 +31,7 @@ import pan2cli
 from pan2cli import distributed
 from pan2cli.atomic import replace_into
 from pan2cli.decode import decode_latents
-from pan2cli.errors import CheckpointError, OutOfMemoryError, Pan2Error
+from pan2cli.errors import OutOfMemoryError, Pan2Error
 from pan2cli.pipeline.components import PAN2Components, resolve_components
 from pan2cli.pipeline.config import PAN2PipelineConfig
 from pan2cli.pipeline.conditioning import condition_latents
@@ -86,8 +86,6 @@ class VideoGenerator:
     """
 
     def __init__(self, components: PAN2Components, config: PAN2PipelineConfig | None = None, progress=None, info=None, warn=None):
-        from pan2cli.dit.checkpoint import resolve_pan2_checkpoint
-
         self.components = components
         self.config = config or PAN2PipelineConfig()
         self.device = self.config.torch_device()
@@ -96,7 +94,7 @@ class VideoGenerator:
         self.progress = progress or _no_progress
         self.info = info or (lambda line: None)
         self.warn = warn or (lambda line: warnings.warn(line, stacklevel=3))
-        self.dit_config = resolve_pan2_checkpoint(components.folder("transformer")).arguments  # cheap: config + headers
+        self.dit_config = dict(components.transformer_arguments)  # checked by resolve_components
 
     @classmethod
     def from_pretrained(cls, path_or_repo: str | Path | None = None, *, config: PAN2PipelineConfig | None = None, revision: str | None = None, **kwargs) -> "VideoGenerator":
@@ -234,12 +232,6 @@ class VideoGenerator:
         encoder = PAN2TextEncoder.load(
             self.components.folder("text_encoder"), self.components.folder("tokenizer"), dtype=self.dtype, device=self.device
         )
-        text_dim = self.dit_config.get("text_embed_dim", 4096)
-        if encoder.hidden_size != text_dim:
-            raise CheckpointError(
-                f"the text encoder's hidden size is {encoder.hidden_size}, the transformer expects text_embed_dim {text_dim}",
-                hint="text_encoder/ and transformer/ come from different checkpoints",
-            )
         self._load_seconds(results, "load_text_encoder", time.perf_counter() - start)
         todo = [r for r in results if r.error is None]
 
