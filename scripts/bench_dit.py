@@ -15,17 +15,20 @@ reference ops in the same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pan2cli.dit import PAN2Transformer3DModel, set_fused_kernels  # noqa: E402
-from pan2cli.dit.checkpoint import keeps_fp32  # noqa: E402
+from pan2cli.dit import set_fused_kernels  # noqa: E402
+from pan2cli.dit.checkpoint import release_defaults  # noqa: E402
+from scripts.make_random_pan2 import random_transformer  # noqa: E402
 
 SMALL = dict(num_attention_heads=2, attention_head_dim=16, num_layers=2, num_refiner_layers=1, text_embed_dim=32, rope_axes_dim=(4, 6, 6))
 
@@ -37,29 +40,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=1248)
     parser.add_argument("--text", type=int, default=300, help="text tokens (default 300)")
     parser.add_argument("--steps", type=int, default=2, help="timed CFG steps per length (default 2)")
-    parser.add_argument("--variants", nargs="+", default=["fused"], choices=["fused", "unfused"], help="DiT ops to time")
+    parser.add_argument(
+        "--variants", nargs="+", default=["fused"], choices=["fused", "unfused", "fused-cudnn", "fused-flash"],
+        help="DiT ops to time: fused Triton ops or the PyTorch reference; -cudnn / -flash pin SDPA's backend (default: torch's pick)",
+    )  # fmt: skip
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="a tiny config (dry run)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     return parser.parse_args()
-
-
-def random_model(config: dict, device: torch.device) -> PAN2Transformer3DModel:
-    """The model with random weights: bf16 (float32 where the release keeps float32), drawn on `device`."""
-    with torch.device("meta"):
-        model = PAN2Transformer3DModel(**config)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    for name, param in model.named_parameters():
-        param.data = torch.empty_like(param, dtype=torch.float32 if keeps_fp32(name) else dtype, device="meta")
-    model = model.to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 1:  # norm weights around 1, biases and tables small
-                param.copy_(torch.randn(param.shape, generator=generator, device=device) * 0.02 + (1.0 if "norm" in name and "linear" not in name else 0.0))
-            else:
-                param.normal_(0.0, param.shape[1] ** -0.5 if param.dim() == 2 else 0.02, generator=generator)
-    return model.eval().requires_grad_(False)
 
 
 def forward_flops(config: dict, video_tokens: int, text_tokens: int) -> float:
@@ -80,9 +68,9 @@ def forward_flops(config: dict, video_tokens: int, text_tokens: int) -> float:
 def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
-    config = {**{k: v.default for k, v in __import__("inspect").signature(PAN2Transformer3DModel).parameters.items()}, **(SMALL if args.small else {})}
+    config = {**release_defaults(), **(SMALL if args.small else {})}
     start = time.perf_counter()
-    model = random_model(config, device)
+    model = random_transformer(device, **(SMALL if args.small else {}))
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     sync()
     results = {
@@ -105,13 +93,14 @@ def main() -> None:
         uncond = torch.randn(1, 12, config["text_embed_dim"], generator=generator, device=device).to(dtype)  # " " through the template
         timestep = torch.tensor([900.0], device=device)
         for variant in args.variants:
-            set_fused_kernels(model, variant == "fused" and device.type == "cuda")
+            set_fused_kernels(model, variant.startswith("fused") and device.type == "cuda")
+            backend = {"fused-cudnn": SDPBackend.CUDNN_ATTENTION, "fused-flash": SDPBackend.FLASH_ATTENTION}.get(variant)
 
             def step():
                 model(hidden, timestep, cond)
                 model(hidden, timestep, uncond)
 
-            with torch.inference_mode():
+            with torch.inference_mode(), sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
                 step()  # warm-up: Triton compiles, cuBLAS picks its kernels
                 sync()
                 if device.type == "cuda":

@@ -198,7 +198,11 @@ class VideoGenerator:
 
     @contextmanager
     def _timed(self, result: GenerationResult, stage: str) -> Iterator[None]:
+        """Seconds of a stage, and on CUDA its peak allocated memory (the resident model included)."""
         self._sync()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         try:
             yield
@@ -207,6 +211,9 @@ class VideoGenerator:
         finally:
             self._sync()
             result.seconds[stage] = result.seconds.get(stage, 0.0) + time.perf_counter() - start
+            if cuda:
+                peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+                result.peak_gpu_gib[stage] = max(result.peak_gpu_gib.get(stage, 0.0), peak)
 
     def _run_job(self, result: GenerationResult, stage: str, work: Callable[[], None]) -> None:
         """Run one job's stage; a failure is the job's (recorded, the batch goes on), Ctrl-C is everyone's."""
@@ -449,4 +456,5 @@ class VideoGenerator:
             "dtype": str(self.dtype).removeprefix("torch."),
             "config": asdict(self.config),
             "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
+            "peak_gpu_memory_gib": {k: round(v, 2) for k, v in result.peak_gpu_gib.items()},
         }

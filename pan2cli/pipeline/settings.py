@@ -128,12 +128,13 @@ class GenerationJob:
 
 @dataclass
 class GenerationResult:
-    """What one job produced: uint8 frames `[F, H, W, 3]` on the host (if asked), the normalised latents, per-stage seconds."""
+    """What one job produced: uint8 frames `[F, H, W, 3]` on the host (if asked), the normalised latents, per-stage seconds and peak GPU memory."""
 
     job: GenerationJob
     frames: torch.Tensor | None = None
     latents: torch.Tensor | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    peak_gpu_gib: dict[str, float] = field(default_factory=dict)  # per stage, CUDA only
     output: Path | None = None
     sidecar: Path | None = None
     latents_path: Path | None = None

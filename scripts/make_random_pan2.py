@@ -1,0 +1,110 @@
+"""Write a full-size random-weight PAN 2 repository in the IFM/PAN2 layout (for end-to-end timing on a GPU machine).
+
+Usage: PYTHONPATH=. python scripts/make_random_pan2.py OUT [--device cuda]
+
+The same layout and files as scripts/make_tiny_pan2.py, at the release's sizes: the 29.2 B transformer at
+the default config (bf16, AdaLN linears float32: 67.3 GB in 5 GB shards), a Qwen3.5-9B-shaped text model
+(transformers' `Qwen3_5TextConfig()` defaults: hidden 4096, 32 layers; bf16, ~18 GB), the full Wan2.2 VAE
+(float32) and the tiny repo's tokenizer (its ids fit any vocabulary). Weights are drawn on `--device` (fast
+on a GPU) and written as they are drawn; about 88 GB of disk. Random weights make noise videos: this is for
+seconds and memory, not pictures.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import click
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pan2cli.dit.checkpoint import keeps_fp32, save_pan2_transformer  # noqa: E402
+from pan2cli.dit.model import PAN2Transformer3DModel  # noqa: E402
+from pan2cli.pipeline.text import quiet_transformers  # noqa: E402
+from pan2cli.vae.config import WanVAEConfig  # noqa: E402
+from pan2cli.vae.random_weights import write_test_checkpoints  # noqa: E402
+from scripts.make_tiny_pan2 import SCHEDULER_CONFIG, write_modular_index, write_tokenizer  # noqa: E402
+
+SHARD_BYTES = 5 * 10**9
+
+
+def _randomise(model: torch.nn.Module, device: torch.device, seed: int) -> None:
+    """Matrices N(0, 1/fan_in), vectors 0.02-scale noise (around 1 for norm weights), drawn on `device`."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, param[0].numel() ** -0.5, generator=generator)
+            else:
+                centre = 1.0 if "norm" in name and "linear" not in name else 0.0
+                param.normal_(centre, 0.02, generator=generator)
+
+
+def random_transformer(device: torch.device, seed: int = 0, **config) -> PAN2Transformer3DModel:
+    """The transformer (release config unless `config` changes it) with random weights on `device`: bf16, AdaLN float32."""
+    with torch.device("meta"):
+        model = PAN2Transformer3DModel(**config)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    for name, param in model.named_parameters():
+        param.data = torch.empty_like(param, dtype=torch.float32 if keeps_fp32(name) else dtype, device="meta")
+    model = model.to_empty(device=device)
+    _randomise(model, device, seed)
+    return model.eval().requires_grad_(False)
+
+
+def random_text_model(vocab_size: int, device: torch.device, seed: int = 1, **overrides):
+    """A Qwen3.5-9B-shaped `Qwen3_5TextModel` (transformers' defaults) with random bf16 weights on `device`."""
+    from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
+
+    config = Qwen3_5TextConfig(**{"vocab_size": max(vocab_size, Qwen3_5TextConfig().vocab_size), **overrides})
+    with torch.device("meta"):
+        model = Qwen3_5TextModel(config)
+    model = model.to(torch.bfloat16).to_empty(device=device)
+    _randomise(model, device, seed)
+    return model.eval()
+
+
+def write_random_pan2(root: Path, device: torch.device) -> dict[str, float]:
+    """Write every component into `root`; returns the seconds each took."""
+    root.mkdir(parents=True, exist_ok=True)
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    with quiet_transformers():
+        tokenizer = write_tokenizer(root / "tokenizer")
+        text_model = random_text_model(len(tokenizer), device)
+        text_model.save_pretrained(str(root / "text_encoder"), max_shard_size="5GB")
+    del text_model
+    seconds["text_encoder"] = time.perf_counter() - start
+    start = time.perf_counter()
+    model = random_transformer(device)
+    save_pan2_transformer(model, root / "transformer", max_shard_bytes=SHARD_BYTES)
+    del model
+    seconds["transformer"] = time.perf_counter() - start
+    start = time.perf_counter()
+    scratch = root / ".vae.tmp"
+    written = write_test_checkpoints(scratch, WanVAEConfig(), seed=0, formats=("diffusers",))["diffusers"]
+    shutil.move(str(written), str(root / "vae"))
+    shutil.rmtree(scratch)
+    seconds["vae"] = time.perf_counter() - start
+    (root / "scheduler").mkdir(exist_ok=True)
+    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER_CONFIG, indent=2) + "\n")
+    write_modular_index(root, type(tokenizer).__name__)
+    return seconds
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--device", default="cuda" if torch.cuda.is_available() else "cpu", show_default=True, help="Where the weights are drawn.")
+def main(out: Path, device: str) -> None:
+    """Write a full-size random-weight PAN 2 repository in the IFM/PAN2 layout to OUT (~88 GB)."""
+    seconds = write_random_pan2(out, torch.device(device))
+    click.echo(json.dumps({"out": str(out), "seconds": {k: round(v, 1) for k, v in seconds.items()}}))
+
+
+if __name__ == "__main__":
+    main()
