@@ -108,8 +108,10 @@ def hub_offline() -> bool:
     """Whether huggingface_hub is in offline mode (`HF_HUB_OFFLINE=1`): no request is made, the cache decides."""
     from huggingface_hub import constants
 
-    is_offline = getattr(constants, "is_offline_mode", None)  # huggingface_hub >= 1.0; older: the constant
-    return bool(is_offline() if is_offline is not None else constants.HF_HUB_OFFLINE)
+    # The constant is what the reachability probe sets and what every huggingface_hub version's HTTP session
+    # honours; `is_offline_mode()` (>= 1.0) does not read it in every version.
+    is_offline = getattr(constants, "is_offline_mode", None)
+    return bool(constants.HF_HUB_OFFLINE or (is_offline is not None and is_offline()))
 
 
 def hub_snapshot(repo_id: str, revision: str | None, allow_patterns: list[str]) -> Path:
@@ -152,7 +154,12 @@ def _unreachable_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean "no connection" (offline mode, refused, timed out) in the HTTP client huggingface_hub uses."""
     import importlib
 
-    errors: list[type[BaseException]] = [ConnectionError, TimeoutError]  # includes OfflineModeIsEnabled
+    from huggingface_hub import errors as hub_error_types
+
+    errors: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    offline = getattr(hub_error_types, "OfflineModeIsEnabled", None)  # a ConnectionError in some versions only
+    if isinstance(offline, type):
+        errors.append(offline)
     for module, names in (("httpx2", ("TransportError",)), ("httpx", ("TransportError",)), ("requests", ("ConnectionError", "Timeout"))):
         try:
             loaded = importlib.import_module(module)

@@ -266,6 +266,15 @@ def test_no_such_folder_and_file_are_input_errors(tmp_path):
 
 
 # -- the hub (huggingface_hub's functions replaced by a fake hub serving local folders) ----------------
+def _hub_http_client():
+    """The HTTP library huggingface_hub's errors carry responses of: httpx2 (huggingface_hub 2.x) or httpx (1.x)."""
+    try:
+        import httpx2 as http
+    except ImportError:
+        import httpx as http
+    return http
+
+
 class FakeHub:
     """Serves local folders as hub repos and records every request, in order."""
 
@@ -273,10 +282,10 @@ class FakeHub:
         self.cache, self.repos, self.calls = cache, repos, []
 
     def _repo(self, repo_id: str, revision: str | None) -> tuple[Path, str]:
-        import httpx2
         from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
-        response = httpx2.Response(404, request=httpx2.Request("GET", f"https://huggingface.co/api/models/{repo_id}"))
+        http = _hub_http_client()
+        response = http.Response(404, request=http.Request("GET", f"https://huggingface.co/api/models/{repo_id}"))
         if repo_id not in self.repos:
             raise RepositoryNotFoundError(f"404: {repo_id}", response=response)
         folder, sha = self.repos[repo_id]
