@@ -69,8 +69,8 @@ def random_text_model(vocab_size: int, device: torch.device, seed: int = 1, **ov
     return model.eval()
 
 
-def write_random_pan2(root: Path, device: torch.device) -> dict[str, float]:
-    """Write every component into `root`; returns the seconds each took."""
+def write_random_pan2(root: Path, device: torch.device, transformer_dir: Path | None = None) -> dict[str, float]:
+    """Write every component into `root` (the transformer into `transformer_dir`, linked from `root`); returns the seconds each took."""
     root.mkdir(parents=True, exist_ok=True)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
@@ -82,7 +82,9 @@ def write_random_pan2(root: Path, device: torch.device) -> dict[str, float]:
     seconds["text_encoder"] = time.perf_counter() - start
     start = time.perf_counter()
     model = random_transformer(device)
-    save_pan2_transformer(model, root / "transformer", max_shard_bytes=SHARD_BYTES)
+    save_pan2_transformer(model, transformer_dir or root / "transformer", max_shard_bytes=SHARD_BYTES)
+    if transformer_dir is not None:
+        (root / "transformer").symlink_to(transformer_dir.resolve(), target_is_directory=True)
     del model
     seconds["transformer"] = time.perf_counter() - start
     start = time.perf_counter()
@@ -100,9 +102,13 @@ def write_random_pan2(root: Path, device: torch.device) -> dict[str, float]:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--device", default="cuda" if torch.cuda.is_available() else "cpu", show_default=True, help="Where the weights are drawn.")
-def main(out: Path, device: str) -> None:
+@click.option(
+    "--transformer-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+    help="Write the transformer's 67 GB there (another disk, or a tmpfs) and link OUT/transformer to it.",
+)  # fmt: skip
+def main(out: Path, device: str, transformer_dir: Path | None) -> None:
     """Write a full-size random-weight PAN 2 repository in the IFM/PAN2 layout to OUT (~88 GB)."""
-    seconds = write_random_pan2(out, torch.device(device))
+    seconds = write_random_pan2(out, torch.device(device), transformer_dir)
     click.echo(json.dumps({"out": str(out), "seconds": {k: round(v, 1) for k, v in seconds.items()}}))
 
 

@@ -269,24 +269,29 @@ def save_pan2_transformer(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / CONFIG_NAME).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    state = model.state_dict()
+
+    def on_host(keys) -> dict[str, torch.Tensor]:
+        # One shard at a time on the host: a 67 GB model on a GPU never needs 67 GB of host memory here.
+        return {key: state[key].detach().cpu().contiguous() for key in keys}
+
     if max_shard_bytes is None:
-        save_file(state, str(folder / f"{stem}.safetensors"))
+        save_file(on_host(state), str(folder / f"{stem}.safetensors"))
         return folder
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    shards: list[list[str]] = [[]]
     size = 0
     for key, tensor in state.items():
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
+            shards.append([])
             size = 0
-        shards[-1][key] = tensor
+        shards[-1].append(key)
         size += nbytes
     weight_map = {}
-    for i, shard in enumerate(shards, start=1):
+    for i, keys in enumerate(shards, start=1):
         name = f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / name))
-        weight_map.update({key: name for key in shard})
+        save_file(on_host(keys), str(folder / name))
+        weight_map.update({key: name for key in keys})
     total = sum(t.numel() * t.element_size() for t in state.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
