@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,7 +32,10 @@ def _use_the_cache_if_unreachable() -> None:
         get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
         _unreachable = False
     except Exception:  # no route, refused, DNS, TLS, timeout: whatever it is, downloads would fail too
-        constants.HF_HUB_OFFLINE = True  # read on every request (huggingface_hub's is_offline_mode)
+        # The constant is what the HTTP session of every huggingface_hub version checks; the variable is what
+        # some 1.x versions' snapshot_download reads (through is_offline_mode) to take the cache instead.
+        constants.HF_HUB_OFFLINE = True
+        os.environ["HF_HUB_OFFLINE"] = "1"
         _unreachable = True
 
 
@@ -111,7 +115,8 @@ def hub_offline() -> bool:
     # The constant is what the reachability probe sets and what every huggingface_hub version's HTTP session
     # honours; `is_offline_mode()` (>= 1.0) does not read it in every version.
     is_offline = getattr(constants, "is_offline_mode", None)
-    return bool(constants.HF_HUB_OFFLINE or (is_offline is not None and is_offline()))
+    variable = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+    return bool(constants.HF_HUB_OFFLINE or variable or (is_offline is not None and is_offline()))
 
 
 def hub_snapshot(repo_id: str, revision: str | None, allow_patterns: list[str]) -> Path:

@@ -26,6 +26,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _hub_offline_state_per_test(monkeypatch):
+    """The hub reachability probe switches the process to offline mode for good (pan2cli.hub): undo it after
+    each test, so that no test's outcome depends on which test probed first."""
+    import os
+
+    from huggingface_hub import constants
+
+    import pan2cli.hub
+
+    monkeypatch.setattr(pan2cli.hub, "_unreachable", pan2cli.hub._unreachable)
+    monkeypatch.setattr(pan2cli.hub, "_said_unreachable", pan2cli.hub._said_unreachable)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", constants.HF_HUB_OFFLINE)
+    # setenv records the variable's value (or its absence) for the teardown; delenv then restores "absent" now
+    monkeypatch.setenv("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", ""))
+    if not os.environ["HF_HUB_OFFLINE"]:
+        monkeypatch.delenv("HF_HUB_OFFLINE")
+
+
 @pytest.fixture(scope="module")
 def full_size_state():
     """Decoder tensors of the full TI2V-5B VAE (random, γ and biases perturbed), fp32 on the CPU (GPU tests)."""

@@ -479,6 +479,7 @@ def test_real_huggingface_hub_offline_reads_a_cached_snapshot(release_template, 
     (repo / "refs" / "main").write_text(SHA)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # what users set; some 1.x versions read the variable itself
     components = resolve_components(REPO)
     assert components.revision == SHA and components.folder("tokenizer") == repo / "snapshots" / SHA / "tokenizer"
     with pytest.raises(DownloadError, match="no copy is cached"):
