@@ -129,7 +129,8 @@ def hub_snapshot(repo_id: str, revision: str | None, allow_patterns: list[str]) 
     from huggingface_hub import snapshot_download
 
     with _connection_errors():
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(allow_patterns)))
+        # Offline, say so explicitly: some huggingface_hub 1.x versions otherwise still list the repo's tree.
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(allow_patterns), local_files_only=hub_offline()))
 
 
 def hub_list_files(repo_id: str, revision: str | None) -> set[str] | None:
