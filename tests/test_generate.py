@@ -146,6 +146,18 @@ def test_offload_gives_the_same_frames(tiny_pan2, generator):
     assert (a.frames.int() - b.frames.int()).abs().max().item() <= 1
 
 
+def test_cli_offload_and_image_to_video_end_to_end(tiny_pan2, generator, start_image, run_cli, tmp_path):
+    out = tmp_path / "door.mp4"
+    res = run_cli("generate", "the door opens", "--model", tiny_pan2, *CLI_SMALL, "--image", start_image, "--offload", "--save-latents", "-o", out)
+    assert res.exit_code == 0, res.stderr
+    assert _mp4_frames(out).shape == (5, 64, 96, 3)
+    side = json.loads((tmp_path / "door.json").read_text())
+    assert side["image"] == str(start_image) and side["config"]["offload"] is True
+    saved = torch.load(tmp_path / "door.latents.pt", weights_only=True)["latents"]
+    in_memory = generator.generate("the door opens", image=start_image, **SMALL).latents[0]
+    assert torch.allclose(saved, in_memory, rtol=0, atol=1e-5)  # streamed weights: the same latents
+
+
 def test_image_to_video_conditions_frame_0_with_the_release_recipe(tiny_pan2, generator, start_image, monkeypatch):
     """Cover-resize 104x120 → 83x96 (LANCZOS), crop rows round(19/2) = 10 (half to even) … 74, /255·2 − 1,
     the VAE posterior's mode normalised, on condition frame 0 with mask 1 there; frame 0 itself still noised."""
