@@ -13,7 +13,6 @@ seconds and memory, not pictures.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -27,8 +26,7 @@ from pan2cli.dit.checkpoint import keeps_fp32, save_pan2_transformer  # noqa: E4
 from pan2cli.dit.model import PAN2Transformer3DModel  # noqa: E402
 from pan2cli.pipeline.text import quiet_transformers  # noqa: E402
 from pan2cli.vae.config import WanVAEConfig  # noqa: E402
-from pan2cli.vae.random_weights import write_test_checkpoints  # noqa: E402
-from scripts.make_tiny_pan2 import SCHEDULER_CONFIG, write_modular_index, write_tokenizer  # noqa: E402
+from scripts.make_tiny_pan2 import write_scheduler_and_index, write_tokenizer, write_vae  # noqa: E402
 
 SHARD_BYTES = 5 * 10**9
 
@@ -88,14 +86,9 @@ def write_random_pan2(root: Path, device: torch.device, transformer_dir: Path | 
     del model
     seconds["transformer"] = time.perf_counter() - start
     start = time.perf_counter()
-    scratch = root / ".vae.tmp"
-    written = write_test_checkpoints(scratch, WanVAEConfig(), seed=0, formats=("diffusers",))["diffusers"]
-    shutil.move(str(written), str(root / "vae"))
-    shutil.rmtree(scratch)
+    write_vae(root / "vae", seed=0, config=WanVAEConfig())
     seconds["vae"] = time.perf_counter() - start
-    (root / "scheduler").mkdir(exist_ok=True)
-    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER_CONFIG, indent=2) + "\n")
-    write_modular_index(root, type(tokenizer).__name__)
+    write_scheduler_and_index(root, type(tokenizer).__name__)
     return seconds
 
 

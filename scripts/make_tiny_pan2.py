@@ -171,10 +171,10 @@ def write_transformer(folder: Path, model: PAN2Transformer3DModel) -> None:
     config_path.write_text(json.dumps({**config, "_diffusers_version": DIFFUSERS_VERSION}, indent=2) + "\n")
 
 
-def write_vae(folder: Path, seed: int) -> None:
-    """The tiny Wan2.2 VAE (encoder + decoder), diffusers layout, float32 as released."""
+def write_vae(folder: Path, seed: int, config: WanVAEConfig = TINY_VAE) -> None:
+    """A random Wan2.2 VAE (encoder + decoder; the tiny one by default), diffusers layout, float32 as released."""
     scratch = folder.parent / f".{folder.name}.tmp"
-    written = write_test_checkpoints(scratch, TINY_VAE, seed=seed, formats=("diffusers",))["diffusers"]
+    written = write_test_checkpoints(scratch, config, seed=seed, formats=("diffusers",))["diffusers"]
     shutil.move(str(written), str(folder))
     shutil.rmtree(scratch)
 
@@ -195,6 +195,13 @@ def write_modular_index(root: Path, tokenizer_class: str) -> None:
     (root / "modular_model_index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+def write_scheduler_and_index(root: Path, tokenizer_class: str) -> None:
+    """`scheduler/scheduler_config.json` and `modular_model_index.json`, the repository's small files."""
+    (root / "scheduler").mkdir(exist_ok=True)
+    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER_CONFIG, indent=2) + "\n")
+    write_modular_index(root, tokenizer_class)
+
+
 def write_tiny_pan2(root: str | Path, seed: int = 0, multimodal_text_encoder: bool = False) -> Path:
     """Write the tiny repository into `root` (created; its component folders must not exist yet); returns `root`.
 
@@ -212,9 +219,7 @@ def write_tiny_pan2(root: str | Path, seed: int = 0, multimodal_text_encoder: bo
         write_text_encoder(root / "text_encoder", tiny_text_model(len(tokenizer), seed), multimodal_text_encoder)
         write_transformer(root / "transformer", tiny_transformer(seed + 1))
     write_vae(root / "vae", seed)
-    (root / "scheduler").mkdir(exist_ok=True)
-    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER_CONFIG, indent=2) + "\n")
-    write_modular_index(root, type(tokenizer).__name__)
+    write_scheduler_and_index(root, type(tokenizer).__name__)
     return root
 
 
