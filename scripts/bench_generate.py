@@ -1,13 +1,14 @@
 """Benchmark `VideoGenerator` end to end on one GPU with random weights (no downloads): switches on, then off.
 
-Builds, in a temporary folder: a mid-sized random MMDiT (default hidden 3072, 16 blocks, 24 heads x 128),
-a tiny random Qwen2 text encoder + WordLevel tokenizer, and the full-size random Wan2.2 VAE
-(`pan2cli.vae.random_weights`, bf16 on disk). Then runs 704x1248, 121 frames, 4 steps, guidance 2.5
-twice — `vae_decode_kernel="auto"`, `dit_fused_kernels=True`, `vae_decode_kernel_parallel=True`, then
-"off"/False/False — and prints each run's per-stage seconds and peak GPU memory (the first run also
-pays the decode kernel's build, shown as the decoder load time).
+Builds, in a temporary folder, a repository in the IFM/PAN2 layout (scripts/make_random_pan2.py's writers):
+the PAN 2 transformer with fewer blocks (default 16 of 44, heads 32 x 128 as released), a Qwen3.5 text model
+of width 4096 with 4 layers, the tiny repo's tokenizer and the full-size random Wan2.2 VAE. Then runs
+704x1248, 121 frames, 4 steps, guidance 2.5 twice — `vae_decode_kernel="auto"`, `dit_fused_kernels=True`,
+`vae_decode_kernel_parallel=True`, then "off"/False/False — and prints each run's per-stage seconds and peak
+GPU memory (the first run also pays the decode kernel's build, shown as the decoder load time). For the
+full-size model, time `pan2 generate` on `scripts/make_random_pan2.py`'s repository (docs/BENCHMARKS.md).
 
-Usage: python scripts/bench_generate.py [--hidden 3072 --layers 16 --heads 24 --steps 4 --frames 121 --size 704x1248]
+Usage: PYTHONPATH=. python scripts/bench_generate.py [--layers 16 --text-layers 4 --steps 4 --frames 121 --size 704x1248]
 """
 
 from __future__ import annotations
@@ -21,39 +22,24 @@ from pathlib import Path
 
 import torch
 
-from pan2cli.dit.checkpoint import save_pan2_transformer
-from pan2cli.dit.config import PAN2TransformerConfig
-from pan2cli.dit.model import PAN2Transformer3DModel
-from pan2cli.pipeline import PAN2PipelineConfig, VideoGenerator
-from pan2cli.vae.config import WanVAEConfig
-from pan2cli.vae.random_weights import write_test_checkpoints
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pan2cli.dit.checkpoint import save_pan2_transformer  # noqa: E402
+from pan2cli.pipeline import PAN2PipelineConfig, VideoGenerator  # noqa: E402
+from pan2cli.pipeline.text import quiet_transformers  # noqa: E402
+from pan2cli.vae.config import WanVAEConfig  # noqa: E402
+from scripts.make_random_pan2 import random_text_model, random_transformer  # noqa: E402
+from scripts.make_tiny_pan2 import write_scheduler_and_index, write_tokenizer, write_vae  # noqa: E402
 
 
-def build_checkpoint(root: Path, hidden: int, layers: int, heads: int, text_dim: int) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2Model
-
-    start = time.perf_counter()
-    head_dim = hidden // heads
-    t_dim = head_dim - 2 * (head_dim * 3 // 8)  # Wan's split: 44/42/42 of 128
-    dit = PAN2TransformerConfig(hidden_size=hidden, num_attention_heads=heads, num_layers=layers, text_dim=text_dim,
-                                rope_axes_dim=(t_dim, head_dim * 3 // 8, head_dim * 3 // 8))
-    with torch.device("cuda"):  # random init on the GPU (seconds, not minutes), saved in bf16
-        model = PAN2Transformer3DModel(dit).to(torch.bfloat16)
-    print(f"DiT: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters", flush=True)
-    save_pan2_transformer(model, root / "transformer")
-    del model
-    torch.cuda.empty_cache()
-    words = "a skater drops into a bowl at dusk the camera follows".split()
-    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[EOS]", *dict.fromkeys(words)])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]").save_pretrained(root / "tokenizer")
-    Qwen2Model(Qwen2Config(vocab_size=len(vocab), hidden_size=text_dim, intermediate_size=2 * text_dim, num_hidden_layers=2,
-                           num_attention_heads=8, num_key_value_heads=2)).save_pretrained(root / "text_encoder")
-    vae = write_test_checkpoints(root / "_vae", WanVAEConfig(), dtype=torch.bfloat16, formats=("diffusers",))["diffusers"]
-    vae.rename(root / "vae")
-    print(f"checkpoint built in {time.perf_counter() - start:.1f} s", flush=True)
+def build_checkpoint(root: Path, layers: int, text_layers: int) -> None:
+    device = torch.device("cuda")
+    with quiet_transformers():
+        tokenizer = write_tokenizer(root / "tokenizer")
+        random_text_model(len(tokenizer), device, num_hidden_layers=text_layers).save_pretrained(str(root / "text_encoder"))
+    save_pan2_transformer(random_transformer(device, num_layers=layers), root / "transformer", max_shard_bytes=5 * 10**9)
+    write_vae(root / "vae", seed=0, config=WanVAEConfig())
+    write_scheduler_and_index(root, type(tokenizer).__name__)
 
 
 def run(root: Path, switches: bool, args) -> dict:
@@ -83,10 +69,8 @@ def run(root: Path, switches: bool, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=3072)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--heads", type=int, default=24)
-    parser.add_argument("--text-dim", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=16, help="transformer blocks (the release has 44)")
+    parser.add_argument("--text-layers", type=int, default=4, help="text model layers (Qwen3.5-9B has 32)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--frames", type=int, default=121)
     parser.add_argument("--size", default="704x1248")
@@ -95,10 +79,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_generate.py needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | {args.size}, {args.frames} frames, {args.steps} steps, "
-          f"DiT hidden {args.hidden} x {args.layers} blocks, {args.heads} heads", flush=True)
+          f"transformer {args.layers} blocks, text model {args.text_layers} layers", flush=True)
     with tempfile.TemporaryDirectory(prefix="pan2-bench-") as folder:
         root = Path(folder)
-        build_checkpoint(root, args.hidden, args.layers, args.heads, args.text_dim)
+        build_checkpoint(root, args.layers, args.text_layers)
         for switches in (True, False):
             print(json.dumps(run(root, switches, args)), flush=True)
 
