@@ -17,8 +17,8 @@ import torch
 
 from pan2cli.errors import InputError, Pan2Error
 
-# Where outputs go lives in pan2cli.outputs (no torch: the CLI imports it for --help); its names stay importable here.
-from pan2cli.outputs import DEFAULT_CRF, OUTPUT_FORMATS, check_format, check_output_path, default_output_path  # noqa: F401
+# Where outputs go lives in pan2cli.outputs (no torch: the CLI imports it for --help).
+from pan2cli.outputs import DEFAULT_CRF, check_format, check_output_path
 
 _X264_PRESET = "medium"
 

@@ -12,13 +12,10 @@ import pytest
 import torch
 
 from pan2cli.errors import InputError, Pan2Error
+from pan2cli.outputs import DEFAULT_CRF, OUTPUT_FORMATS, check_output_path, default_output_path
 from pan2cli.video import (
-    DEFAULT_CRF,
-    OUTPUT_FORMATS,
     VideoWriter,
-    check_output_path,
     copy_to_host,
-    default_output_path,
     frames_to_uint8,
     open_video_writer,
     write_video,

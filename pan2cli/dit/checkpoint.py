@@ -45,7 +45,8 @@ from pan2cli.dit.config import PAN2TransformerConfig, config_arguments
 from pan2cli.dit.model import PAN2Transformer3DModel
 from pan2cli.errors import CheckpointError, InputError
 from pan2cli.jsonfile import read_json_object
-from pan2cli.statedict import key_problems, listing
+from pan2cli.statedict import key_problems
+from pan2cli.weights import tensor_locations
 
 CONFIG_NAME = "config.json"
 WEIGHT_STEMS = ("diffusion_pytorch_model", "model")
@@ -55,10 +56,11 @@ _HINT = "pass the transformer/ folder of a PAN 2 checkpoint (config.json and dif
 
 @dataclass(frozen=True)
 class PAN2Checkpoint:
-    """A located checkpoint: its folder, constructor arguments and the file holding each tensor."""
+    """A located checkpoint: its folder, constructor arguments, each tensor's shape and the file holding it."""
 
     folder: Path
     arguments: dict[str, Any]
+    shapes: dict[str, tuple[int, ...]]
     files: dict[str, Path]
 
 
@@ -111,49 +113,6 @@ def _model_folder(path: Path, subfolder: str | None) -> Path:
     raise CheckpointError(f"no {CONFIG_NAME} in {looked}", hint=_HINT)
 
 
-def _safetensors_keys(path: Path) -> list[str]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            return list(handle.keys())
-    except Exception as exc:  # safetensors raises its own SafetensorError and OSErrors
-        raise CheckpointError(f"{path} could not be read as safetensors (truncated?): {exc}", hint=_HINT) from exc
-
-
-def index_weight_map(index: Path) -> dict[str, str]:
-    """Checkpoint key → shard file name, from a `*.safetensors.index.json` (checked to be non-empty strings)."""
-    weight_map = read_json_object(index).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(f"{index} has no weight_map of key → shard file")
-    return weight_map
-
-
-def _weight_files(folder: Path) -> dict[str, Path]:
-    """Checkpoint key → the file holding it, from an index (sharded) or a single file."""
-    for stem in WEIGHT_STEMS:
-        index = folder / f"{stem}.safetensors.index.json"
-        if index.is_file():
-            weight_map = index_weight_map(index)
-            files: dict[str, Path] = {}
-            for shard in sorted(set(weight_map.values())):
-                shard_path = folder / shard
-                if not shard_path.is_file():
-                    raise CheckpointError(f"{index} lists {shard}, which is not in {folder}")
-                for key in _safetensors_keys(shard_path):
-                    if key in files:
-                        raise CheckpointError(f"{key} is in both {files[key].name} and {shard}")
-                    files[key] = shard_path
-            wrong = sorted(k for k, shard in weight_map.items() if k not in files or files[k].name != shard)
-            if wrong:
-                raise CheckpointError(f"{index} maps keys to shards that do not hold them: {listing(wrong)}")
-            return files
-        single = folder / f"{stem}.safetensors"
-        if single.is_file():
-            return {key: single for key in _safetensors_keys(single)}
-    raise CheckpointError(f"{folder} has no {WEIGHT_STEMS[0]}*.safetensors or model*.safetensors weights", hint=_HINT)
-
-
 def _local_root(path_or_repo: str | Path, subfolder: str | None, revision: str | None) -> Path:
     """A local folder for `path_or_repo`: itself, or the hub snapshot of the transformer's files."""
     from pan2cli.hub import looks_like_path
@@ -166,13 +125,11 @@ def _local_root(path_or_repo: str | Path, subfolder: str | None, revision: str |
         return path
     if looks_like_path(spec):
         raise InputError(f"no such folder: {spec}", hint=_HINT)
-    from huggingface_hub import snapshot_download
-
-    from pan2cli.hub import hub_errors
+    from pan2cli.hub import hub_errors, hub_snapshot
 
     folder = subfolder or SUBFOLDER
     with hub_errors(spec, revision, what="the PAN 2 transformer", local_hint="pass a local folder instead"):
-        return Path(snapshot_download(spec, revision=revision, allow_patterns=[f"{folder}/*.json", f"{folder}/*.safetensors"]))
+        return hub_snapshot(spec, revision, [f"{folder}/*.json", f"{folder}/*.safetensors"])
 
 
 def resolve_pan2_checkpoint(path_or_repo: str | Path, subfolder: str | None = None, revision: str | None = None) -> PAN2Checkpoint:
@@ -182,15 +139,16 @@ def resolve_pan2_checkpoint(path_or_repo: str | Path, subfolder: str | None = No
         InputError: no such path. CheckpointError: no config or weights, unknown config keys, an inconsistent index.
     """
     folder = _model_folder(_local_root(path_or_repo, subfolder, revision), subfolder)
-    return PAN2Checkpoint(folder, read_config(folder / CONFIG_NAME), _weight_files(folder))
+    arguments = read_config(folder / CONFIG_NAME)
+    shapes, files = tensor_locations(folder, WEIGHT_STEMS)
+    return PAN2Checkpoint(folder, arguments, shapes, files)
 
 
-def _open_all(files: dict[str, Path]) -> tuple[dict[str, tuple[int, ...]], Callable[[str], torch.Tensor], list]:
-    """Shapes of every tensor and a reader that memory-maps each file once."""
+def _reader(files: dict[str, Path]) -> tuple[Callable[[str], torch.Tensor], list]:
+    """A reader of one tensor at a time that memory-maps each file once (and the open handles)."""
     from safetensors import safe_open
 
     handles = {path: safe_open(str(path), framework="pt", device="cpu") for path in sorted(set(files.values()))}
-    shapes = {key: tuple(handles[path].get_slice(key).get_shape()) for key, path in files.items()}
 
     def read(key: str) -> torch.Tensor:
         try:
@@ -198,7 +156,7 @@ def _open_all(files: dict[str, Path]) -> tuple[dict[str, tuple[int, ...]], Calla
         except Exception as exc:
             raise CheckpointError(f"{files[key]}: tensor {key} could not be read (truncated file?): {exc}") from exc
 
-    return shapes, read, list(handles.values())
+    return read, list(handles.values())
 
 
 def keeps_fp32(key: str) -> bool:
@@ -231,8 +189,8 @@ def load_pan2_transformer(
     """
     ckpt = resolve_pan2_checkpoint(path_or_repo, subfolder, revision)
     model = model_on_meta(ckpt.arguments)
-    shapes, read, _handles = _open_all(ckpt.files)
-    check_tensor_shapes(shapes, ckpt.arguments, str(ckpt.folder))
+    check_tensor_shapes(ckpt.shapes, ckpt.arguments, str(ckpt.folder))
+    read, _handles = _reader(ckpt.files)
     state = {}
     for key in model.state_dict():
         tensor = read(key)

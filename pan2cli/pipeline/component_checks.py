@@ -8,54 +8,21 @@ Every failure is a `CheckpointError` (exit 2) naming the file, key or folder tha
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from pan2cli.errors import CheckpointError
 from pan2cli.jsonfile import read_json_object
-from pan2cli.statedict import key_problems, listing
+from pan2cli.statedict import key_problems
+from pan2cli.weights import LOCAL_FILES, FileView, weight_files, weight_shapes
 
-Shapes = dict[str, tuple[int, ...]]
 CONFIG = "config.json"
 SCHEDULER_CONFIG = "scheduler_config.json"
 # Weight file stems (`<stem>.safetensors`, or shards listed by `<stem>.safetensors.index.json`), first match wins.
 WEIGHT_STEMS = {"transformer": ("diffusion_pytorch_model", "model"), "text_encoder": ("model",), "vae": ("diffusion_pytorch_model",)}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _DEFAULT_TIMESTEPS = 1000
-
-
-def _local_tensor_shapes(paths: list[Path]) -> list[Shapes]:
-    """Tensor name → shape of each file, from its header (memory-mapped; no tensor is read)."""
-    from safetensors import safe_open
-
-    out = []
-    for path in paths:
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
-                out.append({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
-        except Exception as exc:  # safetensors raises its own SafetensorError and OSErrors
-            raise CheckpointError(f"{path} could not be read as safetensors (truncated or not a safetensors file): {exc}") from exc
-    return out
-
-
-@dataclass(frozen=True)
-class FileView:
-    """How the checks see a checkpoint's files (small files are on disk either way).
-
-    Args:
-        exists: whether a file, or a folder holding files, is in the checkpoint.
-        tensor_shapes: tensor name → shape of each safetensors file, from the headers only.
-        label: how messages name a path.
-    """
-
-    exists: Callable[[Path], bool] = Path.exists
-    tensor_shapes: Callable[[list[Path]], list[Shapes]] = _local_tensor_shapes
-    label: Callable[[Path], str] = str
-
-
-LOCAL_FILES = FileView()
 
 
 @dataclass(frozen=True)
@@ -78,66 +45,13 @@ def check_components(folders: Mapping[str, Path], files: FileView = LOCAL_FILES)
         CheckpointError: the first component that does not match, naming the file, keys or values.
     """
     arguments = check_transformer(folders["transformer"], files)
-    check_text_encoder(folders["text_encoder"], files, arguments.get("text_embed_dim", _transformer_default("text_embed_dim")))
+    from pan2cli.dit.checkpoint import release_defaults
+
+    check_text_encoder(folders["text_encoder"], files, arguments.get("text_embed_dim", release_defaults()["text_embed_dim"]))
     check_tokenizer(folders["tokenizer"], files)
     check_vae(folders["vae"], files)
     timesteps, shift = read_scheduler(folders["scheduler"], files) if "scheduler" in folders else (_DEFAULT_TIMESTEPS, None)
     return CheckedComponents(arguments, timesteps, shift)
-
-
-def weight_files(folder: Path, stems: tuple[str, ...], files: FileView = LOCAL_FILES) -> tuple[Path | None, list[Path]]:
-    """The index (None for a single file) and the safetensors files of a component, checked to exist.
-
-    Raises:
-        CheckpointError: no weights, a malformed index, or shards the index lists that are not there.
-    """
-    from pan2cli.dit.checkpoint import index_weight_map
-
-    for stem in stems:
-        index = folder / f"{stem}.safetensors.index.json"
-        if files.exists(index):
-            shards = sorted(set(index_weight_map(index).values()))
-            odd = [name for name in shards if Path(name).name != name or name in (".", "..")]
-            if odd:
-                raise CheckpointError(f"{files.label(index)} lists shard files outside its folder: {listing(odd)}")
-            missing = [name for name in shards if not files.exists(folder / name)]
-            if missing:
-                raise CheckpointError(f"{files.label(index)} lists {listing(missing)}, not in {files.label(folder)}")
-            return index, [folder / name for name in shards]
-        single = folder / f"{stem}.safetensors"
-        if files.exists(single):
-            return None, [single]
-    names = " or ".join(f"{stem}.safetensors (or shards with {stem}.safetensors.index.json)" for stem in stems)
-    raise CheckpointError(f"{files.label(folder)} has no {names}")
-
-
-def weight_shapes(folder: Path, stems: tuple[str, ...], files: FileView = LOCAL_FILES) -> Shapes:
-    """Tensor name → shape over all the files of a component, from their headers; the index checked against them.
-
-    Raises:
-        CheckpointError: a key in two shards, or an index mapping keys to shards that do not hold them.
-    """
-    from pan2cli.dit.checkpoint import index_weight_map
-
-    index, paths = weight_files(folder, stems, files)
-    shapes: Shapes = {}
-    owner: dict[str, str] = {}
-    for path, header in zip(paths, files.tensor_shapes(paths)):
-        for key, shape in header.items():
-            if key in owner:
-                raise CheckpointError(f"{key} is in both {owner[key]} and {path.name} ({files.label(folder)})")
-            shapes[key], owner[key] = tuple(shape), path.name
-    if index is not None:
-        wrong = sorted(key for key, shard in index_weight_map(index).items() if owner.get(key) != shard)
-        if wrong:
-            raise CheckpointError(f"{files.label(index)} maps keys to shards that do not hold them: {listing(wrong)}")
-    return shapes
-
-
-def _transformer_default(name: str) -> Any:
-    from pan2cli.dit.model import PAN2Transformer3DModel
-
-    return inspect.signature(PAN2Transformer3DModel.__init__).parameters[name].default
 
 
 def _config(folder: Path, files: FileView, name: str, what: str) -> Path:

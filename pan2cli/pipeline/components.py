@@ -139,7 +139,8 @@ def local_components(root: Path) -> PAN2Components:
     Raises:
         CheckpointError: see `read_pipeline_index`, a missing component folder (named), `check_components`.
     """
-    from pan2cli.pipeline.component_checks import LOCAL_FILES, check_components
+    from pan2cli.pipeline.component_checks import check_components
+    from pan2cli.weights import LOCAL_FILES
 
     places = read_pipeline_index(root)
     folders = {name: place.folder(root) for name, place in places.items()}

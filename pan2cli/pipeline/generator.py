@@ -32,6 +32,7 @@ from pan2cli import distributed
 from pan2cli.atomic import replace_into
 from pan2cli.decode import decode_latents
 from pan2cli.errors import OutOfMemoryError, Pan2Error
+from pan2cli.outputs import check_output_path
 from pan2cli.pipeline.components import PAN2Components, resolve_components
 from pan2cli.pipeline.config import PAN2PipelineConfig
 from pan2cli.pipeline.conditioning import condition_latents
@@ -45,7 +46,7 @@ from pan2cli.pipeline.settings import (
     sidecar_path,
 )
 from pan2cli.presets import DEFAULT_PRESET, Preset, load_preset
-from pan2cli.video import check_output_path, open_video_writer
+from pan2cli.video import open_video_writer
 
 # Progress hook: (description, total, unit) → context manager yielding `advance(n)`.
 ProgressFactory = Callable[[str, int, str], "contextmanager"]

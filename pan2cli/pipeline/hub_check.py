@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pan2cli.errors import CheckpointError
 from pan2cli.hub import hub_errors, hub_list_files, hub_snapshot, hub_tensor_shapes, looks_like_path
-from pan2cli.pipeline.component_checks import LOCAL_FILES, WEIGHT_STEMS, CheckedComponents, FileView, Shapes, check_components
+from pan2cli.pipeline.component_checks import WEIGHT_STEMS, CheckedComponents, check_components
 from pan2cli.pipeline.components import (
     COMPONENTS,
     INDEX_FILES,
@@ -32,6 +32,7 @@ from pan2cli.pipeline.components import (
     missing_components_error,
     read_pipeline_index,
 )
+from pan2cli.weights import LOCAL_FILES, FileView, Shapes, index_weight_map
 
 _LOCAL_HINT = "pass --model PATH to a local PAN 2 folder (or connect to the hub / unset HF_HUB_OFFLINE)"
 _TOKENIZER_PATTERNS = ("*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken")
@@ -72,8 +73,6 @@ def _small_patterns(place: ComponentPlace) -> list[str]:
 
 def _weight_patterns(repo: _Repo, place: ComponentPlace) -> list[str]:
     """The exact weight files of a component: the shards its index lists (fetched with the small files), or the single file."""
-    from pan2cli.dit.checkpoint import index_weight_map
-
     stems = WEIGHT_STEMS.get(place.name, ())
     for stem in stems:
         index = place.folder(repo.root) / f"{stem}.safetensors.index.json"

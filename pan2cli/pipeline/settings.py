@@ -10,7 +10,7 @@ import torch
 
 from pan2cli.errors import InputError
 from pan2cli.presets import Preset
-from pan2cli.video import DEFAULT_CRF
+from pan2cli.outputs import DEFAULT_CRF
 
 _TEMPORAL, _SPATIAL, _SIZE_MULTIPLE, _CHANNELS = 4, 16, 32, 48
 

@@ -17,6 +17,7 @@ import torch
 from pan2cli.errors import CheckpointError, InputError
 from pan2cli.jsonfile import read_json_object
 from pan2cli.statedict import key_problems, listing
+from pan2cli.weights import weight_shapes
 
 SYSTEM_MESSAGE = "You are a helpful assistant. Generate the video with the following instructions."
 # The conditioning is the hidden states *before* the text model's last two layers (no final norm: the DiT's
@@ -115,30 +116,6 @@ def read_text_config(folder: Path):
     return config
 
 
-def checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name → shape of `model.safetensors` or the shards of `model.safetensors.index.json` (headers only)."""
-    from safetensors import safe_open
-
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json_object(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index} has no weight_map of tensor → shard file")
-        files = sorted({folder / str(name) for name in weight_map.values()})
-    elif (folder / "model.safetensors").is_file():
-        files = [folder / "model.safetensors"]
-    else:
-        raise CheckpointError(f"{folder} has no model.safetensors or model.safetensors.index.json", hint=_HINT)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as handle:
-                shapes.update({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
-        except Exception as exc:  # missing shard, truncated header: safetensors raises its own errors and OSError
-            raise CheckpointError(f"{file} could not be read as safetensors: {exc}", hint=_HINT) from exc
-    return shapes
-
-
 def language_model_prefix(shapes: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], source: str) -> str:
     """The prefix of the language model's tensors in `shapes`, checked strictly against `expected` (its own names).
 
@@ -185,7 +162,7 @@ def load_text_model(folder: Path, *, dtype: torch.dtype, device: torch.device | 
     config = read_text_config(folder)
     with quiet_transformers(), torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in Qwen3_5TextModel(config).state_dict().items()}
-    prefix = language_model_prefix(checkpoint_shapes(folder), expected, str(folder))
+    prefix = language_model_prefix(weight_shapes(folder, ("model",)), expected, str(folder))
     try:
         with quiet_transformers():
             model, info = Qwen3_5TextModel.from_pretrained(
