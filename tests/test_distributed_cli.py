@@ -171,16 +171,26 @@ def test_ctrl_c_stops_every_rank_and_removes_the_partial_output(tiny_vae, latent
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hook", "latents.pt"]
 
 
+_TWO_CUDA_GPUS = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
+)
+
+
 @pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, _TWO_CUDA_GPUS])],
+    ids=["gloo", "nccl"],
+)  # NCCL: the survivor waits inside NCCL, where no Python signal handler runs
 @pytest.mark.parametrize("victim, survivor", [("0", "collective"), ("1", "sleep"), ("0", "stuck")])
-def test_a_rank_killed_stops_all_and_is_named(tiny_vae, latents_file, tmp_path, victim, survivor):
+def test_a_rank_killed_stops_all_and_is_named(tiny_vae, latents_file, tmp_path, victim, survivor, device):
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(_RANK_TO_KILL)
     latents = latents_file((48, 3, 4, 3), seed=1)  # 2 latent rows per rank; 2 chunks with --chunk-latent-frames 2
     env = _env(tmp_path, PAN2_TEST_PIDS=str(hook), PAN2_TEST_VICTIM=victim, PAN2_TEST_SURVIVOR=survivor)
     env["PYTHONPATH"] = f"{hook}{os.pathsep}{env['PYTHONPATH']}"
-    cmd = [sys.executable, "-m", "pan2cli", "decode", str(latents), "--vae", str(tiny_vae), "--device", "cpu", "--gpus", "2",
+    cmd = [sys.executable, "-m", "pan2cli", "decode", str(latents), "--vae", str(tiny_vae), "--device", device, "--gpus", "2",
            "--chunk-latent-frames", "2", "-o", "out.mp4"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
