@@ -41,21 +41,26 @@ import os
 if "RANK" in os.environ and os.environ.get("PAN2_TEST_PIDS"):
     with open(os.path.join(os.environ["PAN2_TEST_PIDS"], "rank" + os.environ["RANK"]), "w") as f:
         f.write(str(os.getpid()))
-    import pan2cli.vae.model as model
-    real = model.WanVAEDecoder.decode_chunks
+    from pan2cli.vae.kernel_decoder import WanKernelDecoder
+    from pan2cli.vae.model import WanVAEDecoder
 
-    def decode_chunks(self, *args, **kwargs):
-        chunks = real(self, *args, **kwargs)
-        yield next(chunks)
-        if os.environ["RANK"] == os.environ["PAN2_TEST_VICTIM"]:
-            __import__("time").sleep(120)
-        elif os.environ["PAN2_TEST_SURVIVOR"] == "sleep":
-            __import__("time").sleep(120)
-        elif os.environ["PAN2_TEST_SURVIVOR"] == "stuck":
-            __import__("torch").futures.Future().wait()  # a C++ wait that never returns
-        yield from chunks
+    def stopping_after_the_first(real):
+        def decode_uint8_chunks(self, *args, **kwargs):
+            chunks = real(self, *args, **kwargs)
+            yield next(chunks)
+            if os.environ["RANK"] == os.environ["PAN2_TEST_VICTIM"]:
+                __import__("time").sleep(120)
+            elif os.environ["PAN2_TEST_SURVIVOR"] == "sleep":
+                __import__("time").sleep(120)
+            elif os.environ["PAN2_TEST_SURVIVOR"] == "stuck":
+                __import__("torch").futures.Future().wait()  # a C++ wait that never returns
+            yield from chunks
 
-    model.WanVAEDecoder.decode_chunks = decode_chunks
+        return decode_uint8_chunks
+
+    # Both decode paths: the reference (CPU) and the compiled kernel (the default on a GPU).
+    for cls in (WanVAEDecoder, WanKernelDecoder):
+        cls.decode_uint8_chunks = stopping_after_the_first(cls.decode_uint8_chunks)
 '''
 
 
