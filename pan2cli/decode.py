@@ -22,12 +22,18 @@ from pan2cli.video import HostCopy, VideoWriter, copy_to_host_async
 
 @dataclass(frozen=True)
 class DecodeStats:
-    """What one decode did: frames and size written, seconds spent, peak GPU memory (bytes, CUDA only)."""
+    """What one decode did: frames and size written, seconds spent, peak GPU memory (bytes, CUDA only).
+
+    `seconds` runs from the start of the decode until its last chunk was handed to the writer (an MP4
+    writer encodes beside the decode and may finish later: the caller times its commit);
+    `first_frame_seconds` until the first frame was handed over.
+    """
 
     frames: int
     height: int
     width: int
     seconds: float
+    first_frame_seconds: float | None = None
     peak_allocated: int | None = None
     peak_reserved: int | None = None
 
@@ -78,6 +84,8 @@ def decode_latents(
     _synchronize(device)
     start = time.perf_counter()
     frames = height = width = 0
+    first_frame_at = None
+
     def deliver(copy: HostCopy) -> None:
         host = copy.wait()
         if writer is not None:
@@ -102,6 +110,7 @@ def decode_latents(
             if frames == 0:  # the first chunk (one frame) goes out at once: the output file starts now
                 deliver(pending)
                 pending = None
+                first_frame_at = time.perf_counter() - start
             frames += pixels.shape[0]
             height, width = pixels.shape[1], pixels.shape[2]
         if pending is not None:
@@ -115,4 +124,4 @@ def decode_latents(
         ) from exc
     seconds = time.perf_counter() - start
     peak = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else (None, None)
-    return DecodeStats(frames, height, width, seconds, *peak)
+    return DecodeStats(frames, height, width, seconds, first_frame_at, *peak)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import queue
 import shutil
 import subprocess
 import tempfile
+import threading
 from fractions import Fraction
 from pathlib import Path
 from types import TracebackType
@@ -130,6 +132,7 @@ class VideoWriter:
         self._chunks: list[torch.Tensor] = []  # pt only
         self._proc: subprocess.Popen[bytes] | None = None  # mp4 only
         self._stderr: IO[bytes] | None = None
+        self._feeder: _PipeFeeder | None = None  # mp4 only: hands chunks to ffmpeg beside the decode
         self._closed = False
 
     @property
@@ -139,6 +142,11 @@ class VideoWriter:
 
     def write(self, frames: torch.Tensor) -> None:
         """Append a chunk of frames.
+
+        MP4 chunks are queued and fed to ffmpeg by a thread of their own, so this returns at once and
+        the encode runs beside the decode (issue 14); the writer keeps a reference to `frames` until
+        they are encoded, so the caller must not change them afterwards (decode_latents hands over a
+        new host buffer per chunk). An ffmpeg failure is raised by a later `write` or by `commit`.
 
         Args:
             frames: uint8 [f, H, W, 3] CPU tensor; H and W must match earlier chunks
@@ -222,6 +230,9 @@ class VideoWriter:
             if self._proc.poll() is None:
                 self._proc.kill()
             self._proc.wait()
+            if self._feeder is not None:  # its pipe is broken now: it drops what is left and ends
+                self._feeder.finish()
+                self._feeder = None
             _close_quietly(self._proc.stdin)
             self._proc = None
         if self._stderr is not None:
@@ -290,21 +301,17 @@ class VideoWriter:
             )
         except OSError as err:
             raise Pan2Error(f"could not start ffmpeg to write {self.path}: {err}") from err
+        self._feeder = _PipeFeeder(self._proc.stdin)
 
     def _write_mp4(self, frames: torch.Tensor) -> None:
-        assert self._proc is not None and self._proc.stdin is not None
-        # One write of the whole contiguous chunk: ffmpeg reads a raw rgb24 stream and
-        # splits it into frames itself, so no per-frame Python copies are needed.
-        try:
-            self._proc.stdin.write(memoryview(frames.numpy()).cast("B"))
-            # Hand the tail over now rather than when the pipe buffer fills, so ffmpeg
-            # encodes while the next chunk decodes.
-            self._proc.stdin.flush()
-        except (BrokenPipeError, ValueError) as err:
-            raise Pan2Error(f"ffmpeg stopped while writing {self.path}: {self._ffmpeg_error()}") from err
+        assert self._feeder is not None
+        if not self._feeder.put(frames):
+            raise Pan2Error(f"ffmpeg stopped while writing {self.path}: {self._ffmpeg_error()}")
 
     def _finish_mp4(self) -> None:
-        assert self._proc is not None and self._proc.stdin is not None
+        assert self._proc is not None and self._proc.stdin is not None and self._feeder is not None
+        self._feeder.finish()  # every queued chunk is in the pipe (or ffmpeg stopped reading)
+        self._feeder = None
         try:
             self._proc.stdin.close()
         except BrokenPipeError:
@@ -337,6 +344,48 @@ class VideoWriter:
         arr = frames.numpy()  # a view, no copy
         for i in range(arr.shape[0]):
             iio.imwrite(self.tmp_path / f"frame_{self._frames_written + i:05d}.png", arr[i])
+
+
+class _PipeFeeder:
+    """Writes queued chunks of frames into ffmpeg's stdin from a thread of its own.
+
+    A pipe write blocks while ffmpeg encodes (x264 at 704x1248 runs at about the decode's frame
+    rate): fed from the decode's thread, ffmpeg would hold the decode up at every chunk, and under a
+    row split every rank with it, since the ranks meet at each chunk's gather. The queue is not
+    bounded: at worst the whole video waits in host memory, as a .pt output holds it anyway.
+    """
+
+    _DONE = None
+
+    def __init__(self, pipe: IO[bytes]):
+        self._pipe = pipe
+        self._chunks: queue.SimpleQueue[torch.Tensor | None] = queue.SimpleQueue()
+        self._broken = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pan2-mp4-feeder", daemon=True)
+        self._thread.start()
+
+    def put(self, frames: torch.Tensor) -> bool:
+        """Queue a contiguous chunk; False once ffmpeg has stopped reading (its error says why)."""
+        if self._broken.is_set():
+            return False
+        self._chunks.put(frames)
+        return True
+
+    def finish(self) -> None:
+        """Wait until every queued chunk is written (or dropped after a broken pipe)."""
+        self._chunks.put(self._DONE)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (frames := self._chunks.get()) is not self._DONE:
+            if self._broken.is_set():
+                continue  # drop: ffmpeg is gone, commit or abort will say why
+            try:
+                # One write of the whole chunk: ffmpeg splits the raw rgb24 stream into frames itself.
+                self._pipe.write(memoryview(frames.numpy()).cast("B"))
+                self._pipe.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                self._broken.set()
 
 
 def open_video_writer(

@@ -16,19 +16,18 @@ os.environ["TRITON_INTERPRET"] = "0"  # real kernels, whatever the caller's envi
 
 from pan2cli.vae import conv_kernel
 
-SIGNATURE = {
+SIGNATURE = {  # sizes and strides (in pixels) are plain i32 arguments: never specialised on
     "x_ptr": "*bf16",
     "w_ptr": "*bf16",
     "bias_ptr": "*fp32",
     "out_ptr": "*bf16",
     "M": "i32",
-    "C_OUT": "i32",
     "T_OUT": "i32",
     "H_OUT": "i32",
     "W_OUT": "i32",
     "W_IN": "i32",
-    "sx_b": "i64",
-    "sx_t": "i64",
+    "sx_b": "i32",
+    "sx_t": "i32",
     "sx_h": "i32",
 }
 LAYERS = {  # name: (C_in, (KT, KH, KW), pad_w, bias, C_out), what kernel_decoder launches

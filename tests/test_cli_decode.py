@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -48,6 +49,12 @@ def test_mp4_has_the_right_frames_size_and_fps(run_cli, tiny_vae, latents_file, 
     assert result.exit_code == 0, result.stderr
     assert result.stdout.strip() == str(out)
     assert "9 frames, 48x32, 12 fps" in result.stderr
+    # the decode's own seconds, its rate and first frame, and the total with the encode (issue 14)
+    figures = re.search(r"decode (\d+\.\d+) s \(.*, (\d+\.\d) frames/s, first frame after (\d+\.\d+) s\), total (\d+\.\d+) s", result.stderr)
+    assert figures, result.stderr
+    decode, rate, first, total = map(float, figures.groups())
+    assert first <= decode <= total
+    assert 9 / (decode + 0.005) - 0.05 <= rate <= 9 / max(decode - 0.005, 1e-3) + 0.05  # decode is rounded
     reader = imageio.get_reader(out, "ffmpeg")
     try:
         frames = list(reader.iter_data())
@@ -430,3 +437,23 @@ def test_bf16_on_the_cpu_warns_and_runs(run_cli, tiny_vae, latents_file, tmp_pat
     assert (tmp_path / "bf16.mp4").is_file()
     result = run_cli("decode", path, "--vae", tiny_vae, "--device", "cpu", "-o", tmp_path / "fp32.mp4")
     assert result.exit_code == 0 and "Warning:" not in result.stderr
+
+
+_REPORT_HEAVY_MODULES = """
+import atexit, os, sys
+HEAVY = ("transformers", "diffusers", "torch._dynamo", "torch._inductor", "sympy", "torch.distributed.fsdp")
+atexit.register(lambda: open(os.environ["PAN2_TEST_MODULES"], "w").write(" ".join(m for m in HEAVY if m in sys.modules)))
+"""
+
+
+def test_a_decode_imports_nothing_heavy(tiny_vae, latents_file, tmp_path):
+    """Issue 14: `pan2 decode` stays lean: no transformers, and none of torch's compiler stack (3 s)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_REPORT_HEAVY_MODULES)
+    report = tmp_path / "modules.txt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), str(REPO)]), "PAN2_TEST_MODULES": str(report)}
+    command = [sys.executable, "-m", "pan2cli", "decode", str(latents_file((48, 2, 2, 3))), "--vae", str(tiny_vae), "-o", str(tmp_path / "v.mp4")]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert report.read_text() == ""

@@ -149,7 +149,7 @@ def test_decode_kernel_auto_on_cpu_says_nothing_about_the_kernel(run_cli, tiny_v
     result = run_cli("decode", latents_file((48, 1, 2, 2)), "--vae", tiny_vae, "--device", "cpu")
     assert result.exit_code == 0, result.stderr
     assert "Using the reference decoder" not in result.stderr  # on the CPU it is the only path
-    assert "(reference decoder)" in result.stderr
+    assert "(reference decoder, " in result.stderr
 
 
 def test_kernels_status_and_clean(tmp_path):
@@ -177,3 +177,21 @@ def test_kernels_build_without_a_gpu_exits_1():
     result = _pan2_without_a_gpu("kernels", "build")
     assert result.returncode == 1
     assert result.stderr.startswith("Error: ") and "GPU" in result.stderr
+
+
+def test_progress_bar_shows_the_rate_and_the_first_item(monkeypatch):
+    """Issue 14: the decode's bar shows frames per second and when the first frame was written."""
+    import io
+
+    from rich.console import Console
+
+    from pan2cli.cli import _output
+
+    screen = io.StringIO()
+    monkeypatch.setattr(_output, "stderr", Console(file=screen, force_terminal=True, color_system=None, width=200))
+    monkeypatch.setattr(_output.sys.stderr, "isatty", lambda: True)
+    with _output.progress_bar("Decoding x.pt", total=9, unit="frames", first="first frame") as advance:
+        advance(1)
+        advance(8)
+    shown = screen.getvalue()
+    assert re.search(r"9/9 frames \d+\.\d frames/s first frame after \d+\.\d\d s", shown), shown

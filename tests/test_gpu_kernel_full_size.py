@@ -242,3 +242,40 @@ def test_first_use_builds_into_the_cache_and_new_processes_reuse_it(tmp_path):
     second_log = log.read_text(errors="replace")
     assert second_log.startswith(first_log), "build.log was rewritten: the second process started a build"
     assert second_log.count(": building wan22_vae_decode for ") == 1
+
+
+_COMPILE_THEN_DECODE = """
+import json, os, torch
+from pan2cli.vae import kernel
+from pan2cli.vae.config import WanVAEConfig
+from pan2cli.vae.kernel_decoder import WanKernelDecoder
+from pan2cli.vae.model import WanVAEDecoder
+
+before_build = kernel.kernel_status().convs_compiled
+kernel.compile_convolutions()
+cache = os.environ["TRITON_CACHE_DIR"]
+compiled = sorted(os.listdir(cache))
+with torch.device("meta"):
+    reference = WanVAEDecoder(WanVAEConfig())
+reference = reference.to_empty(device="cuda").to(torch.bfloat16).eval()
+decoder = WanKernelDecoder(reference, kernel.load_kernel())
+for shape, chunk in (((1, 48, 3, 5, 7), 2), ((1, 48, 6, 12, 20), 4), ((1, 48, 2, 16, 33), 1)):
+    for _ in decoder.decode_uint8_chunks(torch.zeros(shape, device="cuda"), chunk):
+        pass
+torch.cuda.synchronize()
+print(json.dumps({"before_build": before_build, "after_build": kernel.kernel_status().convs_compiled,
+                  "compiled": len(compiled), "new": [e for e in sorted(os.listdir(cache)) if e not in compiled]}))
+"""
+
+
+def test_kernels_build_compiles_every_convolution_of_every_video_size(tmp_path):
+    """Issue 14: `pan2 kernels build` compiles the fixed-order convolutions once per layer, and decodes
+    of other sizes, frame counts and chunks then compile nothing more (Triton would otherwise compile
+    a variant per divisibility of the problem's sizes, inside the first decode of each size)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_THEN_DECODE], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["before_build"] is False and report["after_build"] is True
+    assert report["compiled"] >= 7  # the 7 layer kinds of the full-size decoder
+    assert report["new"] == []

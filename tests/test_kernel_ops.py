@@ -1,4 +1,4 @@
-"""The extension's Python face without a GPU: custom-op registration and the build log."""
+"""The extension's Python face without a GPU: op registration and the build log."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _recording_extension(calls: list) -> SimpleNamespace:
     return SimpleNamespace(**{name: record(name) for name in ("rms_norm_silu", "phase_interleave", "head_to_uint8")})
 
 
-def test_ops_are_torch_custom_ops_that_call_the_extension():
+def test_ops_are_torch_ops_that_call_the_extension():
     calls: list = []
     ops = kernel._register_ops(_recording_extension(calls))
     assert ops.head_to_uint8 is torch.ops.pan2.head_to_uint8
@@ -53,6 +53,25 @@ def test_fakes_let_torch_trace_the_ops_without_running_them():
     assert calls == []
 
 
+def test_calling_the_ops_imports_no_compiler_stack():
+    """Issue 14: a `torch.library.custom_op` imports torch._dynamo and sympy (about 3 s) at its first call,
+    inside the decode; the ops are registered so that calling them imports nothing."""
+    script = """
+import sys, torch
+from types import SimpleNamespace
+from pan2cli.vae import kernel
+ops = kernel._register_ops(SimpleNamespace(head_to_uint8=lambda y, bias, out: out.fill_(3)))
+before = set(sys.modules)
+out = torch.zeros(1, 4, 4, 3, dtype=torch.uint8)
+ops.head_to_uint8(torch.zeros(1, 2, 2, 12, dtype=torch.bfloat16), torch.zeros(12), out)
+assert int(out.min()) == 3
+print(sorted(set(sys.modules) - before))
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
+
+
 def test_build_log_keeps_the_whole_output_also_when_it_is_echoed(tmp_path, capfd):
     for echo in (False, True):
         log = tmp_path / f"build-{echo}.log"
@@ -78,3 +97,27 @@ def test_status_names_the_conv_engines(monkeypatch, tmp_path):
     monkeypatch.setattr(kernel, "triton_available", lambda: False)
     status = kernel.kernel_status()
     assert "Triton is not installed" in status.convs and "sm_90a" in status.decode_path
+
+
+def test_first_use_note_until_the_kernel_is_built_and_its_convs_compiled(monkeypatch, tmp_path):
+    """`pan2 decode` says once that a first use builds and compiles (issue 14): before the extension is
+    built, then while only the convolutions are missing, and no more once a full-size decode (or
+    `pan2 kernels build`) marked them compiled into the Triton cache in use."""
+    monkeypatch.setenv("PAN2_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernel, "current_arch", lambda device=None: "sm_90a")
+    monkeypatch.setattr(kernel, "why_not_applicable", lambda device, dtype: None)
+    monkeypatch.setattr(kernel, "triton_available", lambda: True)
+    monkeypatch.setattr(kernel, "_triton_cache_dir", lambda: str(tmp_path / "triton"))
+    gpu, bf16 = torch.device("cuda"), torch.bfloat16
+    assert "builds the decode kernel and compiles its Triton convolutions" in kernel.first_use_note(gpu, bf16, "auto")
+    assert kernel.first_use_note(gpu, bf16, "off") is None
+    library = kernel.kernel_spec("sm_90a").library
+    library.parent.mkdir(parents=True)
+    library.touch()
+    note = kernel.first_use_note(gpu, bf16, "auto")
+    assert note.startswith("First use on this machine: the decode compiles its Triton convolutions")
+    assert "`pan2 kernels build`" in note
+    kernel._mark_convs_compiled("sm_90a")
+    assert kernel.first_use_note(gpu, bf16, "auto") is None and kernel.kernel_status().convs_compiled
+    monkeypatch.setattr(kernel, "_triton_cache_dir", lambda: str(tmp_path / "another-triton-cache"))
+    assert kernel.first_use_note(gpu, bf16, "auto") is not None  # compiled into a cache no longer in use

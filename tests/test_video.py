@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -300,3 +302,35 @@ def test_ffmpeg_failure_is_pan2error(tmp_path: Path, monkeypatch: pytest.MonkeyP
         with open_video_writer(path, "mp4", fps=12.0) as writer:
             writer.write(_gradient_frames(2, 16, 16))
     assert _listing(tmp_path) == []
+
+
+_FFMPEG_WAITING_FOR_GO = """#!{python}
+import os, sys, time
+go = os.path.join(os.path.dirname(sys.argv[-1]), "go")
+while not os.path.exists(go):  # an encoder far slower than the decode: it reads nothing for now
+    time.sleep(0.05)
+with open(sys.argv[-1], "wb") as out:
+    out.write(sys.stdin.buffer.read())
+"""
+
+
+def test_mp4_writes_return_while_the_encoder_is_busy(tmp_path, monkeypatch):
+    """Issue 14: the decode hands chunks over and goes on; before, a write into a full pipe waited for
+    ffmpeg (and under a row split every rank waited with it). The stand-in ffmpeg reads nothing until
+    told to: every write must still return, and the file must then hold every byte in order."""
+    import imageio_ffmpeg
+
+    fake = tmp_path / "ffmpeg"
+    fake.write_text(_FFMPEG_WAITING_FOR_GO.format(python=sys.executable))
+    fake.chmod(0o755)
+    monkeypatch.setattr(imageio_ffmpeg, "get_ffmpeg_exe", lambda: str(fake))
+    gen = torch.Generator().manual_seed(0)
+    chunks = [torch.randint(0, 256, (4, 64, 96, 3), dtype=torch.uint8, generator=gen) for _ in range(8)]  # 8 x 72 KiB: more than a pipe holds
+    writer = open_video_writer(tmp_path / "out.mp4", "mp4", 24.0)
+    writing = threading.Thread(target=lambda: [writer.write(c) for c in chunks], daemon=True)
+    writing.start()
+    writing.join(timeout=60)
+    assert not writing.is_alive(), "write() waited for the encoder"
+    (tmp_path / "go").touch()
+    writer.commit()
+    assert (tmp_path / "out.mp4").read_bytes() == b"".join(c.numpy().tobytes() for c in chunks)

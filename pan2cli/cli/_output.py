@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -30,10 +31,11 @@ def warn(line: str) -> None:
 
 
 @contextmanager
-def progress_bar(description: str, total: int, unit: str, quiet: bool = False) -> Iterator:
-    """A rich progress bar on stderr; off under --quiet or when stderr is not a terminal.
+def progress_bar(description: str, total: int, unit: str, quiet: bool = False, first: str | None = None) -> Iterator:
+    """A rich progress bar on stderr with the rate in `unit`/s; off under --quiet or when stderr is not a terminal.
 
-    Yields a callable `advance(n)`.
+    Yields a callable `advance(n)`. With `first` (say "first frame"), the bar also shows how long the
+    first item took to arrive ("first frame after 0.31 s").
     """
     if quiet or not sys.stderr.isatty():
         yield lambda n=1: None
@@ -43,12 +45,26 @@ def progress_bar(description: str, total: int, unit: str, quiet: bool = False) -
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn(unit),
+        TextColumn("{task.fields[rate]}"),
+        TextColumn("{task.fields[first]}"),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     )
+    start = time.perf_counter()
+    done = 0
     with Progress(*columns, console=stderr, transient=True) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda n=1: bar.advance(task, n)
+        task = bar.add_task(description, total=total, rate="", first="")
+
+        def advance(n: int = 1) -> None:
+            nonlocal done
+            elapsed = time.perf_counter() - start
+            fields = {"rate": f"{(done + n) / elapsed:.1f} {unit}/s"} if elapsed > 0 else {}
+            if first and done == 0:
+                fields["first"] = f"{first} after {elapsed:.2f} s"
+            done += n
+            bar.update(task, advance=n, **fields)
+
+        yield advance
 
 
 @contextmanager

@@ -230,15 +230,6 @@ def decode_command(ctx, latents, output, vae, revision, dtype, device, decode_ke
     run_on_ranks(ctx, gpus, device, lambda d: _decode(**{**options, "device": d}))
 
 
-def _kernel_message(reference) -> str:
-    """The spinner line while the decode path is chosen: a first use builds the kernel (about a minute)."""
-    from pan2cli.vae.kernel import kernel_status, why_not_applicable
-
-    if reference.config.decode_kernel != "off" and why_not_applicable(reference.device, reference.dtype) is None:
-        status_now = kernel_status(reference.device)
-        if not status_now.built:
-            return f"Building the decode kernel for {status_now.arch} (first use, about a minute; `pan2 kernels build` prebuilds)…"
-    return "Choosing the decode path…"
 
 
 def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_latent_frames, fps, crf, fmt, raw_latents, overwrite, quiet):
@@ -249,7 +240,7 @@ def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_
     from pan2cli.decode import decode_latents
     from pan2cli.latents import load_latents
     from pan2cli.vae.checkpoint import load_vae_decoder
-    from pan2cli.vae.kernel import select_decode_path
+    from pan2cli.vae.kernel import first_use_note, select_decode_path
     from pan2cli.vae.kernel_decoder import WanKernelDecoder
     from pan2cli.vae.parallel import split_rows
     from pan2cli.video import open_video_writer
@@ -290,7 +281,10 @@ def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_
                 chunk_latent_frames=chunk_latent_frames,
                 decode_kernel=decode_kernel,
             )
-        with status(_kernel_message(reference), quiet):
+        first_use = first_use_note(reference.device, reference.dtype, reference.config.decode_kernel)
+        if first_use:
+            info(first_use, quiet)  # said once: the decode marks the kernels compiled
+        with status("Building the decode kernel…" if first_use else "Choosing the decode path…", quiet):
             decoder, note = select_decode_path(reference)
     except torch.OutOfMemoryError as exc:
         error = OutOfMemoryError(f"the GPU ran out of memory while loading the VAE decoder: {str(exc).splitlines()[0]}")
@@ -311,17 +305,22 @@ def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_
     for job in jobs:
         z = job.source.latents[job.index]
         frame_rate = fps or job.source.fps or DEFAULT_FPS
+        started = time.perf_counter()
         writing = open_video_writer(job.output, fmt, frame_rate, crf=crf, overwrite=overwrite) if main else nullcontext()
         with writing as writer, distributed.partial_output(writer.tmp_path if writer is not None else None):
             total = decoder.config.frames_out(z.shape[1])
-            with progress_bar(f"Decoding {job.source.path.name}", total=total, unit="frames", quiet=quiet) as advance:
+            with progress_bar(f"Decoding {job.source.path.name}", total=total, unit="frames", quiet=quiet, first="first frame") as advance:
                 stats = decode_latents(decoder, z, writer, normalized=not raw_latents, on_chunk=advance)
         if not main:
             continue
+        # total: until the file is in place (an MP4's encode runs beside the decode and ends after it)
+        total_seconds = time.perf_counter() - started
         result(str(job.output))
+        path_name = "compiled kernel" if isinstance(decoder, WanKernelDecoder) else "reference decoder"
         summary = (
             f"{job.output}: {stats.frames} frames, {stats.width}x{stats.height}, {frame_rate:g} fps; "
-            f"decode {stats.seconds:.2f} s ({'compiled kernel' if isinstance(decoder, WanKernelDecoder) else 'reference decoder'})"
+            f"decode {stats.seconds:.2f} s ({path_name}, {stats.frames / stats.seconds:.1f} frames/s, "
+            f"first frame after {stats.first_frame_seconds:.2f} s), total {total_seconds:.2f} s"
         )
         if stats.peak_allocated is not None:
             summary += f"; peak GPU memory {gib(stats.peak_allocated)} allocated, {gib(stats.peak_reserved)} reserved"

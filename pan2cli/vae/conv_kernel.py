@@ -87,6 +87,7 @@ def conv_channels_last(
     assert x.dtype == weight.dtype == torch.bfloat16 and applies(c_in), (x.dtype, weight.dtype, c_in)
     assert x.stride(4) == 1 and x.stride(3) == c_in and x.stride(2) == w_in * c_in, x.stride()
     assert b == 1 or x.stride(0) == t_in * x.stride(1), x.stride()
+    assert x.stride(0) % c_in == 0 and x.stride(1) % c_in == 0, x.stride()
     w = weight.permute(0, 2, 3, 4, 1)
     assert w.is_contiguous(), "weight must be channels-last"
     t_out, h_out, w_out = t_in - kt + 1, h_in - kh + 1, w_in + 2 * pad_w - kw + 1
@@ -101,14 +102,13 @@ def conv_channels_last(
             bias.float().contiguous() if bias is not None else x,
             out,
             m,
-            c_out,
             t_out,
             h_out,
             w_out,
             w_in,
-            x.stride(0),
-            x.stride(1),
-            x.stride(2),
+            x.stride(0) // c_in,  # in pixels: strides are whole multiples of C_IN (asserted above)
+            x.stride(1) // c_in,
+            x.stride(2) // c_in,
             **_meta(weight_shape=w.shape, pad_w=pad_w, bias=bias, tiles=tiles),
         )
     return out.squeeze(1) if two_d else out
@@ -119,6 +119,7 @@ def _meta(weight_shape, pad_w: int, bias, tiles) -> dict:
     c_out, kt, kh, kw, c_in = weight_shape
     block_m, block_n, warps, stages = tiles[:4]
     return {
+        "C_OUT": c_out,
         "C_IN": c_in,
         "KT": kt,
         "KH": kh,

@@ -52,14 +52,17 @@ def _store(acc, bias_ptr, out_ptr, out_rows, offs_n, keep, C_OUT, HAS_BIAS: tl.c
     tl.store(out_ptrs, acc.to(tl.bfloat16), mask=keep[:, None] & n_valid[None, :])
 
 
-@triton.jit
+# The problem's sizes are not specialised on (Triton would otherwise compile a variant for every
+# divisibility by 16 of M, H or W, and for T == 1): one compiled kernel per layer, whatever the video's
+# size, so `pan2 kernels build` can compile them all ahead and a decode never compiles or loads a
+# new variant mid-way. Alignment comes from C_IN (a multiple of 16): strides are passed in pixels.
+@triton.jit(do_not_specialize=["M", "T_OUT", "H_OUT", "W_OUT", "W_IN", "sx_b", "sx_t", "sx_h"])
 def implicit_gemm_conv(
     x_ptr,
     w_ptr,
     bias_ptr,
     out_ptr,
     M,
-    C_OUT,
     T_OUT,
     H_OUT,
     W_OUT,
@@ -67,6 +70,7 @@ def implicit_gemm_conv(
     sx_b,
     sx_t,
     sx_h,
+    C_OUT: tl.constexpr,
     C_IN: tl.constexpr,
     KT: tl.constexpr,
     KH: tl.constexpr,
@@ -91,7 +95,8 @@ def implicit_gemm_conv(
     rest = rest // H_OUT
     t = rest % T_OUT
     b = rest // T_OUT
-    row_base = b.to(tl.int64) * sx_b + t.to(tl.int64) * sx_t + y.to(tl.int64) * sx_h + x.to(tl.int64) * C_IN
+    # strides in pixels (units of C_IN elements): every address below is a multiple of C_IN plus c
+    row_base = (b.to(tl.int64) * sx_b + t.to(tl.int64) * sx_t + y.to(tl.int64) * sx_h + x.to(tl.int64)) * C_IN
     m_valid = offs_m < M
     n_valid = offs_n < C_OUT
     K: tl.constexpr = KT * KH * KW * C_IN
@@ -102,7 +107,8 @@ def implicit_gemm_conv(
         kt, kh, kw, c0 = _tap(step, C_IN, KH, KW, BLOCK_K)
         xx = x + kw - PAD_W
         a_valid = m_valid & (xx >= 0) & (xx < W_IN)
-        a_ptrs = x_ptr + (row_base + kt * sx_t + kh * sx_h + (kw - PAD_W) * C_IN + c0)[:, None] + offs_k[None, :]
+        tap_offset = (kt * sx_t + kh * sx_h + (kw - PAD_W)).to(tl.int64) * C_IN + c0
+        a_ptrs = x_ptr + (row_base + tap_offset)[:, None] + offs_k[None, :]
         a = tl.load(a_ptrs, mask=a_valid[:, None], other=0.0)
         w = tl.load(w_rows + ((kt * KH + kh) * KW + kw) * C_IN + c0, mask=n_valid[None, :], other=0.0)
         acc = _mma(acc, a, w, INTERPRET)

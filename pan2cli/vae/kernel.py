@@ -69,6 +69,11 @@ class KernelSpec:
         return self.build_dir / f"{EXTENSION}.so"
 
     @property
+    def convs_marker(self) -> Path:
+        """Written once a decoder's Triton convolutions were compiled; holds Triton's cache folder."""
+        return self.build_dir / "triton-convs-compiled"
+
+    @property
     def cuda_flags(self) -> list[str]:
         number = self.arch.removeprefix("sm_")
         # Only the present GPU's arch: `-gencode` keeps nvcc from adding a plain sm_XX pass that rejects
@@ -161,65 +166,53 @@ def _output_to(log_path: Path, echo: bool):
             os.close(saved[1])
 
 
+# The ops' schemas: every op writes into tensors the caller allocated and returns nothing. No argument
+# has a default (torch 2.11 drops defaulted arguments before bumping the version counters of mutated
+# ones, then indexes past the end). Shapes (channels-last bf16, fp32 vectors) are checked in binding.cpp.
+_OP_SCHEMAS = {
+    # out = SiLU?(RMS(x + bias + residual) * gamma) over C, or the plain sum without `normalize`.
+    # x, residual, sum_out, out: [B, T, H, W, C] bf16, dense over (H, W, C) (frames may be strided);
+    # gamma, bias: [C] fp32 (gamma already times sqrt(C)); history: [B, 2, H, W, C] bf16, receives the
+    # last two frames of out. fp32 statistics; the sum is rounded to bf16 once before the norm.
+    "rms_norm_silu": "rms_norm_silu(Tensor x, Tensor gamma, Tensor? bias, Tensor? residual, Tensor(a!)? sum_out, "
+    "Tensor(b!) out, bool silu, Tensor(c!)? history, bool normalize) -> ()",
+    # out [B, T, 2h, 2w, C] bf16 = interleaved phases [B*T, h+1, w+1, 4C] + bias [C] fp32 + DupUp3D(shortcut);
+    # shortcut: the block input [B, T_in, h, w, C_in] bf16; fp32 sum, one bf16 rounding.
+    "phase_interleave": "phase_interleave(Tensor phases, Tensor bias, Tensor? shortcut, Tensor(a!) out, "
+    "int factor_t, int frame_offset) -> ()",
+    # out [N, 2H, 2W, 3] uint8 = round((clamp(unpatchify(y [N, H, W, 12] bf16 + bias [12] fp32)) + 1) * 127.5).
+    "head_to_uint8": "head_to_uint8(Tensor y, Tensor bias, Tensor(a!) out) -> ()",
+}
+_library: list[torch.library.Library] = []  # the `pan2` op namespace, defined once per process
+
+
 def _register_ops(module: ModuleType) -> SimpleNamespace:
-    """Expose the extension's three ops as `torch.ops.pan2.*` custom ops with shape-only fakes.
+    """Expose the extension's three ops as `torch.ops.pan2.*`, with shape-only fakes for `torch.compile`.
 
-    Every op writes into tensors the caller allocated (`out`, and `sum_out` / `history` where given) and
-    returns nothing, so each fake is a no-op; `torch.compile` sees the mutations through `mutates_args`.
-    No argument has a default: torch 2.11 drops defaulted arguments before bumping the version counters
-    of mutated ones and then indexes past the end (seen with `history=None`).
-    Shapes (channels-last bf16, fp32 vectors) are checked in binding.cpp.
+    Registered through `torch.library.Library` (schema, CUDA kernel, fake), not `torch.library.custom_op`:
+    a custom op's first call imports torch's whole compiler stack (torch._dynamo, sympy: about 3 s,
+    issue 14) to wrap its kernel, and these ops run inside every decode. The fakes are no-ops (the
+    ops return nothing); `torch.compile` sees the writes through the `(a!)` annotations.
     """
-    if not hasattr(torch.ops.pan2, "rms_norm_silu"):
-
-        @torch.library.custom_op("pan2::rms_norm_silu", mutates_args=("sum_out", "out", "history"))
-        def rms_norm_silu(
-            x: torch.Tensor,
-            gamma: torch.Tensor,
-            bias: torch.Tensor | None,
-            residual: torch.Tensor | None,
-            sum_out: torch.Tensor | None,
-            out: torch.Tensor,
-            silu: bool,
-            history: torch.Tensor | None,
-            normalize: bool,
-        ) -> None:
-            """out = SiLU?(RMS(x + bias + residual) * gamma) over C, or the plain sum without `normalize`.
-
-            x, residual, sum_out, out: [B, T, H, W, C] bf16, dense over (H, W, C) (frames may be strided);
-            gamma, bias: [C] fp32 (gamma already times sqrt(C)); history: [B, 2, H, W, C] bf16, receives the
-            last two frames of out. fp32 statistics; the sum is rounded to bf16 once before the norm.
-            """
-            _ops().rms_norm_silu(x, gamma, bias, residual, sum_out, out, silu, history, normalize)
-
-        @torch.library.custom_op("pan2::phase_interleave", mutates_args=("out",))
-        def phase_interleave(
-            phases: torch.Tensor,
-            bias: torch.Tensor,
-            shortcut: torch.Tensor | None,
-            out: torch.Tensor,
-            factor_t: int,
-            frame_offset: int,
-        ) -> None:
-            """out [B, T, 2h, 2w, C] bf16 = interleaved phases [B*T, h+1, w+1, 4C] + bias [C] fp32 + DupUp3D(shortcut).
-
-            shortcut: the block input [B, T_in, h, w, C_in] bf16; fp32 sum, one bf16 rounding.
-            """
-            _ops().phase_interleave(phases, bias, shortcut, out, factor_t, frame_offset)
-
-        @torch.library.custom_op("pan2::head_to_uint8", mutates_args=("out",))
-        def head_to_uint8(y: torch.Tensor, bias: torch.Tensor, out: torch.Tensor) -> None:
-            """out [N, 2H, 2W, 3] uint8 = round((clamp(unpatchify(y [N, H, W, 12] bf16 + bias [12] fp32)) + 1) * 127.5)."""
-            _ops().head_to_uint8(y, bias, out)
-
-        for op in (rms_norm_silu, phase_interleave, head_to_uint8):
-            op.register_fake(lambda *args, **kwargs: None)
+    if not _library:
+        library = torch.library.Library("pan2", "DEF")
+        for name, schema in _OP_SCHEMAS.items():
+            library.define(schema)
+            # Looked up at call time: a rebuilt extension (tests) replaces the module behind the ops.
+            # CPU too, so tests can stand in a module without a GPU: the real binding refuses CPU tensors.
+            for key in ("CUDA", "CPU"):
+                library.impl(name, _calling_the_extension(name), key)
+            torch.library.register_fake(f"pan2::{name}", lambda *args, **kwargs: None, lib=library)
+        _library.append(library)
     _extension.append(module)
-    return SimpleNamespace(
-        rms_norm_silu=torch.ops.pan2.rms_norm_silu,
-        phase_interleave=torch.ops.pan2.phase_interleave,
-        head_to_uint8=torch.ops.pan2.head_to_uint8,
-    )
+    return SimpleNamespace(**{name: getattr(torch.ops.pan2, name) for name in _OP_SCHEMAS})
+
+
+def _calling_the_extension(name: str):
+    def op(*args) -> None:
+        getattr(_ops(), name)(*args)
+
+    return op
 
 
 _extension: list[ModuleType] = []
@@ -276,6 +269,71 @@ def load_kernel(device: torch.device | None = None) -> SimpleNamespace:
     return _loaded[arch]
 
 
+def _triton_cache_dir() -> str:
+    import triton
+
+    return str(triton.knobs.cache.dir)
+
+
+def convs_compiled(arch: str) -> bool:
+    """Whether this machine compiled the fixed-order Triton convolutions for `arch` (into the Triton
+    cache in use now), so that a decode only loads them; always True where Triton is not used."""
+    if not triton_available():
+        return True
+    marker = kernel_spec(arch).convs_marker
+    return marker.exists() and marker.read_text().strip() == _triton_cache_dir()
+
+
+def _mark_convs_compiled(arch: str) -> None:
+    if triton_available():
+        marker = kernel_spec(arch).convs_marker
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(_triton_cache_dir() + "\n")
+
+
+# The architecture fields that decide which convolution shapes a decoder launches.
+_LAYER_FIELDS = ("decoder_base_dim", "z_dim", "dim_mult", "num_res_blocks", "temperal_downsample", "out_channels", "patch_size")
+
+
+def _has_release_layers(config) -> bool:
+    from pan2cli.vae.config import WanVAEConfig
+
+    release = WanVAEConfig()
+    return all(getattr(config, field) == getattr(release, field) for field in _LAYER_FIELDS)
+
+
+def first_use_note(device: torch.device, dtype: torch.dtype, mode: str) -> str | None:
+    """One line for a decode that will build the kernel or compile its convolutions first, else None."""
+    if mode == "off" or why_not_applicable(device, dtype) is not None:
+        return None
+    arch = current_arch(device)
+    built = kernel_spec(arch).library.exists()
+    if built and convs_compiled(arch):
+        return None
+    work = "compiles its Triton convolutions" if built else "builds the decode kernel and compiles its Triton convolutions"
+    return f"First use on this machine: the decode {work} first (about a minute, once); `pan2 kernels build` does it ahead."
+
+
+def compile_convolutions(device: torch.device | None = None) -> None:
+    """Compile (or load from Triton's cache) every fixed-order conv the full-size Wan2.2 decoder launches.
+
+    One compiled kernel per layer serves every video size, row band and chunk (`conv_kernel_triton`),
+    so a decode of a tiny latent with the full architecture covers the 5, 10 and 20 s presets on any
+    number of GPUs. The weights are left uninitialised: only the kernels matter here.
+    """
+    from pan2cli.vae.config import WanVAEConfig
+    from pan2cli.vae.kernel_decoder import WanKernelDecoder
+    from pan2cli.vae.model import WanVAEDecoder
+
+    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    ops = load_kernel(device)
+    with torch.device("meta"):
+        reference = WanVAEDecoder(WanVAEConfig())
+    reference = reference.to_empty(device=device).to(torch.bfloat16).eval()
+    WanKernelDecoder(reference, ops).warm_up()
+    _mark_convs_compiled(current_arch(device))
+
+
 @dataclass(frozen=True)
 class KernelStatus:
     arch: str | None
@@ -283,6 +341,7 @@ class KernelStatus:
     build_dir: Path | None
     decode_path: str  # which path `pan2 decode` would take, and why
     convs: str | None = None  # the convolution engines of the path `pan2 decode` would run
+    convs_compiled: bool | None = None  # the Triton convolutions are compiled (None: no kernel target)
 
 
 def kernel_status(device: torch.device | None = None) -> KernelStatus:
@@ -308,7 +367,7 @@ def kernel_status(device: torch.device | None = None) -> KernelStatus:
         if triton_available()
         else "cuDNN everywhere: Triton is not installed, so chunk sizes and GPU splits may round a few levels apart"
     )
-    return KernelStatus(arch, built, spec.build_dir, path, convs)
+    return KernelStatus(arch, built, spec.build_dir, path, convs, convs_compiled(arch))
 
 
 def clean_kernel_cache() -> Path:
@@ -348,7 +407,11 @@ def select_decode_path(decoder, mode: str | None = None):
         else:
             from pan2cli.vae.kernel_decoder import WanKernelDecoder
 
-            return WanKernelDecoder(decoder, ops), None
+            kernel_decoder = WanKernelDecoder(decoder, ops)
+            kernel_decoder.warm_up()  # Triton's and cuDNN's first-call costs, here rather than in the decode
+            if _has_release_layers(decoder.config):  # a smaller test VAE compiles other layer shapes
+                _mark_convs_compiled(current_arch(decoder.device))
+            return kernel_decoder, None
     elif mode == "require":
         raise InputError(f"--decode-kernel require: {reason}", hint="use --decode-kernel auto or off")
     if decoder.device.type == "cpu":

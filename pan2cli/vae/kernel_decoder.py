@@ -445,6 +445,20 @@ class WanKernelDecoder:
 
     # -- public -----------------------------------------------------------------------------
     @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Decode a tiny latent once, so that the first real decode runs as fast as later ones (issue 14).
+
+        It compiles (first use on a machine) or loads from Triton's cache every fixed-order conv this
+        decoder launches, one kernel per layer whatever the video's size (`conv_kernel_triton`), and
+        pays cuDNN's and cuBLAS's start-up in this process. Two latent frames, one per chunk: the first
+        chunk's layers and the later chunks' (the temporal convs) both run. About 0.1 s when cached.
+        """
+        z = torch.zeros(1, self.config.z_dim, 2, 6, 10, device=self.device)
+        for _ in self.decode_uint8_chunks(z, chunk_latent_frames=1):
+            pass
+        torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
     def decode_uint8_chunks(
         self, z: torch.Tensor, chunk_latent_frames: int | None = None, rows: RowSplit | None = None
     ) -> Iterator[torch.Tensor]:
