@@ -20,9 +20,7 @@ import torch
 from pan2cli.errors import InputError, Pan2Error
 
 # Where outputs go lives in pan2cli.outputs (no torch: the CLI imports it for --help).
-from pan2cli.outputs import DEFAULT_CRF, check_format, check_output_path
-
-_X264_PRESET = "medium"
+from pan2cli.outputs import DEFAULT_CRF, DEFAULT_X264_PRESET, X264_PRESETS, check_format, check_output_path
 
 
 def frames_to_uint8(video: torch.Tensor) -> torch.Tensor:
@@ -116,11 +114,12 @@ class VideoWriter:
     aborts and leaves nothing behind. Create with `open_video_writer`.
     """
 
-    def __init__(self, path: Path, fmt: str, fps: float, crf: int, overwrite: bool):
+    def __init__(self, path: Path, fmt: str, fps: float, crf: int, overwrite: bool, preset: str = DEFAULT_X264_PRESET):
         self.path = Path(path)
         self.fmt = fmt
         self.fps = float(fps)
         self.crf = int(crf)
+        self.preset = preset
         self.overwrite = overwrite
         name = self.path.name
         # Same folder as the target, so the final os.replace is an atomic rename on one
@@ -285,7 +284,7 @@ class VideoWriter:
             "-s", f"{w}x{h}", "-pix_fmt", "rgb24", "-r", str(fps),
             "-i", "-", "-an",
             "-vcodec", "libx264", "-pix_fmt", "yuv420p",
-            "-crf", str(self.crf), "-preset", _X264_PRESET,
+            "-crf", str(self.crf), "-preset", self.preset,
             "-v", "error",
             str(self.tmp_path),
         ]  # fmt: skip
@@ -394,6 +393,7 @@ def open_video_writer(
     fps: float,
     crf: int = DEFAULT_CRF,
     overwrite: bool = False,
+    preset: str = DEFAULT_X264_PRESET,
 ) -> VideoWriter:
     """Open a writer for chunks of uint8 frames.
 
@@ -403,6 +403,7 @@ def open_video_writer(
         fps: frames per second (> 0); used by mp4 only.
         crf: x264 constant rate factor, 0 (lossless) .. 51; used by mp4 only.
         overwrite: whether an existing `path` may be replaced at commit.
+        preset: x264's speed/size preset (`X264_PRESETS`); used by mp4 only.
 
     Returns:
         A `VideoWriter`; nothing is created on disk before the first `write`.
@@ -417,11 +418,13 @@ def open_video_writer(
         raise InputError(f"fps must be a positive number, got {fps!r}")
     if isinstance(crf, bool) or not isinstance(crf, numbers.Integral) or not 0 <= crf <= 51:
         raise InputError(f"crf must be an integer from 0 to 51, got {crf!r}", hint="17 is visually lossless")
+    if preset not in X264_PRESETS:
+        raise InputError(f"x264 preset must be one of {', '.join(X264_PRESETS)}, got {preset!r}")
     path = Path(path)
     check_output_path(path, overwrite)
     if fmt != "png" and path.is_dir():
         raise InputError(f"output {path} is a folder; {fmt} output needs a file path")
-    return VideoWriter(path, fmt, fps, crf, overwrite)
+    return VideoWriter(path, fmt, fps, crf, overwrite, preset)
 
 
 def write_video(

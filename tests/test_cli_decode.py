@@ -457,3 +457,16 @@ def test_a_decode_imports_nothing_heavy(tiny_vae, latents_file, tmp_path):
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert report.read_text() == ""
+
+
+def test_x264_preset_reaches_the_encoder(run_cli, tiny_vae, latents_file, tmp_path):
+    """`--x264-preset` changes the encode (the same frames, another bitstream); a name x264 lacks is bad input."""
+    latents = latents_file((48, 3, 2, 3))
+    sizes = {}
+    for preset in ("ultrafast", "veryslow"):
+        result = run_cli("decode", latents, "--vae", tiny_vae, "-o", tmp_path / f"{preset}.mp4", "--x264-preset", preset)
+        assert result.exit_code == 0, result.stderr
+        sizes[preset] = (tmp_path / f"{preset}.mp4").read_bytes()
+    assert sizes["ultrafast"] != sizes["veryslow"]
+    result = run_cli("decode", latents, "--vae", tiny_vae, "-o", tmp_path / "x.mp4", "--x264-preset", "quick")
+    assert result.exit_code == 2 and "--x264-preset" in result.stderr

@@ -295,12 +295,14 @@ def test_bad_chunks(tmp_path: Path) -> None:
 
 
 def test_ffmpeg_failure_is_pan2error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # An impossible x264 preset makes ffmpeg exit with an error; the message must name the output.
-    monkeypatch.setattr("pan2cli.video._X264_PRESET", "no-such-preset")
+    # An impossible x264 preset (past open_video_writer's check) makes ffmpeg exit with an error; the
+    # message must name the output.
     path = tmp_path / "clip.mp4"
     with pytest.raises(Pan2Error, match="clip.mp4"):
-        with open_video_writer(path, "mp4", fps=12.0) as writer:
+        with VideoWriter(path, "mp4", 12.0, DEFAULT_CRF, False, preset="no-such-preset") as writer:
             writer.write(_gradient_frames(2, 16, 16))
+    with pytest.raises(InputError, match="x264 preset must be one of"):
+        open_video_writer(path, "mp4", fps=12.0, preset="no-such-preset")
     assert _listing(tmp_path) == []
 
 

@@ -24,7 +24,7 @@ from pan2cli.cli._options import device_option, dtype_option, gpus_option, quiet
 from pan2cli.cli._output import gib, info, progress_bar, result, status, warn
 from pan2cli.devices import resolve_device, resolve_dtype
 from pan2cli.errors import InputError, OutOfMemoryError
-from pan2cli.outputs import DEFAULT_CRF, OUTPUT_FORMATS, check_output_path, default_output_path
+from pan2cli.outputs import DEFAULT_CRF, DEFAULT_X264_PRESET, OUTPUT_FORMATS, X264_PRESETS, check_output_path, default_output_path
 from pan2cli.vae.config import DECODE_KERNEL_MODES, DEFAULT_VAE_REPO
 
 if TYPE_CHECKING:
@@ -191,6 +191,13 @@ def _check_not_an_input(output: Path, inputs: list[Path]) -> None:
     help="H.264 quality for MP4 (0 lossless, 51 worst; 17 is visually lossless).",
 )
 @click.option(
+    "--x264-preset",
+    type=click.Choice(X264_PRESETS),
+    default=DEFAULT_X264_PRESET,
+    show_default=True,
+    help="x264 speed for MP4: faster presets keep up with the decode and write larger files of the same --crf quality.",
+)
+@click.option(
     "--format",
     "fmt",
     type=click.Choice(OUTPUT_FORMATS),
@@ -207,7 +214,7 @@ def _check_not_an_input(output: Path, inputs: list[Path]) -> None:
 @gpus_option
 @quiet_option
 @click.pass_context
-def decode_command(ctx, latents, output, vae, revision, dtype, device, decode_kernel, chunk_latent_frames, fps, crf, fmt, raw_latents, overwrite, gpus, quiet):
+def decode_command(ctx, latents, output, vae, revision, dtype, device, decode_kernel, chunk_latent_frames, fps, crf, x264_preset, fmt, raw_latents, overwrite, gpus, quiet):
     """Decode Wan2.2 VAE latents (PAN 2 DiT output) into video.
 
     LATENTS are `.pt` files holding a tensor [48,T,H,W] or [B,48,T,H,W] (or a dict with `latents`
@@ -224,7 +231,7 @@ def decode_command(ctx, latents, output, vae, revision, dtype, device, decode_ke
     """
     options = dict(
         latents=latents, output=output, vae=vae, revision=revision, dtype=dtype, device=device,
-        decode_kernel=decode_kernel, chunk_latent_frames=chunk_latent_frames, fps=fps, crf=crf, fmt=fmt, raw_latents=raw_latents,
+        decode_kernel=decode_kernel, chunk_latent_frames=chunk_latent_frames, fps=fps, crf=crf, x264_preset=x264_preset, fmt=fmt, raw_latents=raw_latents,
         overwrite=overwrite, quiet=quiet,
     )  # fmt: skip
     run_on_ranks(ctx, gpus, device, lambda d: _decode(**{**options, "device": d}))
@@ -232,7 +239,7 @@ def decode_command(ctx, latents, output, vae, revision, dtype, device, decode_ke
 
 
 
-def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_latent_frames, fps, crf, fmt, raw_latents, overwrite, quiet):
+def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_latent_frames, fps, crf, x264_preset, fmt, raw_latents, overwrite, quiet):
     """The decode command's work in this process: the only one, or one rank of several (`device` then set)."""
     import torch
 
@@ -240,7 +247,7 @@ def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_
     from pan2cli.decode import decode_latents
     from pan2cli.latents import load_latents
     from pan2cli.vae.checkpoint import load_vae_decoder
-    from pan2cli.vae.kernel import first_use_note, select_decode_path
+    from pan2cli.vae.kernel import first_use_note, select_decode_path, start_loading_triton
     from pan2cli.vae.kernel_decoder import WanKernelDecoder
     from pan2cli.vae.parallel import split_rows
     from pan2cli.video import open_video_writer
@@ -271,6 +278,7 @@ def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_
 
     # 2. Load the decoder once; no rank goes on to the decode's collectives if one failed here.
     start = time.perf_counter()
+    triton_loading = start_loading_triton(device, torch_dtype, decode_kernel)  # beside the weights' loading
     try:
         with status("Loading the VAE decoder…", quiet):
             reference = load_vae_decoder(
@@ -281,6 +289,8 @@ def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_
                 chunk_latent_frames=chunk_latent_frames,
                 decode_kernel=decode_kernel,
             )
+        if triton_loading is not None:
+            triton_loading.join()
         first_use = first_use_note(reference.device, reference.dtype, reference.config.decode_kernel)
         if first_use:
             info(first_use, quiet)  # said once: the decode marks the kernels compiled
@@ -306,7 +316,7 @@ def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_
         z = job.source.latents[job.index]
         frame_rate = fps or job.source.fps or DEFAULT_FPS
         started = time.perf_counter()
-        writing = open_video_writer(job.output, fmt, frame_rate, crf=crf, overwrite=overwrite) if main else nullcontext()
+        writing = open_video_writer(job.output, fmt, frame_rate, crf=crf, overwrite=overwrite, preset=x264_preset) if main else nullcontext()
         with writing as writer, distributed.partial_output(writer.tmp_path if writer is not None else None):
             total = decoder.config.frames_out(z.shape[1])
             with progress_bar(f"Decoding {job.source.path.name}", total=total, unit="frames", quiet=quiet, first="first frame") as advance:

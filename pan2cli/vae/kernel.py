@@ -222,6 +222,21 @@ def _ops() -> ModuleType:
     return _extension[-1]
 
 
+def _import_built(library: Path) -> ModuleType | None:
+    """Import a cached build directly: the build folder is named by the source hash, flags and versions,
+    so a library there is current, and `cpp_extension.load` would run ninja (and import setuptools) only
+    to find that out. None if it cannot be imported (a build killed mid-link): then it is rebuilt."""
+    import importlib.util
+
+    try:
+        module_spec = importlib.util.spec_from_file_location(EXTENSION, library)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    except ImportError:
+        return None
+    return module
+
+
 def load_kernel(device: torch.device | None = None) -> SimpleNamespace:
     """Build (once, cached) and import the extension for this GPU; returns its ops (`torch.ops.pan2.*`).
 
@@ -235,7 +250,6 @@ def load_kernel(device: torch.device | None = None) -> SimpleNamespace:
     if arch in _loaded:
         return _loaded[arch]
     from filelock import FileLock
-    from torch.utils import cpp_extension
 
     spec = kernel_spec(arch)
     spec.build_dir.mkdir(parents=True, exist_ok=True)
@@ -248,16 +262,20 @@ def load_kernel(device: torch.device | None = None) -> SimpleNamespace:
         if not spec.library.exists():
             with open(spec.log_path, "w") as log:
                 log.write(f"# pan2 {pan2cli.__version__}: building {EXTENSION} for {arch} ({spec.source_hash})\n")
+        module = _import_built(spec.library) if spec.library.exists() else None
         try:
-            with _output_to(spec.log_path, echo=verbose):
-                module = cpp_extension.load(
-                    name=EXTENSION,
-                    sources=[str(p) for p in spec.sources if p.suffix in (".cu", ".cpp")],
-                    extra_cflags=["-O3", "-std=c++17"],
-                    extra_cuda_cflags=spec.cuda_flags,
-                    build_directory=str(spec.build_dir),
-                    verbose=True,
-                )
+            if module is None:
+                from torch.utils import cpp_extension  # imports setuptools: only when building
+
+                with _output_to(spec.log_path, echo=verbose):
+                    module = cpp_extension.load(
+                        name=EXTENSION,
+                        sources=[str(p) for p in spec.sources if p.suffix in (".cu", ".cpp")],
+                        extra_cflags=["-O3", "-std=c++17"],
+                        extra_cuda_cflags=spec.cuda_flags,
+                        build_directory=str(spec.build_dir),
+                        verbose=True,
+                    )
         except Exception as exc:
             log = spec.log_path.read_text(errors="replace") if spec.log_path.exists() else str(exc)
             first = _first_compiler_error(log + "\n" + str(exc))
@@ -300,6 +318,32 @@ def _has_release_layers(config) -> bool:
 
     release = WanVAEConfig()
     return all(getattr(config, field) == getattr(release, field) for field in _LAYER_FIELDS)
+
+
+def start_loading_triton(device: torch.device, dtype: torch.dtype, mode: str) -> threading.Thread | None:
+    """Import Triton and the conv kernel in a thread while the caller loads the weights; join it before
+    `select_decode_path`. None where the kernel path will not run.
+
+    A process's first Triton launch imports Triton (~0.15 s) and hashes Triton's own files into its
+    cache key (~0.35 s, `triton_key`; the hashing releases the GIL): about half a second that would
+    otherwise sit between loading the weights and the decode.
+    """
+    if mode == "off" or not triton_available() or why_not_applicable(device, dtype) is not None:
+        return None
+
+    def load() -> None:
+        try:
+            from triton.runtime.cache import triton_key
+
+            import pan2cli.vae.conv_kernel_triton  # noqa: F401  (the kernel's module, JIT-wrapped)
+
+            triton_key()  # cached for the process
+        except Exception:
+            pass  # another Triton version: the first launch does the same work itself
+
+    thread = threading.Thread(target=load, name="pan2-load-triton", daemon=True)
+    thread.start()
+    return thread
 
 
 def first_use_note(device: torch.device, dtype: torch.dtype, mode: str) -> str | None:
