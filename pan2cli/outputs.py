@@ -14,11 +14,12 @@ from pan2cli.errors import InputError
 OUTPUT_FORMATS = ("mp4", "png", "pt")
 # x264's "visually lossless" point: the decode is the product, keep it close to the frames.
 DEFAULT_CRF = 17
-# x264's speed/size trade-off at a given --crf (quality): faster presets write larger files of the
-# same quality. medium is x264's own default; on an H200 host it encodes 704x1248 more slowly than the
-# decode produces frames, so the encode ends about 1.5 s after the decode (docs/BENCHMARKS.md).
+# x264's speed/size trade-off at a given --crf (quality). x264's own default, medium, encodes 704x1248
+# at about 26 frames/s on a 16-core H200 host, slower than the decode's 39: the encode then ended
+# 2.1 s after a 5 s video's decode; faster keeps up (0.4 s), with the same PSNR at crf 17 and a file
+# no larger in our measurements (docs/BENCHMARKS.md, 2026-12-01).
 X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
-DEFAULT_X264_PRESET = "medium"
+DEFAULT_X264_PRESET = "faster"
 _FRAME_NAME = re.compile(r"frame_\d+\.png")  # the files of a PNG output (`VideoWriter._write_png`)
 
 

@@ -233,13 +233,16 @@ def measure_cold(args: argparse.Namespace, vae: Path, t: int, latents: Path, wor
     cmd = decode_command(args, vae, latents, workdir / "out" / "cold.pt", 1)
     print("cold caches: one decode …", flush=True)
     empty = timed_decodes(cmd, fresh_caches("empty"), 1, args.timeout)[0]
+    print(f"  {json.dumps(empty)}", flush=True)
     env = fresh_caches("after-build")
     build_s = None
     if args.device == "cuda":
         print("cold caches: pan2 kernels build …", flush=True)
         build_s = run_child([sys.executable, "-m", "pan2cli", "kernels", "build"], env, args.timeout)[0]
+        print(f"  {build_s:.2f} s", flush=True)
     print(f"cold caches: {args.runs} decode(s) after the build …", flush=True)
     after = timed_decodes(cmd, env, args.runs, args.timeout)
+    print(f"  {json.dumps(after)}", flush=True)
     later = summarize_runs(after[1:]) if len(after) > 1 else None
     ratios = {}
     for key in ("wall_s", "decode"):
@@ -370,6 +373,7 @@ def run_benchmark(args: argparse.Namespace, workdir: Path) -> dict:
     (workdir / "out").mkdir(exist_ok=True)
     print("floor …", flush=True)
     results["floor"] = measure_floor(args)
+    print(f"  {json.dumps(results['floor']['wall_s'])}", flush=True)
     results["rows"] = measure_cli(args, vae, latents, gpu_counts, workdir / "out")
     results["in_process"] = {gpus: measure_in_process(args, vae, latents, gpus, workdir) for gpus in gpu_counts}
     print(f"  {json.dumps(results['in_process'])}", flush=True)

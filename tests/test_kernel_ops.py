@@ -121,3 +121,6 @@ def test_first_use_note_until_the_kernel_is_built_and_its_convs_compiled(monkeyp
     assert kernel.first_use_note(gpu, bf16, "auto") is None and kernel.kernel_status().convs_compiled
     monkeypatch.setattr(kernel, "_triton_cache_dir", lambda: str(tmp_path / "another-triton-cache"))
     assert kernel.first_use_note(gpu, bf16, "auto") is not None  # compiled into a cache no longer in use
+    kernel._mark_convs_compiled("sm_90a")  # compiling into the other cache does not forget the first
+    monkeypatch.setattr(kernel, "_triton_cache_dir", lambda: str(tmp_path / "triton"))
+    assert kernel.first_use_note(gpu, bf16, "auto") is None

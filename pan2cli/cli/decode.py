@@ -195,7 +195,8 @@ def _check_not_an_input(output: Path, inputs: list[Path]) -> None:
     type=click.Choice(X264_PRESETS),
     default=DEFAULT_X264_PRESET,
     show_default=True,
-    help="x264 speed for MP4: faster presets keep up with the decode and write larger files of the same --crf quality.",
+    help="x264 speed for MP4 (the quality is --crf's): slower presets squeeze the file a little more but fall "
+    "behind the decode on a GPU.",
 )
 @click.option(
     "--format",

@@ -70,7 +70,7 @@ class KernelSpec:
 
     @property
     def convs_marker(self) -> Path:
-        """Written once a decoder's Triton convolutions were compiled; holds Triton's cache folder."""
+        """Lists the Triton cache folders into which a decoder's convolutions were compiled, one a line."""
         return self.build_dir / "triton-convs-compiled"
 
     @property
@@ -299,14 +299,15 @@ def convs_compiled(arch: str) -> bool:
     if not triton_available():
         return True
     marker = kernel_spec(arch).convs_marker
-    return marker.exists() and marker.read_text().strip() == _triton_cache_dir()
+    return marker.exists() and _triton_cache_dir() in marker.read_text().splitlines()
 
 
 def _mark_convs_compiled(arch: str) -> None:
-    if triton_available():
+    if triton_available() and not convs_compiled(arch):
         marker = kernel_spec(arch).convs_marker
         marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(_triton_cache_dir() + "\n")
+        with open(marker, "a") as f:  # one line each: another TRITON_CACHE_DIR does not undo this one
+            f.write(_triton_cache_dir() + "\n")
 
 
 # The architecture fields that decide which convolution shapes a decoder launches.
