@@ -82,6 +82,7 @@ def test_cli_writes_mp4_and_sidecar(tiny_pan2, run_cli, tmp_path):
     assert side["fps"] == 12.0 and side["dtype"] == "float32"  # --device cpu runs float32
     assert side["model"] == str(tiny_pan2.resolve()) and side["pan2cli_version"] and side["overrides"]["steps"] == 2
     assert {"text_encoding", "denoising", "decode"} <= set(side["seconds"])
+    assert side["attention"] == "cpu"  # the SDPA backend of the denoising: torch's own choice on the CPU
 
 
 def test_sampler_is_the_release_flow_matching_euler_with_cfg(tiny_pan2, generator):

@@ -60,7 +60,25 @@ def collect_report() -> dict:
         "hf_cache": _hf_cache(),
         "decode_default": f"{device}, {str(resolve_dtype(None, device)).removeprefix('torch.')}",
         "decode_path": kernel_status().decode_path,
+        "attention": _attention(device),
     }
+
+
+def _attention(device) -> str:
+    """The SDPA backend PAN 2's joint attention would take here (bf16 on a GPU), and the priority."""
+    import torch
+
+    from pan2cli.dit.attention import attention_backend, attention_order
+    from pan2cli.dit.checkpoint import release_defaults
+    from pan2cli.errors import InputError
+
+    release = release_defaults()
+    try:
+        order = attention_order()
+        chosen = attention_backend(device, torch.bfloat16, release["num_attention_heads"], release["attention_head_dim"])
+    except InputError as exc:  # a bad PAN2_ATTENTION: doctor reports it rather than failing
+        return str(exc)
+    return f"{chosen} (priority {' > '.join(order)}; PAN2_ATTENTION puts one first)"
 
 
 @click.command("doctor")

@@ -37,6 +37,7 @@ from pan2cli.pipeline.components import PAN2Components, resolve_components
 from pan2cli.pipeline.config import PAN2PipelineConfig
 from pan2cli.pipeline.conditioning import condition_latents
 from pan2cli.pipeline.image import encode_image, fit_image, load_image
+from pan2cli.dit.attention import attention_backend, attention_backends, attention_order
 from pan2cli.pipeline.scheduler import euler_step, flow_sigmas, guided, uses_guidance
 from pan2cli.pipeline.settings import (
     GenerationJob,
@@ -96,6 +97,8 @@ class VideoGenerator:
         self.info = info or (lambda line: None)
         self.warn = warn or (lambda line: warnings.warn(line, stacklevel=3))
         self.dit_config = dict(components.transformer_arguments)  # checked by resolve_components
+        self.attention: str | None = None  # the SDPA backend of the last sample (pan2cli.dit.attention)
+        attention_order()  # a bad PAN2_ATTENTION is bad input before anything loads
 
     @classmethod
     def from_pretrained(cls, path_or_repo: str | Path | None = None, *, config: PAN2PipelineConfig | None = None, revision: str | None = None, **kwargs) -> "VideoGenerator":
@@ -364,15 +367,25 @@ class VideoGenerator:
         sigmas = flow_sigmas(settings.steps, settings.shift).tolist()
         scale = float(self.components.num_train_timesteps)
         use_uncond = uses_guidance(settings.guidance) and uncond is not None
-        for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
-            timestep = torch.full((1,), sigma * scale, device=self.device, dtype=torch.float32)
-            x = torch.cat([latents.to(self.dtype), condition], dim=1)
-            v_cond = model(x, timestep, cond)
-            v_uncond = model(x, timestep, uncond) if use_uncond else None
-            latents = euler_step(latents, guided(v_cond, v_uncond, settings.guidance), sigma, sigma_next)
-            if on_step is not None:
-                on_step(1)
+        self.attention = self._attention_backend(model, shape, cond)
+        with attention_backends():  # cuDNN SDPA first, falling through to flash, efficient, math
+            for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
+                timestep = torch.full((1,), sigma * scale, device=self.device, dtype=torch.float32)
+                x = torch.cat([latents.to(self.dtype), condition], dim=1)
+                v_cond = model(x, timestep, cond)
+                v_uncond = model(x, timestep, uncond) if use_uncond else None
+                latents = euler_step(latents, guided(v_cond, v_uncond, settings.guidance), sigma, sigma_next)
+                if on_step is not None:
+                    on_step(1)
         return latents.cpu()
+
+    def _attention_backend(self, model, latent_shape, cond: torch.Tensor) -> str:
+        """The SDPA backend of this sample's joint attention ([video; text] tokens), for the sidecar."""
+        config = model.config
+        video_tokens = 1
+        for size, patch in zip(latent_shape[2:], config.patch_size):
+            video_tokens *= size // patch
+        return attention_backend(self.device, self.dtype, config.num_attention_heads, config.attention_head_dim, video_tokens + cond.shape[1])
 
     def _load_decoder(self, shared: bool):
         from pan2cli.vae.checkpoint import load_vae_decoder
@@ -456,6 +469,7 @@ class VideoGenerator:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "config": asdict(self.config),
+            "attention": self.attention,  # the SDPA backend of the denoising (pan2cli.dit.attention)
             "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
             "peak_gpu_memory_gib": {k: round(v, 2) for k, v in result.peak_gpu_gib.items()},
         }
