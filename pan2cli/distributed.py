@@ -603,6 +603,16 @@ def broadcast_from_main(x: torch.Tensor) -> torch.Tensor:
     return y.to(x.device)
 
 
+def gather_equal(x: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's `x` (same shape and dtype everywhere), in rank order, on `x`'s device; `[x]` in one process."""
+    if world_size() == 1:
+        return [x]
+    y = x.to(_comm_device()).contiguous()
+    pieces = [torch.empty_like(y) for _ in range(world_size())]
+    dist.all_gather(pieces, y)
+    return [piece.to(x.device) for piece in pieces]
+
+
 def sum_all(value: int) -> int:
     """The sum of `value` over the ranks (all-reduce SUM); `value` itself in a single process."""
     if world_size() == 1:

@@ -38,7 +38,8 @@ from pan2cli.pipeline.config import PAN2PipelineConfig
 from pan2cli.pipeline.conditioning import condition_latents
 from pan2cli.pipeline.image import encode_image, fit_image, load_image
 from pan2cli.dit.attention import attention_backend, attention_backends, attention_order
-from pan2cli.pipeline.scheduler import euler_step, flow_sigmas, guided, uses_guidance
+from pan2cli.pipeline.sampling import denoise
+from pan2cli.pipeline.scheduler import flow_sigmas, uses_guidance
 from pan2cli.pipeline.settings import (
     GenerationJob,
     GenerationResult,
@@ -329,7 +330,9 @@ class VideoGenerator:
 
             def work(result=result, settings=settings):
                 with self.progress(f"Denoising ({settings.steps} steps)", settings.steps, "steps") as advance:
-                    result.latents = self.sample(model, settings, *result._text, getattr(result, "_image_latent", None), on_step=advance)
+                    result.latents = self.sample(
+                        model, settings, *result._text, getattr(result, "_image_latent", None), on_step=advance, cfg_parallel=shared
+                    )
 
             self._run_job(result, "denoising", work)
             result._text = None
@@ -342,7 +345,10 @@ class VideoGenerator:
                     result.latents = distributed.broadcast_from_main(result.latents)
 
     @torch.inference_mode()
-    def sample(self, model, settings: GenerationSettings, cond: torch.Tensor, uncond: torch.Tensor | None, image_latent: torch.Tensor | None = None, on_step=None) -> torch.Tensor:
+    def sample(
+        self, model, settings: GenerationSettings, cond: torch.Tensor, uncond: torch.Tensor | None,
+        image_latent: torch.Tensor | None = None, on_step=None, cfg_parallel: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
         """Flow-matching Euler with classifier-free guidance; returns normalised latents `[1, 48, T, h, w]` float32 on the host.
 
         The seed contract: the initial noise is `torch.randn(shape, generator=torch.Generator("cpu").manual_seed(seed),
@@ -359,24 +365,20 @@ class VideoGenerator:
                 conditions latent frame 0 through the condition channels; the noisy frame 0 is
                 denoised like the others.
             on_step: called with 1 after each step (progress).
+            cfg_parallel: every rank samples this video: ranks 0 and 1 split the two CFG passes
+                (`pan2cli.pipeline.sampling`).
         """
         shape = settings.latent_shape
         generator = torch.Generator(device="cpu").manual_seed(settings.seed)
         latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
         condition = condition_latents(shape, image_latent).to(self.device, self.dtype)  # [1, 49, T, h, w]
         sigmas = flow_sigmas(settings.steps, settings.shift).tolist()
-        scale = float(self.components.num_train_timesteps)
-        use_uncond = uses_guidance(settings.guidance) and uncond is not None
         self.attention = self._attention_backend(model, shape, cond)
         with attention_backends():  # cuDNN SDPA first, falling through to flash, efficient, math
-            for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
-                timestep = torch.full((1,), sigma * scale, device=self.device, dtype=torch.float32)
-                x = torch.cat([latents.to(self.dtype), condition], dim=1)
-                v_cond = model(x, timestep, cond)
-                v_uncond = model(x, timestep, uncond) if use_uncond else None
-                latents = euler_step(latents, guided(v_cond, v_uncond, settings.guidance), sigma, sigma_next)
-                if on_step is not None:
-                    on_step(1)
+            latents = denoise(
+                model, latents, condition, cond, uncond, sigmas, settings.guidance, self.components.num_train_timesteps,
+                cfg_parallel=cfg_parallel, on_step=on_step,
+            )  # fmt: skip
         return latents.cpu()
 
     def _attention_backend(self, model, latent_shape, cond: torch.Tensor) -> str:
