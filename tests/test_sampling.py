@@ -1,4 +1,5 @@
-"""The denoising loop (pan2cli.pipeline.sampling): CFG-parallel over gloo ranks equals one process (float64)."""
+"""The denoising loop (pan2cli.pipeline.sampling) split over gloo ranks equals one process (float64):
+CFG-parallel, Ulysses sequence parallelism (pan2cli.dit.parallel), and both together."""
 
 from __future__ import annotations
 
@@ -10,27 +11,41 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pan2cli.dit.model import PAN2Transformer3DModel
+from pan2cli.dit.parallel import SequenceParallel, token_sizes
+from pan2cli.errors import InputError
 from pan2cli.pipeline.conditioning import condition_latents
-from pan2cli.pipeline.sampling import denoise
+from pan2cli.pipeline.sampling import denoise, split_ranks
 from pan2cli.pipeline.scheduler import flow_sigmas
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from make_tiny_pan2 import TEXT_HIDDEN, tiny_transformer  # noqa: E402  (the release-shaped tiny transformer)
 
-SHAPE = (1, 48, 2, 4, 6)  # latent [1, 48, T, h, w]
-STEPS, GUIDANCE, SHIFT = 3, 2.5, 9.0
+SHAPE = (1, 48, 3, 4, 6)  # latent [1, 48, T, h, w]: 3 x 2 x 3 = 18 video tokens, uneven over 4 ranks
+STEPS, GUIDANCE, SHIFT = 2, 2.5, 9.0
+# 12 heads: they divide over 2, 3 and 4 ranks (the release's 32 over 2, 4 and 8)
+TWELVE_HEADS = dict(num_attention_heads=12, attention_head_dim=16, num_layers=2, num_refiner_layers=1, text_embed_dim=TEXT_HIDDEN, rope_axes_dim=(4, 6, 6))
 
 
-class _Counting(torch.nn.Module):
-    """The transformer, counting its forward passes (CFG-parallel: one per rank and step, not two)."""
+def _model(heads: int) -> PAN2Transformer3DModel:
+    """float64, random and away from zero everywhere (the same in every process); counts its forward passes."""
+    if heads == 2:
+        model = tiny_transformer(seed=2).double()
+    else:
+        torch.manual_seed(4)
+        model = PAN2Transformer3DModel(**TWELVE_HEADS).double().eval()
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(torch.randn_like(param) * (0.3 if param.dim() >= 2 else 0.1) + (1.0 if param.dim() == 1 else 0.0))
+    model.calls = 0
+    real = model.forward
 
-    def __init__(self, model):
-        super().__init__()
-        self.model, self.calls = model, 0
+    def forward(*args):
+        model.calls += 1
+        return real(*args)
 
-    def forward(self, *args):
-        self.calls += 1
-        return self.model(*args)
+    model.forward = forward
+    return model
 
 
 def _inputs():
@@ -38,38 +53,46 @@ def _inputs():
     latents = torch.randn(SHAPE, generator=gen, dtype=torch.float32)
     cond = torch.randn(1, 7, TEXT_HIDDEN, generator=gen, dtype=torch.float64)
     uncond = torch.randn(1, 3, TEXT_HIDDEN, generator=gen, dtype=torch.float64)  # another length, as a negative prompt has
-    condition = condition_latents(SHAPE).to(torch.float64)
-    return latents, condition, cond, uncond
+    return latents, condition_latents(SHAPE).to(torch.float64), cond, uncond
 
 
-def _run(cfg_parallel: bool) -> tuple[torch.Tensor, int]:
-    model = _Counting(tiny_transformer(seed=2).double())
+def _run(heads: int, guidance: float, split: bool) -> tuple[torch.Tensor, int]:
+    model = _model(heads)
     latents, condition, cond, uncond = _inputs()
-    sigmas = flow_sigmas(STEPS, SHIFT).tolist()
     with torch.inference_mode():
-        out = denoise(model, latents, condition, cond, uncond, sigmas, GUIDANCE, 1000, cfg_parallel=cfg_parallel)
+        out = denoise(model, latents, condition, cond, uncond, flow_sigmas(STEPS, SHIFT).tolist(), guidance, 1000, split=split)
     return out, model.calls
 
 
-def _rank(rank: int, world: int, init_file: str, out_prefix: str) -> None:
+def _rank(rank: int, world: int, init_file: str, out_prefix: str, heads: int, guidance: float) -> None:
     torch.set_num_threads(1)  # the ranks share the CI machine's cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        out, calls = _run(cfg_parallel=True)
+        out, calls = _run(heads, guidance, split=True)
         torch.save({"latents": out, "calls": calls}, f"{out_prefix}{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_cfg_parallel_equals_one_process_float64(tmp_path, world):
-    """Issue 15: ranks 0 and 1 take the conditional and unconditional passes and swap them; every rank ends
-    with one process's latents (float64 model: measured difference 0; bound 1e-9 as the issue states), and
-    each rank ran one forward per step instead of two."""
-    expected, calls = _run(cfg_parallel=False)
-    assert calls == 2 * STEPS
+@pytest.mark.parametrize(
+    "world, heads, guidance",
+    [
+        (2, 2, GUIDANCE),  # CFG-parallel: one pass per rank
+        (3, 12, GUIDANCE),  # CFG over [0] and [1, 2], sequence-parallel in the second half
+        (4, 12, GUIDANCE),  # CFG over [0, 1] and [2, 3], sequence-parallel in each (9 tokens each side)
+        (3, 12, 1.0),  # no guidance: the sequence over all three ranks (6 tokens each)
+        (4, 12, 1.0),  # 18 tokens over 4 ranks: bands of 5, 5, 4, 4
+    ],
+    ids=["2-cfg", "3-cfg+sp", "4-cfg+sp", "3-sp", "4-sp-uneven"],
+)
+def test_split_denoise_equals_one_process_float64(tmp_path, world, heads, guidance):
+    """Issue 15: every rank ends with one process's latents (float64 model: measured difference 0 in all five,
+    bound 1e-9 as the issue states), and with CFG each rank runs one pass per step instead of two."""
+    expected, calls = _run(heads, guidance, split=False)
+    passes = 2 if guidance > 1 else 1
+    assert calls == passes * STEPS
     prefix = str(tmp_path / "rank")
-    mp.spawn(_rank, args=(world, str(tmp_path / "init"), prefix), nprocs=world, join=True)
+    mp.spawn(_rank, args=(world, str(tmp_path / "init"), prefix, heads, guidance), nprocs=world, join=True)
     for rank in range(world):
         got = torch.load(f"{prefix}{rank}.pt", weights_only=True)
         assert got["calls"] == STEPS
@@ -77,10 +100,29 @@ def test_cfg_parallel_equals_one_process_float64(tmp_path, world):
 
 
 def test_guidance_uses_both_passes():
-    """The unconditional pass matters (the test above would pass with it ignored everywhere otherwise)."""
-    with_cfg, _ = _run(cfg_parallel=False)
-    model = tiny_transformer(seed=2).double()
-    latents, condition, cond, _ = _inputs()
-    with torch.inference_mode():
-        cond_only = denoise(model, latents, condition, cond, None, flow_sigmas(STEPS, SHIFT).tolist(), GUIDANCE, 1000)
+    """The unconditional pass matters (a split that dropped it would otherwise go unnoticed)."""
+    with_cfg, _ = _run(2, GUIDANCE, split=False)
+    cond_only, _ = _run(2, 1.0, split=False)
     assert (with_cfg - cond_only).abs().max().item() > 1e-3
+
+
+def test_split_plan():
+    assert split_ranks(1, 2) == [[0]]
+    assert split_ranks(2, 2) == [[0], [1]]
+    assert split_ranks(3, 2) == [[0], [1, 2]]
+    assert split_ranks(8, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert split_ranks(4, 1) == [[0, 1, 2, 3]]
+    assert token_sizes(18, 4) == [5, 5, 4, 4] and token_sizes(26598, 8) == [3325] * 6 + [3324] * 2
+
+
+def _heads_check(rank: int, world: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        with pytest.raises(InputError, match="needs a multiple of 3 heads, the model has 32"):
+            SequenceParallel().check_heads(32)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_heads_that_do_not_divide_are_refused(tmp_path):
+    mp.spawn(_heads_check, args=(3, str(tmp_path / "init")), nprocs=3, join=True)

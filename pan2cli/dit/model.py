@@ -30,7 +30,7 @@ rounded once.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,9 @@ from pan2cli.dit.config import PAN2TransformerConfig
 from pan2cli.dit.fusions import compute_dtype, layer_norm_modulate, qk_norm_rope, rms_norm_reference, use_fused
 from pan2cli.dit.rope import rope_table
 from pan2cli.errors import InputError
+
+if TYPE_CHECKING:
+    from pan2cli.dit.parallel import SequenceParallel
 
 TIMESTEP_CHANNELS = 256  # width of the timestep sinusoid (diffusers `Timesteps(256, flip_sin_to_cos=True)`)
 
@@ -210,9 +213,14 @@ class PAN2Attention(nn.Module):
         self.to_add_out = nn.Linear(inner, dim)
 
     def forward(
-        self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x `[B, N, D]` video, ctx `[B, L, D]` text, cos/sin `[N, head_dim/2]` → (video, text) outputs."""
+        self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool,
+        sp: SequenceParallel | None = None, video_tokens: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """x `[B, N, D]` video, ctx `[B, L, D]` text, cos/sin `[N, head_dim/2]` → (video, text) outputs.
+
+        With `sp`, x holds this rank's band of the `video_tokens` video tokens (cos/sin its rows) and the
+        attention runs over all of them for this rank's heads (`pan2cli.dit.parallel`).
+        """
         batch, n_video, _ = x.shape
         n_text = ctx.shape[1]
         heads = (self.heads, self.head_dim)
@@ -232,8 +240,26 @@ class PAN2Attention(nn.Module):
             interleaved=True,
         )  # q, k: [B, N + L, H, head_dim]
         v = torch.cat([self.to_v(x), self.add_v_proj(ctx)], dim=1).view(batch, n_video + n_text, *heads)
+        if sp is not None:
+            return self._sequence_parallel(q, k, v, n_video, video_tokens, sp)
         out = _attention(q, k, v)
         return self.to_out[0](out[:, :n_video]), self.to_add_out(out[:, n_video:])
+
+    def _sequence_parallel(self, q, k, v, n_video: int, video_tokens: int, sp: SequenceParallel):
+        """The joint attention for this rank's heads over every video token (Ulysses all-to-all)."""
+        batch, _, heads, head_dim = q.shape
+        mine = heads // sp.world
+        first = sp.rank * mine
+
+        def all_tokens_my_heads(t: torch.Tensor) -> torch.Tensor:
+            video = sp.video_to_heads(t[:, :n_video], video_tokens)
+            return torch.cat([video, t[:, n_video:, first : first + mine]], dim=1)
+
+        out = _attention(all_tokens_my_heads(q), all_tokens_my_heads(k), all_tokens_my_heads(v))
+        out = out.view(batch, -1, mine, head_dim)
+        video = sp.heads_to_video(out[:, :video_tokens]).reshape(batch, n_video, heads * head_dim)
+        text = sp.gather_heads(out[:, video_tokens:]).reshape(batch, -1, heads * head_dim)
+        return self.to_out[0](video), self.to_add_out(text)
 
 
 class PAN2TransformerBlock(nn.Module):
@@ -251,9 +277,10 @@ class PAN2TransformerBlock(nn.Module):
         self.fused_kernels: Optional[bool] = None  # see fusions.set_fused_kernels
 
     def forward(
-        self, x: torch.Tensor, ctx: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x `[B, N, D]`, ctx `[B, L, D]`, temb `[B, D]`, cos/sin `[N, head_dim/2]`."""
+        self, x: torch.Tensor, ctx: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        sp: SequenceParallel | None = None, video_tokens: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """x `[B, N, D]`, ctx `[B, L, D]`, temb `[B, D]`, cos/sin `[N, head_dim/2]` (with `sp`: this rank's band)."""
         fused = use_fused(self.fused_kernels, x)
         shift1, scale1, gate1, shift2, scale2, gate2 = self.norm1(temb)  # each [B, 1, D]
         batch, dim = x.shape[0], x.shape[-1]
@@ -268,6 +295,8 @@ class PAN2TransformerBlock(nn.Module):
             cos,
             sin,
             fused,
+            sp,
+            video_tokens,
         )
         x = gated_residual(x, attn, gate1)
         ctx = gated_residual(ctx, attn_ctx, c_gate1)
@@ -343,6 +372,8 @@ class PAN2Transformer3DModel(nn.Module):
         self.proj_out = nn.Linear(dim, config.patch_volume * out_channels)
         self.fused_kernels: Optional[bool] = None  # the final modulation; see fusions.set_fused_kernels
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Set (`pan2cli.dit.parallel.SequenceParallel`) to split each video's tokens over a process group.
+        self.sequence_parallel: SequenceParallel | None = None
 
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
@@ -433,14 +464,23 @@ class PAN2Transformer3DModel(nn.Module):
         for block in self.context_refiner:
             ctx = block(ctx)
         ctx = ctx + self.context_type_embedding
-        # 4. blocks
+        # 4. blocks (under sequence parallelism: this rank's band of the tokens and of the RoPE table)
         cos, sin = self.rope(grid, x.device, compute_dtype(x))
+        sp, video_tokens = self.sequence_parallel, x.shape[1]
+        if sp is not None and sp.world > 1:
+            sp.check_heads(cfg.num_attention_heads)
+            start, stop = sp.band(video_tokens)
+            x, cos, sin = x[:, start:stop], cos[start:stop], sin[start:stop]
+        else:
+            sp = None
         for block in self.transformer_blocks:
-            x, ctx = block(x, ctx, temb, cos, sin)
+            x, ctx = block(x, ctx, temb, cos, sin, sp, video_tokens)
         # 5. final modulation (scale, shift) + projection, features read as (c, pt, ph, pw)
         scale, shift = self.norm_out(temb)
         x = layer_norm_modulate(x, scale, shift, eps=cfg.norm_eps, fused=use_fused(self.fused_kernels, x))
         x = self.proj_out(x)
+        if sp is not None:
+            x = sp.gather_tokens(x, video_tokens)
         t, h, w = grid
         x = x.view(batch, t, h, w, cfg.out_channels, pt, ph, pw)
         return x.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(batch, cfg.out_channels, frames, height, width)

@@ -331,7 +331,7 @@ class VideoGenerator:
             def work(result=result, settings=settings):
                 with self.progress(f"Denoising ({settings.steps} steps)", settings.steps, "steps") as advance:
                     result.latents = self.sample(
-                        model, settings, *result._text, getattr(result, "_image_latent", None), on_step=advance, cfg_parallel=shared
+                        model, settings, *result._text, getattr(result, "_image_latent", None), on_step=advance, split=shared
                     )
 
             self._run_job(result, "denoising", work)
@@ -347,7 +347,7 @@ class VideoGenerator:
     @torch.inference_mode()
     def sample(
         self, model, settings: GenerationSettings, cond: torch.Tensor, uncond: torch.Tensor | None,
-        image_latent: torch.Tensor | None = None, on_step=None, cfg_parallel: bool = False,
+        image_latent: torch.Tensor | None = None, on_step=None, split: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         """Flow-matching Euler with classifier-free guidance; returns normalised latents `[1, 48, T, h, w]` float32 on the host.
 
@@ -365,8 +365,8 @@ class VideoGenerator:
                 conditions latent frame 0 through the condition channels; the noisy frame 0 is
                 denoised like the others.
             on_step: called with 1 after each step (progress).
-            cfg_parallel: every rank samples this video: ranks 0 and 1 split the two CFG passes
-                (`pan2cli.pipeline.sampling`).
+            split: every rank samples this video: they share its passes (CFG-parallel and sequence
+                parallel, `pan2cli.pipeline.sampling`).
         """
         shape = settings.latent_shape
         generator = torch.Generator(device="cpu").manual_seed(settings.seed)
@@ -377,7 +377,7 @@ class VideoGenerator:
         with attention_backends():  # cuDNN SDPA first, falling through to flash, efficient, math
             latents = denoise(
                 model, latents, condition, cond, uncond, sigmas, settings.guidance, self.components.num_train_timesteps,
-                cfg_parallel=cfg_parallel, on_step=on_step,
+                split=split, on_step=on_step,
             )  # fmt: skip
         return latents.cpu()
 

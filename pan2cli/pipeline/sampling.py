@@ -1,21 +1,55 @@
-"""The denoising loop: flow-matching Euler with classifier-free guidance, in one process or CFG-parallel.
+"""The denoising loop: flow-matching Euler with classifier-free guidance, on one process or split over several.
 
-CFG-parallel (issue 15): with several processes sharing one video, rank 0 runs the conditional pass and
-rank 1 the unconditional one, and the two predictions are swapped with one all-gather per step, so a
-step costs one forward per GPU instead of two. Every rank then applies the same guidance and Euler step
-to the same tensors, so all ranks hold the same latents, equal to one process's (the same forward on
-the same inputs; exact in float64 on the CPU, `tests/test_sampling.py`). Ranks beyond the first two
-repeat rank 0's or rank 1's pass (no gain yet: sequence parallelism would use them).
+One video on several processes (issue 15), every rank holding the whole transformer:
+- CFG-parallel: the first half of the ranks runs the conditional pass, the second half the
+  unconditional one, and the two predictions are swapped with one all-gather per step, so a step costs
+  one pass per GPU instead of two;
+- Ulysses sequence parallelism within each half of two or more ranks (`pan2cli.dit.parallel`): the
+  video tokens are split over the half and the attention switches to a split over heads (the heads must
+  divide evenly, else that half runs its pass whole on each rank);
+- without guidance, the sequence split over all ranks.
+Every rank then applies the same guidance and Euler step to the same tensors, so all hold the same
+latents, equal to one process's up to the kernels' rounding (exact in float64 on the CPU over 2, 3 and
+4 gloo ranks: tests/test_sampling.py).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
 from pan2cli import distributed
+from pan2cli.dit.parallel import SequenceParallel
 from pan2cli.pipeline.scheduler import euler_step, guided, uses_guidance
+
+
+def split_ranks(world: int, passes: int) -> list[list[int]]:
+    """The ranks of each pass: two halves for CFG (the first half one rank shorter when `world` is odd,
+    so the conditional pass is never the one left alone), else all ranks together."""
+    if passes == 2 and world >= 2:
+        half = world // 2
+        return [list(range(half)), list(range(half, world))]
+    return [list(range(world))]
+
+
+@contextmanager
+def _split_model(model, groups: list[list[int]], heads: int) -> Iterator[int]:
+    """Give the model this rank's sequence-parallel group for the duration; yields the index of its pass."""
+    rank = distributed.rank()
+    previous = model.sequence_parallel
+    mine = next(i for i, ranks in enumerate(groups) if rank in ranks)
+    for i, ranks in enumerate(groups):
+        # new_group is collective: every rank creates every group, in the same order
+        group = dist.new_group(ranks) if len(ranks) >= 2 and heads % len(ranks) == 0 else None
+        if i == mine and group is not None:
+            model.sequence_parallel = SequenceParallel(group)
+    try:
+        yield mine
+    finally:
+        model.sequence_parallel = previous
 
 
 def denoise(
@@ -28,7 +62,7 @@ def denoise(
     guidance: float,
     num_train_timesteps: int,
     *,
-    cfg_parallel: bool = False,
+    split: bool = False,
     on_step: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """Run the Euler steps from `latents` and return the final latents (float32, on their device).
@@ -39,24 +73,30 @@ def denoise(
         condition: `[1, 49, T, h, w]` condition channels in the model's dtype (`condition_latents`).
         cond, uncond: prompt and negative-prompt features; `uncond` None (or guidance ≤ 1): no CFG.
         sigmas: the schedule, σ_0 … σ_N (`flow_sigmas`); the timestep is σ·num_train_timesteps.
-        cfg_parallel: split the two passes over ranks 0 and 1 (module docstring); needs ≥ 2 processes
-            that all call this with the same arguments.
+        split: share this video's passes among the processes of the default group (module docstring);
+            every rank calls this with the same arguments.
         on_step: called with 1 after each step (progress).
     """
     dtype = next(model.parameters()).dtype
     use_uncond = uses_guidance(guidance) and uncond is not None
-    split = cfg_parallel and use_uncond and distributed.world_size() >= 2
-    mine = (cond if distributed.rank() % 2 == 0 else uncond) if split else None
-    for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
-        timestep = torch.full((1,), sigma * num_train_timesteps, device=latents.device, dtype=torch.float32)
-        x = torch.cat([latents.to(dtype), condition], dim=1)
-        if split:
-            predictions = distributed.gather_equal(model(x, timestep, mine))
-            v_cond, v_uncond = predictions[0], predictions[1]
-        else:
-            v_cond = model(x, timestep, cond)
-            v_uncond = model(x, timestep, uncond) if use_uncond else None
-        latents = euler_step(latents, guided(v_cond, v_uncond, guidance), sigma, sigma_next)
-        if on_step is not None:
-            on_step(1)
+    world = distributed.world_size() if split else 1
+    groups = split_ranks(world, 2 if use_uncond else 1)
+    with _split_model(model, groups, model.config.num_attention_heads) if world > 1 else _whole() as mine:
+        for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
+            timestep = torch.full((1,), sigma * num_train_timesteps, device=latents.device, dtype=torch.float32)
+            x = torch.cat([latents.to(dtype), condition], dim=1)
+            if len(groups) == 2:  # CFG-parallel: my half's pass, then the first rank of each half's prediction
+                predictions = distributed.gather_equal(model(x, timestep, cond if mine == 0 else uncond))
+                v_cond, v_uncond = predictions[groups[0][0]], predictions[groups[1][0]]
+            else:
+                v_cond = model(x, timestep, cond)
+                v_uncond = model(x, timestep, uncond) if use_uncond else None
+            latents = euler_step(latents, guided(v_cond, v_uncond, guidance), sigma, sigma_next)
+            if on_step is not None:
+                on_step(1)
     return latents
+
+
+@contextmanager
+def _whole() -> Iterator[int]:
+    yield 0
