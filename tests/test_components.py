@@ -62,8 +62,10 @@ def _write_release(root: Path) -> Path:
     from pan2cli.vae.config import WanVAEConfig
     from pan2cli.vae.random_weights import write_test_checkpoints
 
-    torch.manual_seed(0)
-    save_pan2_transformer(PAN2Transformer3DModel(**TINY), root / "transformer", max_shard_bytes=100_000)
+    with torch.random.fork_rng(devices=[]):  # the initialisation's weights, seeded, without touching the caller's RNG
+        torch.manual_seed(0)
+        transformer = PAN2Transformer3DModel(**TINY)
+    save_pan2_transformer(transformer, root / "transformer", max_shard_bytes=100_000)
     _write_text_encoder(root / "text_encoder")
     _write_json(root / "tokenizer" / "tokenizer.json", {"version": "1.0"})
     _write_json(root / "tokenizer" / "tokenizer_config.json", {"tokenizer_class": "Qwen2Tokenizer"})

@@ -351,3 +351,25 @@ def test_duration_rounds_to_the_nearest_frame_count(generator, duration, frames)
     """frames = 4·round(duration·fps/4) + 1: 5.2/4 = 1.3 → 1 (not up to 2), 6.4/4 = 1.6 → 2 (not down to 1)."""
     res = generator.generate("a cat", preset="pan2-5s", steps=1, duration=duration, fps=10, height=64, width=96)
     assert res.frames.shape[0] == frames
+
+
+@pytest.mark.parametrize(
+    ("duration", "fps", "frames"),
+    [
+        (5.05, None, 121),  # 24 fps: 121.2/4 = 30.3 → 30 → 121 (rounded up: 31 → 125)
+        (4.95, None, 121),  # 118.8/4 = 29.7 → 30 → 121 (rounded down: 29 → 117)
+        (10.05, None, 241),  # 241.2/4 = 60.3 → 60 → 241 (rounded up: 245)
+        (0.3, 10.0, 5),  # 3/4 = 0.75 → 1 → 5
+        (0.1, 10.0, 1),  # 1/4 = 0.25 → 0 → 1 frame (rounded up: 5)
+    ],
+)
+def test_duration_sets_the_nearest_1_plus_4k_frames(duration, fps, frames):
+    """`--duration` (and a prompt record's duration) → 4·round(duration·fps/4) + 1 at the preset's or the given fps,
+    without loading a model: durations whose frame counts differ when rounded up or down (issue 18)."""
+    from pan2cli.pipeline.settings import resolve_settings
+    from pan2cli.presets import load_preset
+
+    preset = load_preset("pan2-5s")
+    assert preset.fps == 24
+    settings = resolve_settings("a cat", preset, duration=duration, fps=fps)
+    assert settings.frames == frames and settings.fps == (fps or 24.0)
