@@ -84,6 +84,8 @@ class _ToyModel:
     def __init__(self, field):
         self.field = field
         self.calls = []
+        # what the generator reads of a transformer's config (the attention backend it records)
+        self.config = SimpleNamespace(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16)
 
     def __call__(self, hidden_states, timestep, encoder_hidden_states):
         assert hidden_states.shape[1] == 97  # 48 latents + 48 condition + 1 mask

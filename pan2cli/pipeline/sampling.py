@@ -68,16 +68,17 @@ def denoise(
     """Run the Euler steps from `latents` and return the final latents (float32, on their device).
 
     Args:
-        model: the PAN 2 transformer (its dtype is the one the inputs are cast to).
+        model: the PAN 2 transformer.
         latents: `[1, 48, T, h, w]` float32 initial noise.
-        condition: `[1, 49, T, h, w]` condition channels in the model's dtype (`condition_latents`).
+        condition: `[1, 49, T, h, w]` condition channels in the model's dtype (`condition_latents`); the
+            latents are cast to it for each pass.
         cond, uncond: prompt and negative-prompt features; `uncond` None (or guidance ≤ 1): no CFG.
         sigmas: the schedule, σ_0 … σ_N (`flow_sigmas`); the timestep is σ·num_train_timesteps.
         split: share this video's passes among the processes of the default group (module docstring);
             every rank calls this with the same arguments.
         on_step: called with 1 after each step (progress).
     """
-    dtype = next(model.parameters()).dtype
+    dtype = condition.dtype  # the model's: the latents enter with the condition in one dtype
     use_uncond = uses_guidance(guidance) and uncond is not None
     world = distributed.world_size() if split else 1
     groups = split_ranks(world, 2 if use_uncond else 1)
