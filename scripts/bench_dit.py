@@ -5,10 +5,16 @@ as released (67.3 GB), weights drawn at random (fast, on the GPU). Per video len
 26,598 video tokens, 241 = 52,338, 481 = 103,818) with ~300 text tokens: one CFG step (two forwards, prompt
 and negative prompt, as `pan2 generate` runs them), timed with CUDA events after a warm-up step; FLOPs per
 forward from the model's shapes (linears, attention, refiner, patch embed and projection) and the achieved
-TFLOP/s; peak memory; the 50-step estimate. `--variants` compares the fused Triton ops with the PyTorch
-reference ops in the same run.
+TFLOP/s; peak memory; the 50-step estimate. `--variants` compares, in the same run, the fused Triton ops,
+the PyTorch reference ops, SDPA pinned to one backend, pan2's attention priority (`pan2cli.dit.attention`,
+"pan2"), and the blocks under `torch.compile` ("compiled", run last: the blocks stay compiled).
+`--profile` adds the CUDA time of one step by kind of kernel (attention, GEMMs, the fused norms, the rest).
 
-    python scripts/bench_dit.py --frames 121 241 --out dit.json
+Under torchrun (`python -m torch.distributed.run --nproc-per-node 2 scripts/bench_dit.py ...`) every rank
+holds the model on its GPU and the step is `pan2cli.pipeline.sampling.denoise`'s with `split=True`
+(CFG-parallel, and sequence parallel within each half of four or more ranks); rank 0 reports.
+
+    python scripts/bench_dit.py --frames 121 241 --variants fused pan2 compiled --profile --out dit.json
     python scripts/bench_dit.py --device cpu --small        # dry run of the set-up on a tiny config
 """
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,7 +34,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pan2cli.dit import set_fused_kernels  # noqa: E402
+from pan2cli.dit.attention import attention_backends  # noqa: E402
 from pan2cli.dit.checkpoint import release_defaults  # noqa: E402
+from pan2cli.pipeline.sampling import denoise  # noqa: E402
 from scripts.make_random_pan2 import random_transformer  # noqa: E402
 
 SMALL = dict(num_attention_heads=2, attention_head_dim=16, num_layers=2, num_refiner_layers=1, text_embed_dim=32, rope_axes_dim=(4, 6, 6))
@@ -41,9 +50,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--text", type=int, default=300, help="text tokens (default 300)")
     parser.add_argument("--steps", type=int, default=2, help="timed CFG steps per length (default 2)")
     parser.add_argument(
-        "--variants", nargs="+", default=["fused"], choices=["fused", "unfused", "fused-cudnn", "fused-flash"],
-        help="DiT ops to time: fused Triton ops or the PyTorch reference; -cudnn / -flash pin SDPA's backend (default: torch's pick)",
+        "--variants", nargs="+", default=["fused"], choices=["fused", "unfused", "fused-cudnn", "fused-flash", "pan2", "compiled"],
+        help="DiT ops to time: fused Triton ops or the PyTorch reference; -cudnn / -flash pin SDPA's backend (default: torch's pick); "
+        "pan2: fused, under pan2's attention priority; compiled: pan2 with the blocks under torch.compile (put it last)",
     )  # fmt: skip
+    parser.add_argument("--profile", action="store_true", help="CUDA time of one step by kind of kernel")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="a tiny config (dry run)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -65,8 +76,39 @@ def forward_flops(config: dict, video_tokens: int, text_tokens: int) -> float:
     return float(blocks + refiner + edges)
 
 
+_KERNEL_KINDS = (  # (kind, substrings of CUDA kernel names), first match wins
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("fused norms (Triton)", ("qk_norm_rope", "layer_norm_modulate")),
+    ("GEMMs", ("gemm", "xmma", "cutlass", "nvjet", "wgmma", "cublas")),
+)
+
+
+def profile_step(step, sync) -> dict[str, float]:
+    """CUDA milliseconds of one `step()` by kind of kernel (`_KERNEL_KINDS`, else "rest")."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        sync()
+    kinds: dict[str, float] = {}
+    for event in prof.key_averages():
+        name = event.key.lower()
+        kind = next((k for k, needles in _KERNEL_KINDS if any(n in name for n in needles)), "rest")
+        kinds[kind] = kinds.get(kind, 0.0) + getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0.0)) / 1e3
+    return {k: round(v, 1) for k, v in sorted(kinds.items())}
+
+
 def main() -> None:
     args = parse_args()
+    distributed_run = "LOCAL_RANK" in os.environ
+    if distributed_run:  # torchrun: one GPU per rank, the step split as `pan2 generate --gpus N` splits it
+        import torch.distributed as dist
+
+        local = int(os.environ["LOCAL_RANK"])
+        if args.device == "cuda":
+            torch.cuda.set_device(local)
+            args.device = f"cuda:{local}"
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
     device = torch.device(args.device)
     config = {**release_defaults(), **(SMALL if args.small else {})}
     start = time.perf_counter()
@@ -81,7 +123,10 @@ def main() -> None:
         "materialise_s": round(time.perf_counter() - start, 1),
         "runs": [],
     }
-    print(json.dumps({k: v for k, v in results.items() if k != "runs"}), flush=True)
+    results["ranks"] = int(os.environ.get("WORLD_SIZE", "1"))
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    if main_rank:
+        print(json.dumps({k: v for k, v in results.items() if k != "runs"}), flush=True)
     dtype = next(model.x_embedder.parameters()).dtype
     for frames in args.frames:
         height, width = (64, 96) if args.small else (args.height, args.width)
@@ -93,14 +138,26 @@ def main() -> None:
         uncond = torch.randn(1, 12, config["text_embed_dim"], generator=generator, device=device).to(dtype)  # " " through the template
         timestep = torch.tensor([900.0], device=device)
         for variant in args.variants:
-            set_fused_kernels(model, variant.startswith("fused") and device.type == "cuda")
+            set_fused_kernels(model, variant != "unfused" and device.type == "cuda")
             backend = {"fused-cudnn": SDPBackend.CUDNN_ATTENTION, "fused-flash": SDPBackend.FLASH_ATTENTION}.get(variant)
+            if variant == "compiled":
+                for block in model.transformer_blocks:
+                    block.compile()  # one graph per block; the 44 blocks share the compiled code
+            attention = attention_backends() if variant in ("pan2", "compiled") else contextlib.nullcontext()
 
-            def step():
-                model(hidden, timestep, cond)
-                model(hidden, timestep, uncond)
+            if distributed_run:  # one step of the pipeline's loop, split over the ranks
 
-            with torch.inference_mode(), sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+                def step():
+                    latents, condition = hidden[:, :48].float(), hidden[:, 48:]
+                    denoise(model, latents, condition, cond, uncond, [0.9, 0.8], 2.5, 1000, split=True)
+
+            else:
+
+                def step():
+                    model(hidden, timestep, cond)
+                    model(hidden, timestep, uncond)
+
+            with torch.inference_mode(), attention, sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
                 step()  # warm-up: Triton compiles, cuBLAS picks its kernels
                 sync()
                 if device.type == "cuda":
@@ -111,6 +168,7 @@ def main() -> None:
                     step()
                     sync()
                     times.append(time.perf_counter() - begin)
+                kinds = profile_step(step, sync) if args.profile and device.type == "cuda" else None
             seconds = min(times)
             flops = forward_flops(config, video_tokens, args.text) + forward_flops(config, video_tokens, 12)
             row = {
@@ -119,11 +177,15 @@ def main() -> None:
                 "tflops_per_step": round(flops / 1e12, 1), "tflop_per_s": round(flops / seconds / 1e12, 1),
                 "fifty_steps_min": round(50 * seconds / 60, 1),
                 "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+                "ranks": results["ranks"], "profile_ms": kinds,
             }  # fmt: skip
             results["runs"].append(row)
-            print(json.dumps(row), flush=True)
-    if args.out:
+            if main_rank:
+                print(json.dumps(row), flush=True)
+    if args.out and main_rank:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
+    if distributed_run:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
