@@ -147,6 +147,18 @@ def test_offload_gives_the_same_frames(tiny_pan2, generator):
     assert (a.frames.int() - b.frames.int()).abs().max().item() <= 1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_offload_on_cuda_gives_the_same_latents(tiny_pan2):
+    """`--offload` on a GPU: the blocks stream from pinned host memory to the GPU one after another, and the
+    sample is the one of the resident model (the same bf16 kernels on the same weights: equal to the bit)."""
+    resident = VideoGenerator.from_pretrained(tiny_pan2, config=PAN2PipelineConfig(device="cuda"))
+    streamed = VideoGenerator.from_pretrained(tiny_pan2, config=PAN2PipelineConfig(device="cuda", offload=True))
+    a = resident.generate("the door opens", **SMALL)
+    b = streamed.generate("the door opens", **SMALL)
+    assert torch.equal(a.latents, b.latents)
+
+
 def test_cli_offload_and_image_to_video_end_to_end(tiny_pan2, generator, start_image, run_cli, tmp_path):
     out = tmp_path / "door.mp4"
     res = run_cli("generate", "the door opens", "--model", tiny_pan2, *CLI_SMALL, "--image", start_image, "--offload", "--save-latents", "-o", out)
