@@ -85,6 +85,13 @@ def test_help_and_version_do_not_import_torch():
         assert proc.stdout.startswith("pan2 " if args == ["--version"] else "Usage: pan2"), args
 
 
+def _without_pan2_debug(monkeypatch) -> None:
+    """PAN2_DEBUG unset now and after the test, also if `--debug` sets it in this process (a plain `delenv`
+    of an unset variable records nothing to restore: setenv first records its absence)."""
+    monkeypatch.setenv("PAN2_DEBUG", "")
+    monkeypatch.delenv("PAN2_DEBUG")
+
+
 def _corrupt_latents(tmp_path: Path) -> Path:
     path = tmp_path / "bad.pt"
     path.write_text("not a tensor\n")
@@ -92,7 +99,7 @@ def _corrupt_latents(tmp_path: Path) -> Path:
 
 
 def test_a_known_error_is_one_line_without_a_traceback(run_cli, tiny_vae, tmp_path, monkeypatch):
-    monkeypatch.delenv("PAN2_DEBUG", raising=False)
+    _without_pan2_debug(monkeypatch)
     result = run_cli("decode", _corrupt_latents(tmp_path), "--vae", tiny_vae, "--device", "cpu")
     assert result.exit_code == 2
     assert "Traceback" not in result.stderr
@@ -105,8 +112,7 @@ def test_a_known_error_is_one_line_without_a_traceback(run_cli, tiny_vae, tmp_pa
 def test_debug_shows_the_traceback_of_a_known_error(run_cli, tiny_vae, tmp_path, monkeypatch, how):
     """Issue 18: `pan2 --debug ...` and `PAN2_DEBUG=1` print the traceback of a known error (exit code and
     `Error:` line unchanged); `PAN2_DEBUG=0` does not."""
-    # --debug sets PAN2_DEBUG in this process: monkeypatch removes it again after the test
-    monkeypatch.delenv("PAN2_DEBUG", raising=False)
+    _without_pan2_debug(monkeypatch)  # --debug sets PAN2_DEBUG in this process
     args = ["decode", _corrupt_latents(tmp_path), "--vae", tiny_vae, "--device", "cpu"]
     if how == "--debug":
         result = run_cli("--debug", *args)
