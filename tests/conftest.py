@@ -45,6 +45,48 @@ def _hub_offline_state_per_test(monkeypatch):
         monkeypatch.delenv("HF_HUB_OFFLINE")
 
 
+def _triton_interprets_here() -> bool:
+    """Whether this machine runs the Triton kernels in Triton's CPU interpreter: Triton installed, no CUDA."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None and not torch.cuda.is_available()
+
+
+def pytest_configure(config):
+    """Without CUDA, import Triton with `TRITON_INTERPRET=1` before anything else does, and restore the
+    environment at once (issue 18).
+
+    Triton defines its own library (`tl.sum`, ...) with `triton.jit` when it is imported, in the mode the
+    variable says then; an interpreted kernel calling a compiled library function fails ("Cannot call
+    @triton.jit'd outside of the scope of a kernel"). Imported here, before collection, it does not matter
+    which test or module imports Triton first."""
+    import os
+    import sys
+
+    if _triton_interprets_here() and "triton" not in sys.modules:
+        with pytest.MonkeyPatch.context() as patch:
+            if "TRITON_INTERPRET" not in os.environ:
+                patch.setenv("TRITON_INTERPRET", "1")
+            import triton  # noqa: F401
+
+
+@pytest.fixture
+def triton_interpreter_without_cuda(monkeypatch):
+    """Without CUDA, the Triton kernels run in Triton's CPU interpreter (`TRITON_INTERPRET=1`, unless the
+    caller's environment sets it); with CUDA, the real kernels. For the test only (issue 18): set when a
+    test module was imported, the variable stayed set for every later module of the session.
+
+    Early enough: `triton.jit` reads the variable when a kernel is defined, and pan2cli imports its kernel
+    modules at their first call, inside a test; `triton_interpreting()` (pan2cli.triton_support) reads it
+    at each call; Triton's own library was defined in the interpreter's mode (`pytest_configure`). A
+    kernel module once imported keeps the mode it was defined in for the rest of the session. Modules
+    with Triton kernels take it with `pytestmark = pytest.mark.usefixtures(...)`."""
+    import os
+
+    if _triton_interprets_here() and "TRITON_INTERPRET" not in os.environ:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
 @pytest.fixture(scope="module")
 def full_size_state():
     """Decoder tensors of the full TI2V-5B VAE (random, γ and biases perturbed), fp32 on the CPU (GPU tests)."""

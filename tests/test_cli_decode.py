@@ -245,9 +245,16 @@ def test_offline_without_cache_says_how_to_pass_a_path(latents_file, tmp_path):
 
 
 def _closed_port_endpoint() -> str:
-    with socket.socket() as s:  # a port nothing listens on once the socket is closed
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+    """An endpoint whose port refuses connections: bound (the OS chooses the port) and never listening, the
+    socket kept open until the test process ends so that no other process can bind the port meanwhile.
+
+    Issue 18: a socket closed before use frees its port, which another process could then listen on."""
+    import atexit
+
+    s = socket.socket()  # no SO_REUSEADDR: a second bind of the port fails while this socket holds it
+    s.bind(("127.0.0.1", 0))
+    atexit.register(s.close)  # holds the socket until then
+    return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 def test_unreachable_hub_without_cache_fails_at_once(latents_file, tmp_path):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import pan2cli
@@ -33,11 +34,17 @@ def test_version(run_cli):
     assert result.stdout.strip() == f"pan2 {pan2cli.__version__}"
 
 
+COMMANDS = ["decode", "doctor", "generate", "kernels", "presets"]
+
+
 def test_help_lists_commands_and_exit_codes(run_cli):
+    """Issue 18: every command is registered on the group and listed in its `Commands:` section (the names
+    also appear in the group's example text, so finding them anywhere in the help proves nothing)."""
+    assert sorted(cli.commands) == COMMANDS
     result = run_cli("--help")
     assert result.exit_code == 0
-    for command in ("decode", "presets", "doctor"):
-        assert command in result.stdout
+    listed = result.stdout.split("\nCommands:\n", 1)[1].split("\n\n", 1)[0]
+    assert re.findall(r"^  (\S+)", listed, re.M) == COMMANDS
     assert "Exit codes" in result.stdout and "130" in result.stdout
 
 
@@ -78,12 +85,55 @@ def test_help_and_version_do_not_import_torch():
         assert proc.stdout.startswith("pan2 " if args == ["--version"] else "Usage: pan2"), args
 
 
+def _without_pan2_debug(monkeypatch) -> None:
+    """PAN2_DEBUG unset now and after the test, also if `--debug` sets it in this process (a plain `delenv`
+    of an unset variable records nothing to restore: setenv first records its absence)."""
+    monkeypatch.setenv("PAN2_DEBUG", "")
+    monkeypatch.delenv("PAN2_DEBUG")
+
+
+def _corrupt_latents(tmp_path: Path) -> Path:
+    path = tmp_path / "bad.pt"
+    path.write_text("not a tensor\n")
+    return path
+
+
+def test_a_known_error_is_one_line_without_a_traceback(run_cli, tiny_vae, tmp_path, monkeypatch):
+    _without_pan2_debug(monkeypatch)
+    result = run_cli("decode", _corrupt_latents(tmp_path), "--vae", tiny_vae, "--device", "cpu")
+    assert result.exit_code == 2
+    assert "Traceback" not in result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("Error:")] == [
+        f"Error: latents file {tmp_path / 'bad.pt'} could not be read (truncated or not a latents file)"
+    ]
+
+
+@pytest.mark.parametrize("how", ["--debug", "PAN2_DEBUG=1"])
+def test_debug_shows_the_traceback_of_a_known_error(run_cli, tiny_vae, tmp_path, monkeypatch, how):
+    """Issue 18: `pan2 --debug ...` and `PAN2_DEBUG=1` print the traceback of a known error (exit code and
+    `Error:` line unchanged); `PAN2_DEBUG=0` does not."""
+    _without_pan2_debug(monkeypatch)  # --debug sets PAN2_DEBUG in this process
+    args = ["decode", _corrupt_latents(tmp_path), "--vae", tiny_vae, "--device", "cpu"]
+    if how == "--debug":
+        result = run_cli("--debug", *args)
+    else:
+        monkeypatch.setenv("PAN2_DEBUG", "1")
+        result = run_cli(*args)
+    assert result.exit_code == 2
+    assert "Traceback (most recent call last)" in result.stderr, result.stderr
+    assert "pan2cli.errors.InputError: latents file" in result.stderr  # the error's own traceback
+    assert len([line for line in result.stderr.splitlines() if line.startswith("Error:")]) == 1
+    monkeypatch.setenv("PAN2_DEBUG", "0")
+    assert "Traceback" not in run_cli(*args).stderr
+
+
 def test_unknown_option_is_a_usage_error(run_cli):
     result = run_cli("decode", "x.pt", "--no-such-flag")
     assert result.exit_code == 2
 
 
 def test_presets_list_and_show(run_cli):
+    """`pan2 presets` is registered and works: `list` names the shipped presets, `show` prints one."""
     listing = run_cli("presets", "list")
     assert listing.exit_code == 0
     names = [line.split()[0] for line in listing.stdout.splitlines()]
@@ -121,6 +171,7 @@ def _pan2_without_a_gpu(*args, env=None) -> subprocess.CompletedProcess:
 
 
 def test_doctor_reports_the_machine(run_cli):
+    """`pan2 doctor` is registered and works: `--json` is the machine's report."""
     result = run_cli("doctor", "--json")
     assert result.exit_code == 0
     report = json.loads(result.stdout)

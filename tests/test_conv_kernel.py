@@ -11,13 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    # Before the kernel is built (triton.jit reads it at decoration time): the interpreter runs on CPU.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 pytest.importorskip("triton")
 
 from pan2cli.vae.conv_kernel import conv_channels_last
+
+# TRITON_INTERPRET=1 without CUDA, set for each test of this module only (conftest.py).
+pytestmark = pytest.mark.usefixtures("triton_interpreter_without_cuda")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REPO = Path(__file__).resolve().parents[1]

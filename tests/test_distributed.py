@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import pytest
 import torch
@@ -95,6 +96,64 @@ def test_no_split_in_one_process_or_when_switched_off():
     assert row_split_for(SMALL, 44) is None
     assert row_split_for(SMALL.replace(decode_kernel_parallel=False), 44) is None
     assert distributed.agree_all(True) is True and distributed.agree_all(False) is False
+
+
+def test_two_ranks_split_the_rows_unless_switched_off(monkeypatch):
+    """Issue 18: in a process group of 2, the decode is split by rows, and `decode_kernel_parallel=False`
+    still decodes whole frames (one process's check cannot see that: it returns None before the option)."""
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed, "rank", lambda: 1)
+    rows = row_split_for(SMALL, 44)
+    assert rows is not None and (rows.sizes, rows.rank, rows.start, rows.stop) == ((22, 22), 1, 22, 44)
+    assert row_split_for(SMALL.replace(decode_kernel_parallel=False), 44) is None
+    with pytest.raises(InputError, match="cannot be split over 2"):
+        row_split_for(SMALL, 1)
+
+
+def test_collective_timeout_defaults_to_300_s(monkeypatch):
+    """`PAN2_DIST_TIMEOUT` (seconds) bounds every collective's wait; unset or empty: 300 s."""
+    monkeypatch.delenv("PAN2_DIST_TIMEOUT", raising=False)
+    assert distributed._timeout() == timedelta(seconds=300)
+    monkeypatch.setenv("PAN2_DIST_TIMEOUT", "")
+    assert distributed._timeout() == timedelta(seconds=300)
+
+
+def test_collective_timeout_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PAN2_DIST_TIMEOUT", "12.5")
+    assert distributed._timeout() == timedelta(seconds=12.5)
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [("ten", "PAN2_DIST_TIMEOUT='ten' is not a number of seconds"), ("0", "PAN2_DIST_TIMEOUT='0' must be positive"),
+     ("-5", "PAN2_DIST_TIMEOUT='-5' must be positive")],
+)  # fmt: skip
+def test_a_bad_collective_timeout_is_bad_input(monkeypatch, value, message):
+    """A value that is no positive number of seconds is refused by name (exit 2), not replaced by the default."""
+    monkeypatch.setenv("PAN2_DIST_TIMEOUT", value)
+    with pytest.raises(InputError) as refused:
+        distributed._timeout()
+    assert str(refused.value) == message and refused.value.exit_code == 2
+
+
+def test_the_process_group_waits_the_collective_timeout(monkeypatch):
+    """The timeout reaches `init_process_group`, which applies it to every collective of the group."""
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def init_process_group(backend, timeout=None, **kwargs):
+        seen.update(backend=backend, timeout=timeout)
+        raise Stop  # no group is joined: the test only looks at the arguments
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("PAN2_DIST_TIMEOUT", "42")
+    with pytest.raises(Stop):
+        with distributed.process_group("cpu"):
+            pass
+    assert seen == {"backend": "gloo", "timeout": timedelta(seconds=42)}
 
 
 def test_decode_kernel_parallel_is_a_runtime_option():

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    # Must be set before the kernel modules are imported (triton.jit reads it at decoration time); the
-    # fused ops import them lazily, at their first call. The interpreter runs on CPU tensors directly.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
 
 from pan2cli.dit import fusions  # noqa: E402
 from pan2cli.dit.rope import rope_table  # noqa: E402
+
+# TRITON_INTERPRET=1 without CUDA, set for each test of this module only (conftest.py).
+pytestmark = pytest.mark.usefixtures("triton_interpreter_without_cuda")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Relative L2 error allowed against the reference at the same dtype (the bounds). In bf16 the

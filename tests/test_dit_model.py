@@ -5,19 +5,17 @@ Exactness against an independent implementation of the release is tests/test_dit
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel modules are imported (lazily)
+from pan2cli.dit import PAN2Transformer3DModel, set_fused_kernels
+from pan2cli.dit.checkpoint import expected_shapes
+from pan2cli.dit.config import config_arguments
+from pan2cli.errors import CheckpointError, InputError
 
-from pan2cli.dit import PAN2Transformer3DModel, set_fused_kernels  # noqa: E402
-from pan2cli.dit.checkpoint import expected_shapes  # noqa: E402
-from pan2cli.dit.config import config_arguments  # noqa: E402
-from pan2cli.errors import CheckpointError, InputError  # noqa: E402
+# TRITON_INTERPRET=1 without CUDA, set for each test of this module only (conftest.py).
+pytestmark = pytest.mark.usefixtures("triton_interpreter_without_cuda")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = dict(num_attention_heads=2, attention_head_dim=16, num_layers=2, num_refiner_layers=1, text_embed_dim=24, rope_axes_dim=(4, 6, 6))

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--steps", "1", "--frames", "5", "--size", "64x96", "--device", "cpu"]
@@ -19,22 +21,30 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
+@pytest.fixture
+def rendezvous_port() -> Iterator[int]:
+    """The port of a TCP store that this process hosts for the nodes' c10d rendezvous, which both nodes join
+    as clients (`is_host=0`); it listens from the moment the OS chose the port until the test ends.
+
+    Issue 18: a port found free by binding and closing a socket could be taken by another process before
+    node 0 bound it again. Each node's agent serves its workers from a port of its own, which torchrun
+    also has the OS choose at bind time (its shared TCPStore)."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    yield store.port
+    del store
 
 
-def test_prompt_file_sharded_over_two_nodes(tiny_pan2, tmp_path):
+def test_prompt_file_sharded_over_two_nodes(tiny_pan2, tmp_path, rendezvous_port):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["a cat", "a dog", "the fox", "a red door"]))
     out = tmp_path / "videos"
     out.mkdir()
-    port = _free_port()
     nodes = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "pan2test",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{rendezvous_port}", "--rdzv-conf", "is_host=0", "--rdzv-id", "pan2test",
              "-m", "pan2cli", "generate", "--prompts", str(prompts), "--model", str(tiny_pan2), *SMALL, "-o", str(out)],
             env=_env(), cwd=tmp_path, stdout=(tmp_path / f"out{rank}").open("w"), stderr=(tmp_path / f"err{rank}").open("w"),
         )  # fmt: skip

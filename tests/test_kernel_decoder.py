@@ -7,22 +7,21 @@ compiled kernels themselves.
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    # The fixed-order conv kernel (Triton) runs in the interpreter on CPU; set before its first build.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.kernel_decoder import WanKernelDecoder, phase_weights
 from pan2cli.vae.model import WanVAEDecoder
 from pan2cli.vae.random_weights import random_vae_state_dict
 from pan2cli.video import frames_to_uint8
+
+
+# TRITON_INTERPRET=1 without CUDA, set for each test of this module only (conftest.py).
+pytestmark = pytest.mark.usefixtures("triton_interpreter_without_cuda")
 
 
 def _rms_norm_silu(x, gamma, bias, residual, sum_out, out, silu, history=None, normalize=True):

@@ -124,3 +124,36 @@ def test_first_use_note_until_the_kernel_is_built_and_its_convs_compiled(monkeyp
     kernel._mark_convs_compiled("sm_90a")  # compiling into the other cache does not forget the first
     monkeypatch.setattr(kernel, "_triton_cache_dir", lambda: str(tmp_path / "triton"))
     assert kernel.first_use_note(gpu, bf16, "auto") is None
+
+
+# A failed build as ninja and nvcc write it to build.log (warnings first), then the exception's text.
+_NVCC_LOG = """\
+[1/3] c++ -MMD -MF decode.o.d -DTORCH_EXTENSION_NAME=wan22_vae_decode -O3 -std=c++17 -c decode.cpp -o decode.o
+[2/3] /usr/local/cuda/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --use_fast_math -c head.cu -o head.cuda.o
+FAILED: head.cuda.o
+/usr/local/cuda/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --use_fast_math -c head.cu -o head.cuda.o
+head.cu(12): warning #177-D: variable "error_count" was declared but never referenced
+head.cu(15): warning #550-D: variable "lane" was set but never used
+head.cu(42): error: identifier "blockDimX" is undefined
+head.cu(57): error: expected a ";"
+2 errors detected in the compilation of "head.cu".
+ninja: build stopped: subcommand failed.
+"""
+
+
+def test_build_error_names_the_compilers_first_error():
+    """Issue 18: a failed build's one-line reason is the first compiler error (warnings and torch's
+    'Error building extension' wrapper are not errors of the source)."""
+    exception = "Error building extension 'wan22_vae_decode'"
+    assert kernel._first_compiler_error(_NVCC_LOG + "\n" + exception) == 'head.cu(42): error: identifier "blockDimX" is undefined'
+    # torch's wrapper line is skipped also where it comes first (a log appended to by an earlier build)
+    assert kernel._first_compiler_error(f"{exception}\n  ptxas ERROR : Entry function uses too much shared data  \n") == (
+        "ptxas ERROR : Entry function uses too much shared data"
+    )
+
+
+def test_build_error_without_an_error_line_is_the_last_line():
+    killed = "[1/3] /usr/local/cuda/bin/nvcc -c head.cu -o head.cuda.o\nKilled\nninja: build stopped: subcommand failed.\n\n"
+    assert kernel._first_compiler_error(killed) == "ninja: build stopped: subcommand failed."
+    assert kernel._first_compiler_error("") == "the build failed without output"
+    assert kernel._first_compiler_error("\n  \n") == "the build failed without output"
