@@ -260,10 +260,9 @@ def _closed_port_endpoint() -> str:
 def test_unreachable_hub_without_cache_fails_at_once(latents_file, tmp_path):
     endpoint = _closed_port_endpoint()
     env = {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": ""}
-    start = time.monotonic()
     proc = _pan2("decode", latents_file((48, 1, 2, 2)), "--device", "cpu", env=env)  # the default --vae, from the hub
-    assert time.monotonic() - start < 20  # huggingface_hub's own retries took 25 s
     assert proc.returncode == 1, proc.stderr
+    # huggingface_hub's own retries (25 s) each say "Retrying in …": none may happen (no clock needed)
     assert "Retrying" not in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines() == [
         f"Error: could not download the VAE from Wan-AI/Wan2.2-TI2V-5B-Diffusers: the Hugging Face hub ({endpoint}) "
