@@ -13,11 +13,12 @@ from typing import Callable
 import torch
 
 from pan2cli.errors import OutOfMemoryError
+from pan2cli.frames import HostCopy, copy_to_host_async
 from pan2cli.latents import unnormalize
 from pan2cli.vae.kernel_decoder import WanKernelDecoder
 from pan2cli.vae.model import WanVAEDecoder
 from pan2cli.vae.parallel import row_split_for
-from pan2cli.video import HostCopy, VideoWriter, copy_to_host_async
+from pan2cli.video import VideoWriter
 
 
 @dataclass(frozen=True)

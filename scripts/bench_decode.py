@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.model import WanVAEDecoder
 from pan2cli.vae.random_weights import decoder_from_state, random_vae_state_dict
-from pan2cli.video import frames_to_uint8, psnr
+from pan2cli.frames import frames_to_uint8, psnr
 
 _TFLOP_FIRST, _TFLOP_LATER = 20.06, 64.69  # at 44x78 latent pixels (wan22_vae.md §8.1)
 

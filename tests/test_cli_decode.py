@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 import pan2cli.decode as decode_module  # the CLI imports decode_latents from here when it runs
 from pan2cli.latents import unnormalize
 from pan2cli.vae.checkpoint import load_vae_decoder
-from pan2cli.video import frames_to_uint8
+from pan2cli.frames import frames_to_uint8
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,7 @@ import torch
 
 from pan2cli.vae.model import WanVAEDecoder
 from pan2cli.vae.random_weights import decoder_from_state
-from pan2cli.video import psnr
+from pan2cli.frames import psnr
 
 REPO = Path(__file__).resolve().parents[1]
 

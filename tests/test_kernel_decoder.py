@@ -17,7 +17,7 @@ from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.kernel_decoder import WanKernelDecoder, phase_weights
 from pan2cli.vae.model import WanVAEDecoder
 from pan2cli.vae.random_weights import random_vae_state_dict
-from pan2cli.video import frames_to_uint8
+from pan2cli.frames import frames_to_uint8
 
 
 # TRITON_INTERPRET=1 without CUDA, set for each test of this module only (conftest.py).

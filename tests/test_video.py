@@ -1,4 +1,4 @@
-"""Tests for pan2cli.video: float-to-uint8 mapping, output paths, and the mp4/png/pt writers."""
+"""Tests for pan2cli.frames and pan2cli.video: float-to-uint8 mapping, output paths, and the mp4/png/pt writers."""
 
 from __future__ import annotations
 
@@ -16,14 +16,8 @@ import torch
 
 from pan2cli.errors import InputError, Pan2Error
 from pan2cli.outputs import DEFAULT_CRF, OUTPUT_FORMATS, check_output_path, default_output_path
-from pan2cli.video import (
-    VideoWriter,
-    copy_to_host,
-    frames_to_uint8,
-    open_video_writer,
-    psnr,
-    write_video,
-)
+from pan2cli.frames import copy_to_host, frames_to_uint8, psnr
+from pan2cli.video import VideoWriter, open_video_writer, write_video
 
 
 def _gradient_frames(f: int, h: int, w: int) -> torch.Tensor:

@@ -377,7 +377,7 @@ class WanVAEDecoder(nn.Module):
         self, z: torch.Tensor, chunk_latent_frames: int | None = None, rows: RowSplit | None = None
     ) -> Iterator[torch.Tensor]:
         """`decode_chunks` as uint8 frames `(B, f, 16h, 16w, 3)` on the decoder's device (the kernel path's signature)."""
-        from pan2cli.video import frames_to_uint8
+        from pan2cli.frames import frames_to_uint8
 
         for video in self.decode_chunks(z, chunk_latent_frames, rows=rows):
             yield torch.stack([frames_to_uint8(v) for v in video])
