@@ -269,13 +269,13 @@ def worker_main(argv: list[str]) -> None:
     parser.add_argument("--report", required=True)
     args = parser.parse_args(argv)
 
-    from pan2cli import distributed
+    from pan2cli import distributed, launch
     from pan2cli.decode import decode_latents
     from pan2cli.vae.checkpoint import load_vae_decoder
     from pan2cli.vae.kernel import select_decode_path
     from pan2cli.vae.kernel_decoder import WanKernelDecoder
 
-    group = distributed.process_group(args.device) if distributed.under_torchrun() else nullcontext(torch.device(args.device))
+    group = distributed.process_group(args.device) if launch.under_torchrun() else nullcontext(torch.device(args.device))
     with group as device:
         start = time.perf_counter()
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

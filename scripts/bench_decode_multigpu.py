@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from pan2cli import distributed
 from pan2cli.decode import decode_latents
+from pan2cli.launch import under_torchrun
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.kernel import select_decode_path
 from pan2cli.vae.kernel_decoder import WanKernelDecoder
@@ -310,7 +311,7 @@ def _ranges(indices: list[int]) -> str:
 def main() -> int:
     argv = sys.argv[1:]
     args = parse_args(argv)
-    if not distributed.under_torchrun():
+    if not under_torchrun():
         return launch(args, argv)
     worker(args)
     return 0

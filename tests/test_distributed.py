@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pan2cli import distributed
+from pan2cli import distributed, launch
 from pan2cli.errors import InputError
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.model import WanVAEDecoder
@@ -113,14 +113,14 @@ def test_two_ranks_split_the_rows_unless_switched_off(monkeypatch):
 def test_collective_timeout_defaults_to_300_s(monkeypatch):
     """`PAN2_DIST_TIMEOUT` (seconds) bounds every collective's wait; unset or empty: 300 s."""
     monkeypatch.delenv("PAN2_DIST_TIMEOUT", raising=False)
-    assert distributed._timeout() == timedelta(seconds=300)
+    assert launch._timeout() == timedelta(seconds=300)
     monkeypatch.setenv("PAN2_DIST_TIMEOUT", "")
-    assert distributed._timeout() == timedelta(seconds=300)
+    assert launch._timeout() == timedelta(seconds=300)
 
 
 def test_collective_timeout_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("PAN2_DIST_TIMEOUT", "12.5")
-    assert distributed._timeout() == timedelta(seconds=12.5)
+    assert launch._timeout() == timedelta(seconds=12.5)
 
 
 @pytest.mark.parametrize(
@@ -132,7 +132,7 @@ def test_a_bad_collective_timeout_is_bad_input(monkeypatch, value, message):
     """A value that is no positive number of seconds is refused by name (exit 2), not replaced by the default."""
     monkeypatch.setenv("PAN2_DIST_TIMEOUT", value)
     with pytest.raises(InputError) as refused:
-        distributed._timeout()
+        launch._timeout()
     assert str(refused.value) == message and refused.value.exit_code == 2
 
 
@@ -164,18 +164,18 @@ def test_decode_kernel_parallel_is_a_runtime_option():
 
 def test_strip_option_removes_both_spellings():
     args = ["decode", "a.pt", "--gpus", "2", "-o", "v.mp4", "--gpus=3", "--device", "cpu"]
-    assert distributed.strip_option(args, "--gpus") == ["decode", "a.pt", "-o", "v.mp4", "--device", "cpu"]
+    assert launch.strip_option(args, "--gpus") == ["decode", "a.pt", "-o", "v.mp4", "--device", "cpu"]
 
 
 def test_torchrun_environment_is_detected(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
-    assert not distributed.under_torchrun()
+    assert not launch.under_torchrun()
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert not distributed.under_torchrun()
+    assert not launch.under_torchrun()
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert distributed.under_torchrun() and distributed.env_rank() == 1 and distributed.env_world_size() == 2
+    assert launch.under_torchrun() and launch.env_rank() == 1 and launch.env_world_size() == 2
 
 
 def test_a_failing_launcher_is_one_error_line(run_cli, tiny_vae, latents_file, monkeypatch):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pan2cli.distributed import _EXIT_PEER_LOST
+from pan2cli.launch import _EXIT_PEER_LOST
 from pan2cli.errors import EXIT_INTERRUPTED
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,15 +74,15 @@ if "RANK" in os.environ and os.environ.get("PAN2_TEST_PIDS"):
 _RECORD_EXITS = '''
 import os
 if "RANK" in os.environ and os.environ.get("PAN2_TEST_EXITS"):
-    import pan2cli.distributed as distributed
-    real_record_exit = distributed.record_exit
+    import pan2cli.launch as launch
+    real_record_exit = launch.record_exit
 
     def record_exit(code):
         with open(os.path.join(os.environ["PAN2_TEST_EXITS"], "exit" + os.environ["RANK"]), "w") as f:
             f.write(str(code))
         return real_record_exit(code)
 
-    distributed.record_exit = record_exit
+    launch.record_exit = record_exit
 '''
 
 

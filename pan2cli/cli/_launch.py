@@ -21,18 +21,19 @@ def run_on_ranks(ctx: click.Context, gpus: int | None, device: str | None, work:
     Raises:
         InputError: more GPUs than visible, or `--gpus` different from torchrun's world size.
     """
-    from pan2cli import distributed  # here, not at the top: it imports torch, which `pan2 --help` does not need
+    # here, not at the top: they import torch, which `pan2 --help` does not need
+    from pan2cli import distributed, launch
 
-    if gpus is not None and gpus > 1 and not distributed.under_torchrun():
-        distributed.check_gpus(gpus, device)
+    if gpus is not None and gpus > 1 and not launch.under_torchrun():
+        launch.check_gpus(gpus, device)
         root = ctx.find_root()
         argv = root.obj["argv"] if isinstance(root.obj, dict) and "argv" in root.obj else sys.argv[1:]
-        ctx.exit(distributed.launch(gpus, distributed.strip_option(argv, "--gpus")))
-    if not distributed.under_torchrun():
+        ctx.exit(launch.launch(gpus, launch.strip_option(argv, "--gpus")))
+    if not launch.under_torchrun():
         return work(device)
-    if gpus is not None and gpus != distributed.env_world_size():
+    if gpus is not None and gpus != launch.env_world_size():
         raise InputError(
-            f"--gpus {gpus} differs from torchrun's {distributed.env_world_size()} processes",
+            f"--gpus {gpus} differs from torchrun's {launch.env_world_size()} processes",
             hint="leave --gpus out under torchrun",
         )
     with distributed.process_group(device) as rank_device:

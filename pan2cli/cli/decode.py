@@ -2,7 +2,7 @@
 
 Usage: pan2 decode LATENTS... [-o OUT] [--vae PATH|REPO] [--format mp4|png|pt] [--gpus N] [...]
 
-With `--gpus N` the command re-launches itself in N processes (`pan2cli.distributed`); each rank then
+With `--gpus N` the command re-launches itself in N processes (`pan2cli.launch`); each rank then
 runs `_decode`: inputs checked and the model loaded on every rank with a sync point after each, rank 0
 alone writing and printing. torch and the decoder are imported inside `_decode`: `pan2 --help` does not
 load them.
@@ -244,7 +244,7 @@ def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_
     """The decode command's work in this process: the only one, or one rank of several (`device` then set)."""
     import torch
 
-    from pan2cli import distributed
+    from pan2cli import distributed, launch
     from pan2cli.decode import decode_latents
     from pan2cli.latents import load_latents
     from pan2cli.vae.checkpoint import load_vae_decoder
@@ -318,7 +318,7 @@ def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_
         frame_rate = fps or job.source.fps or DEFAULT_FPS
         started = time.perf_counter()
         writing = open_video_writer(job.output, fmt, frame_rate, crf=crf, overwrite=overwrite, preset=x264_preset) if main else nullcontext()
-        with writing as writer, distributed.partial_output(writer.tmp_path if writer is not None else None):
+        with writing as writer, launch.partial_output(writer.tmp_path if writer is not None else None):
             total = decoder.config.frames_out(z.shape[1])
             with progress_bar(f"Decoding {job.source.path.name}", total=total, unit="frames", quiet=quiet, first="first frame") as advance:
                 stats = decode_latents(decoder, z, writer, normalized=not raw_latents, on_chunk=advance)

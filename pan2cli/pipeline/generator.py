@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import time
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -28,7 +27,7 @@ from typing import Callable, Iterator
 import torch
 
 import pan2cli
-from pan2cli import distributed
+from pan2cli import distributed, launch
 from pan2cli.atomic import replace_into
 from pan2cli.decode import decode_latents
 from pan2cli.errors import OutOfMemoryError, Pan2Error
@@ -395,7 +394,7 @@ class VideoGenerator:
 
         cfg = self.config
         world = distributed.world_size()
-        single_machine = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
+        single_machine = launch.env_local_world_size(world) == world
         reference = load_vae_decoder(
             self.components.folder("vae"), dtype=self.vae_dtype, device=self.device,
             chunk_latent_frames=cfg.chunk_latent_frames or 4, decode_kernel=cfg.vae_decode_kernel,
@@ -435,7 +434,7 @@ class VideoGenerator:
     def _decode_one(self, decoder, result: GenerationResult, writes: bool) -> None:
         job, settings = result.job, result.job.settings
         writing = open_video_writer(job.output, "mp4", settings.fps, crf=job.crf, overwrite=job.overwrite) if writes and job.output is not None else nullcontext()
-        with writing as writer, distributed.partial_output(writer.tmp_path if writer is not None else None):
+        with writing as writer, launch.partial_output(writer.tmp_path if writer is not None else None):
             sink = _FrameSink(job.return_frames and writes, writer)
             total = 1 + _TEMPORAL * (result.latents.shape[2] - 1)
             with self.progress("Decoding", total, "frames") as advance:
