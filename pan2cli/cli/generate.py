@@ -20,6 +20,7 @@ import click
 from pan2cli.cli._launch import run_on_ranks
 from pan2cli.cli._options import device_option, dtype_option, gpus_option, quiet_option
 from pan2cli.cli._output import info, progress_bar, result, warn
+from pan2cli.constants import MAX_SEED
 from pan2cli.errors import InputError
 from pan2cli.pipeline.components import DEFAULT_MODEL_REPO
 from pan2cli.presets import DEFAULT_PRESET, load_preset
@@ -105,7 +106,7 @@ def _jobs(prompt, prompts_file, output, preset, overrides, save_latents, overwri
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Denoising steps.  [default: the preset's, 50]")
 @click.option("--guidance", type=click.FloatRange(min=0, min_open=True), default=None, help="Classifier-free guidance scale; 1 skips the negative prompt.  [default: the preset's, 2.5]")
 @click.option("--shift", type=click.FloatRange(min=0, min_open=True), default=None, help="Flow shift s of the schedule σ' = s·σ/(1+(s−1)·σ).  [default: the preset's, 9]")
-@click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None, help="Random seed.  [default: the preset's, 123]")
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None, help="Random seed.  [default: the preset's, 123]")
 @click.option("--frames", type=int, default=None, help="Video frames, 1 + 4·k (121 = 5 s at 24 fps).  [default: the preset's]")
 @click.option("--duration", type=float, default=None, help="Video length in seconds: frames = 4·round(duration·fps/4) + 1.")
 @click.option("--size", callback=_parse_size, default=None, metavar="HxW", help="Height x width in pixels, multiples of 32.  [default: the preset's, 704x1248]")

@@ -30,6 +30,7 @@ import torch
 import pan2cli
 from pan2cli import distributed
 from pan2cli.atomic import replace_into
+from pan2cli.constants import video_frames
 from pan2cli.decode import decode_latents
 from pan2cli.errors import OutOfMemoryError, Pan2Error
 from pan2cli.outputs import check_output_path
@@ -52,7 +53,6 @@ from pan2cli.video import open_video_writer
 
 # Progress hook: (description, total, unit) → context manager yielding `advance(n)`.
 ProgressFactory = Callable[[str, int, str], "contextmanager"]
-_TEMPORAL = 4  # Wan2.2 VAE: 4 video frames per latent frame after the first
 
 
 @contextmanager
@@ -437,7 +437,7 @@ class VideoGenerator:
         writing = open_video_writer(job.output, "mp4", settings.fps, crf=job.crf, overwrite=job.overwrite) if writes and job.output is not None else nullcontext()
         with writing as writer, distributed.partial_output(writer.tmp_path if writer is not None else None):
             sink = _FrameSink(job.return_frames and writes, writer)
-            total = 1 + _TEMPORAL * (result.latents.shape[2] - 1)
+            total = video_frames(result.latents.shape[2])
             with self.progress("Decoding", total, "frames") as advance:
                 decode_latents(decoder, result.latents, sink if writes else None, normalized=True, on_chunk=advance)
         result.frames = sink.frames()
