@@ -18,6 +18,7 @@ except ModuleNotFoundError:  # Python < 3.11; pyproject.toml depends on tomli th
 
 from pan2cli.constants import SIZE_MULTIPLE, latent_frames, latent_shape, valid_frames, valid_seed, valid_size
 from pan2cli.errors import InputError
+from pan2cli.paths import looks_like_path
 from pan2cli.resources import presets_dir
 
 DEFAULT_PRESET = "pan2-10s"
@@ -156,10 +157,6 @@ def _shipped_files() -> dict[str, Path]:
     return {name: files[name] for name in sorted(files, key=_natural_key)}
 
 
-def _looks_like_path(text: str) -> bool:
-    return text.endswith(".toml") or "/" in text or os.sep in text or Path(text).is_file()
-
-
 def _load_file(path: Path, name: str) -> Preset:
     """Read and validate one preset file.
 
@@ -243,7 +240,7 @@ def load_preset(name_or_path: str | os.PathLike[str]) -> Preset:
     shipped = _shipped_files()
     if isinstance(name_or_path, str) and text in shipped:
         return _load_file(shipped[text], text)
-    if not isinstance(name_or_path, str) or _looks_like_path(text):
+    if not isinstance(name_or_path, str) or looks_like_path(text, file_suffixes=(".toml",), repo_ids=False):
         path = Path(text).expanduser().resolve()
         return _load_file(path, path.stem)
     raise InputError(
