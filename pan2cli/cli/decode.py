@@ -23,7 +23,7 @@ from pan2cli.cli._launch import run_on_ranks
 from pan2cli.cli._options import device_option, dtype_option, gpus_option, quiet_option
 from pan2cli.cli._output import gib, info, progress_bar, result, status, warn
 from pan2cli.devices import resolve_device, resolve_dtype
-from pan2cli.errors import InputError, OutOfMemoryError
+from pan2cli.errors import InputError, out_of_memory
 from pan2cli.outputs import DEFAULT_CRF, DEFAULT_X264_PRESET, OUTPUT_FORMATS, X264_PRESETS, check_output_path, default_output_path
 from pan2cli.vae.config import DECODE_KERNEL_MODES, DEFAULT_VAE_REPO
 
@@ -298,7 +298,7 @@ def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_
         with status("Building the decode kernel…" if first_use else "Choosing the decode path…", quiet):
             decoder, note = select_decode_path(reference)
     except torch.OutOfMemoryError as exc:
-        error = OutOfMemoryError(f"the GPU ran out of memory while loading the VAE decoder: {str(exc).splitlines()[0]}")
+        error = out_of_memory(exc, "while loading the VAE decoder")
     except Exception as exc:  # a Pan2Error or the unexpected: either way the other ranks must not wait
         error = exc
     distributed.raise_if_any_failed(error)

@@ -32,7 +32,7 @@ from pan2cli import distributed
 from pan2cli.atomic import replace_into
 from pan2cli.constants import video_frames
 from pan2cli.decode import decode_latents
-from pan2cli.errors import OutOfMemoryError, Pan2Error
+from pan2cli.errors import Pan2Error, out_of_memory
 from pan2cli.outputs import check_output_path
 from pan2cli.pipeline.components import PAN2Components, resolve_components
 from pan2cli.pipeline.config import PAN2PipelineConfig
@@ -212,7 +212,7 @@ class VideoGenerator:
         try:
             yield
         except torch.OutOfMemoryError as exc:
-            raise OutOfMemoryError(f"the GPU ran out of memory during {stage.replace('_', ' ')}: {str(exc).splitlines()[0]}", hint="pass --offload, or a smaller size or duration") from exc
+            raise out_of_memory(exc, f"during {stage.replace('_', ' ')}", hint="pass --offload, or a smaller size or duration") from exc
         finally:
             self._sync()
             result.seconds[stage] = result.seconds.get(stage, 0.0) + time.perf_counter() - start
