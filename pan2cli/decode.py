@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from pan2cli.errors import OutOfMemoryError
+from pan2cli.errors import out_of_memory
 from pan2cli.frames import HostCopy, copy_to_host_async
 from pan2cli.latents import unnormalize
 from pan2cli.vae.kernel_decoder import WanKernelDecoder
@@ -118,9 +118,9 @@ def decode_latents(
             deliver(pending)
         _synchronize(device)
     except torch.OutOfMemoryError as exc:
-        raise OutOfMemoryError(
-            f"the GPU ran out of memory while decoding {tuple(z.shape)} latents "
-            f"with {chunk} latent frames per chunk: {str(exc).splitlines()[0]}",
+        raise out_of_memory(
+            exc,
+            f"while decoding {tuple(z.shape)} latents with {chunk} latent frames per chunk",
             hint="pass a smaller --chunk-latent-frames (1 uses the least memory), or free the GPU",
         ) from exc
     seconds = time.perf_counter() - start

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pan2cli.constants import DTYPE_NAMES, TORCH_DTYPES  # noqa: F401  (DTYPE_NAMES re-exported for the CLI's options)
 from pan2cli.errors import InputError
 
 if TYPE_CHECKING:
     import torch
-
-# --dtype name → torch dtype attribute.
-_TORCH_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
-DTYPE_NAMES = tuple(_TORCH_DTYPES)
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -43,4 +40,4 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
     if name is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, _TORCH_DTYPES[name])
+    return getattr(torch, TORCH_DTYPES[name])

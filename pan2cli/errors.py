@@ -39,6 +39,20 @@ class OutOfMemoryError(Pan2Error):
     """The GPU ran out of memory. Exit code 1."""
 
 
+def out_of_memory(error: BaseException, when: str | None = None, hint: str | None = None) -> OutOfMemoryError:
+    """pan2's `OutOfMemoryError` for torch's `torch.OutOfMemoryError` (raise it `from error`); torch-free.
+
+    Args:
+        error: torch's exception; its first line is kept ("CUDA out of memory. Tried to allocate ...").
+        when: what ran out, e.g. "while loading the VAE decoder": the message is then
+            `the GPU ran out of memory <when>: <first line>`; None: the first line alone.
+        hint: the line telling what to try.
+    """
+    text = str(error)
+    first_line = text.splitlines()[0] if text else "out of memory"
+    return OutOfMemoryError(f"the GPU ran out of memory {when}: {first_line}" if when else first_line, hint=hint)
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (`kill`, a job scheduler, torchrun stopping its workers): unwind as on Ctrl-C.
 

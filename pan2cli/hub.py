@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from pan2cli.errors import DownloadError, InputError
+from pan2cli.paths import looks_like_path  # noqa: F401  (one rule for "path or repo id", imported from here by the components)
 
 # Whether this process found the hub unreachable and switched huggingface_hub to its cache (None: not checked yet).
 _unreachable: bool | None = None
@@ -100,11 +101,6 @@ def hub_errors(repo_id: str, revision: str | None, *, what: str, local_hint: str
     except OSError as exc:  # network and disk errors below huggingface_hub
         raise DownloadError(f"download of {what} from {where} failed: {exc}", hint=local_hint) from exc
     _say_unreachable_once()
-
-
-def looks_like_path(spec: str) -> bool:
-    """Whether a `--model`-style spec that does not exist locally is a (missing) path rather than a repo id `owner/name`."""
-    return spec.startswith(("/", "./", "../", "~", ".")) or spec.count("/") != 1
 
 
 # -- calls to the hub, one function each (so that a reachability probe can wrap them) ---------------

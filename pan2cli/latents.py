@@ -12,10 +12,8 @@ from pathlib import Path
 
 import torch
 
+from pan2cli.constants import LATENT_CHANNELS  # noqa: F401  (re-exported: the default channel count of `load_latents`)
 from pan2cli.errors import InputError
-
-# Wan2.2 VAE (the 16x16 spatial, 4x temporal one) has 48 latent channels.
-LATENT_CHANNELS = 48
 
 _SAFETENSORS_KEY = "latents"
 _READ_HINT = "pass a .pt/.pth file saved with torch.save, or a .safetensors file with a 'latents' tensor"

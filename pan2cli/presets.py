@@ -16,21 +16,14 @@ try:
 except ModuleNotFoundError:  # Python < 3.11; pyproject.toml depends on tomli there
     import tomli as tomllib  # type: ignore[no-redef]
 
+from pan2cli.constants import SIZE_MULTIPLE, latent_frames, latent_shape, valid_frames, valid_seed, valid_size
 from pan2cli.errors import InputError
+from pan2cli.paths import looks_like_path
 from pan2cli.resources import presets_dir
 
 DEFAULT_PRESET = "pan2-10s"
 
 SAMPLERS = ("euler",)
-
-# Wan2.2 VAE: 4x temporal compression (plus the first frame), 16x spatial, 48 latent channels.
-_TEMPORAL_FACTOR = 4
-_SPATIAL_FACTOR = 16
-_LATENT_CHANNELS = 48
-# The DiT patchifies the 16x-downsampled latent by 2, so pixel sizes must be multiples of 32.
-_SIZE_MULTIPLE = 32
-# torch.manual_seed accepts seeds up to 2**64 - 1.
-_MAX_SEED = 2**64 - 1
 
 _LIST_HINT = "pass a preset name from `pan2 presets list` or a path to a .toml file"
 
@@ -98,7 +91,7 @@ class Preset:
     @property
     def latent_frames(self) -> int:
         """Latent frames the VAE decodes into `frames` video frames."""
-        return 1 + (self.frames - 1) // _TEMPORAL_FACTOR
+        return latent_frames(self.frames)
 
     @property
     def duration_s(self) -> float:
@@ -108,13 +101,7 @@ class Preset:
     @property
     def latent_shape(self) -> tuple[int, int, int, int, int]:
         """Shape of the Wan2.2 VAE latent (batch, channels, frames, height, width)."""
-        return (
-            1,
-            _LATENT_CHANNELS,
-            self.latent_frames,
-            self.height // _SPATIAL_FACTOR,
-            self.width // _SPATIAL_FACTOR,
-        )
+        return latent_shape(self.frames, self.height, self.width)
 
 
 # Each field: its type(s), what that is called, and the requirement on its value (None: any value).
@@ -125,16 +112,16 @@ _RULES: dict[str, tuple[type | tuple[type, ...], str, Any, str]] = {
     "frames": (
         int,
         "an integer",
-        lambda v: v >= 1 and v % _TEMPORAL_FACTOR == 1,
+        valid_frames,
         "must be 1 + 4*k (e.g. 121, 241, 481): the Wan2.2 VAE decodes 1 + 4*(latent frames - 1) frames",
     ),
-    "height": (int, "an integer", lambda v: v > 0 and v % _SIZE_MULTIPLE == 0, f"must be a positive multiple of {_SIZE_MULTIPLE}"),
-    "width": (int, "an integer", lambda v: v > 0 and v % _SIZE_MULTIPLE == 0, f"must be a positive multiple of {_SIZE_MULTIPLE}"),
+    "height": (int, "an integer", valid_size, f"must be a positive multiple of {SIZE_MULTIPLE}"),
+    "width": (int, "an integer", valid_size, f"must be a positive multiple of {SIZE_MULTIPLE}"),
     "fps": (int, "an integer", lambda v: v > 0, "must be > 0"),
     "steps": (int, "an integer", lambda v: v >= 1, "must be >= 1"),
     "guidance": ((int, float), "a number", lambda v: math.isfinite(v) and v > 0, "must be a finite number > 0"),
     "flow_shift": ((int, float), "a number", lambda v: math.isfinite(v) and v > 0, "must be a finite number > 0"),
-    "seed": (int, "an integer", lambda v: 0 <= v <= _MAX_SEED, "must be between 0 and 2**64 - 1"),
+    "seed": (int, "an integer", valid_seed, "must be between 0 and 2**64 - 1"),
     "sampler": (str, "a string", lambda v: v in SAMPLERS, f"must be one of: {', '.join(SAMPLERS)}"),
     "negative_prompt": (str, "a string", None, ""),
     "chunk_latent_frames": (int, "an integer", lambda v: v >= 1, "must be >= 1"),
@@ -168,10 +155,6 @@ def _shipped_files() -> dict[str, Path]:
     """Map each shipped preset name to its file, in name order."""
     files = {path.stem: path for path in presets_dir().glob("*.toml") if path.is_file()}
     return {name: files[name] for name in sorted(files, key=_natural_key)}
-
-
-def _looks_like_path(text: str) -> bool:
-    return text.endswith(".toml") or "/" in text or os.sep in text or Path(text).is_file()
 
 
 def _load_file(path: Path, name: str) -> Preset:
@@ -257,7 +240,7 @@ def load_preset(name_or_path: str | os.PathLike[str]) -> Preset:
     shipped = _shipped_files()
     if isinstance(name_or_path, str) and text in shipped:
         return _load_file(shipped[text], text)
-    if not isinstance(name_or_path, str) or _looks_like_path(text):
+    if not isinstance(name_or_path, str) or looks_like_path(text, file_suffixes=(".toml",), repo_ids=False):
         path = Path(text).expanduser().resolve()
         return _load_file(path, path.stem)
     raise InputError(

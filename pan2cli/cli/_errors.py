@@ -16,7 +16,7 @@ from typing import Iterator
 
 import click
 
-from pan2cli.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, OutOfMemoryError, Pan2Error, Terminated
+from pan2cli.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, OutOfMemoryError, Pan2Error, Terminated, out_of_memory
 
 
 def debug_enabled() -> bool:
@@ -39,8 +39,7 @@ def _is_out_of_memory(error: BaseException) -> bool:
 
 
 def _out_of_memory(error: BaseException) -> OutOfMemoryError:
-    first_line = str(error).splitlines()[0] if str(error) else "out of memory"
-    return OutOfMemoryError(first_line, hint="pass a smaller --chunk-latent-frames, or free the GPU")
+    return out_of_memory(error, hint="pass a smaller --chunk-latent-frames, or free the GPU")
 
 
 def _rank_failure(error: Exception):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import nullcontext
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,15 +24,38 @@ from pan2cli.cli._launch import run_on_ranks
 from pan2cli.cli._options import device_option, dtype_option, gpus_option, quiet_option
 from pan2cli.cli._output import gib, info, progress_bar, result, status, warn
 from pan2cli.devices import resolve_device, resolve_dtype
-from pan2cli.errors import InputError, OutOfMemoryError
+from pan2cli.errors import InputError, out_of_memory
 from pan2cli.outputs import DEFAULT_CRF, DEFAULT_X264_PRESET, OUTPUT_FORMATS, X264_PRESETS, check_output_path, default_output_path
 from pan2cli.vae.config import DECODE_KERNEL_MODES, DEFAULT_VAE_REPO
 
 if TYPE_CHECKING:
+    import torch
+
     from pan2cli.latents import LatentInput
 
 DEFAULT_FPS = 24.0
 _SUFFIX_FORMATS = {".mp4": "mp4", ".pt": "pt"}
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """`pan2 decode`'s parameters as parsed (see `decode_command`); each rank runs `_decode` with its own `device`."""
+
+    latents: tuple[Path, ...]
+    output: str | None
+    vae: str | None
+    revision: str | None
+    dtype: str | None
+    device: str | torch.device | None
+    decode_kernel: str
+    chunk_latent_frames: int
+    fps: float | None
+    crf: int
+    x264_preset: str
+    fmt: str | None
+    raw_latents: bool
+    overwrite: bool
+    quiet: bool
 
 
 @dataclass(frozen=True)
@@ -230,17 +254,17 @@ def decode_command(ctx, latents, output, vae, revision, dtype, device, decode_ke
       pan2 decode latents.pt --format png --device cpu --dtype fp32
       pan2 decode latents.pt -o video.mp4 --gpus 2
     """
-    options = dict(
+    options = DecodeOptions(
         latents=latents, output=output, vae=vae, revision=revision, dtype=dtype, device=device,
         decode_kernel=decode_kernel, chunk_latent_frames=chunk_latent_frames, fps=fps, crf=crf, x264_preset=x264_preset, fmt=fmt, raw_latents=raw_latents,
         overwrite=overwrite, quiet=quiet,
     )  # fmt: skip
-    run_on_ranks(ctx, gpus, device, lambda d: _decode(**{**options, "device": d}))
+    run_on_ranks(ctx, gpus, device, lambda d: _decode(dataclasses.replace(options, device=d)))
 
 
 
 
-def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_latent_frames, fps, crf, x264_preset, fmt, raw_latents, overwrite, quiet):
+def _decode(options: DecodeOptions):
     """The decode command's work in this process: the only one, or one rank of several (`device` then set)."""
     import torch
 
@@ -254,19 +278,19 @@ def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_
     from pan2cli.video import open_video_writer
 
     main = distributed.is_main()
-    quiet = quiet or not main  # progress and summaries come from rank 0
+    quiet = options.quiet or not main  # progress and summaries come from rank 0
     world = distributed.world_size()
 
     # 1. Check every input and output before any model loads. Every rank runs the same checks, so a
     #    bad input fails everywhere and rank 0 alone reports it (distributed.raise_if_any_failed).
     error = None
     try:
-        sources = [load_latents(path) for path in latents]
-        fmt, jobs = plan_outputs(sources, output, fmt)
+        sources = [load_latents(path) for path in options.latents]
+        fmt, jobs = plan_outputs(sources, options.output, options.fmt)
         for job in jobs:
-            check_output_path(job.output, overwrite)
-        device = device if isinstance(device, torch.device) else resolve_device(device)
-        torch_dtype = resolve_dtype(dtype, device)
+            check_output_path(job.output, options.overwrite)
+        device = options.device if isinstance(options.device, torch.device) else resolve_device(options.device)
+        torch_dtype = resolve_dtype(options.dtype, device)
         if world > 1:
             for source in sources:
                 split_rows(source.latents.shape[-2], world)
@@ -279,16 +303,16 @@ def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_
 
     # 2. Load the decoder once; no rank goes on to the decode's collectives if one failed here.
     start = time.perf_counter()
-    triton_loading = start_loading_triton(device, torch_dtype, decode_kernel)  # beside the weights' loading
+    triton_loading = start_loading_triton(device, torch_dtype, options.decode_kernel)  # beside the weights' loading
     try:
         with status("Loading the VAE decoder…", quiet):
             reference = load_vae_decoder(
-                vae,
-                revision,
+                options.vae,
+                options.revision,
                 dtype=torch_dtype,
                 device=device,
-                chunk_latent_frames=chunk_latent_frames,
-                decode_kernel=decode_kernel,
+                chunk_latent_frames=options.chunk_latent_frames,
+                decode_kernel=options.decode_kernel,
             )
         if triton_loading is not None:
             triton_loading.join()
@@ -298,7 +322,7 @@ def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_
         with status("Building the decode kernel…" if first_use else "Choosing the decode path…", quiet):
             decoder, note = select_decode_path(reference)
     except torch.OutOfMemoryError as exc:
-        error = OutOfMemoryError(f"the GPU ran out of memory while loading the VAE decoder: {str(exc).splitlines()[0]}")
+        error = out_of_memory(exc, "while loading the VAE decoder")
     except Exception as exc:  # a Pan2Error or the unexpected: either way the other ranks must not wait
         error = exc
     distributed.raise_if_any_failed(error)
@@ -315,13 +339,13 @@ def _decode(latents, output, vae, revision, dtype, device, decode_kernel, chunk_
     # 3. Decode each video, writing it chunk by chunk (rank 0 writes; the others decode their rows).
     for job in jobs:
         z = job.source.latents[job.index]
-        frame_rate = fps or job.source.fps or DEFAULT_FPS
+        frame_rate = options.fps or job.source.fps or DEFAULT_FPS
         started = time.perf_counter()
-        writing = open_video_writer(job.output, fmt, frame_rate, crf=crf, overwrite=overwrite, preset=x264_preset) if main else nullcontext()
+        writing = open_video_writer(job.output, fmt, frame_rate, crf=options.crf, overwrite=options.overwrite, preset=options.x264_preset) if main else nullcontext()
         with writing as writer, launch.partial_output(writer.tmp_path if writer is not None else None):
             total = decoder.config.frames_out(z.shape[1])
             with progress_bar(f"Decoding {job.source.path.name}", total=total, unit="frames", quiet=quiet, first="first frame") as advance:
-                stats = decode_latents(decoder, z, writer, normalized=not raw_latents, on_chunk=advance)
+                stats = decode_latents(decoder, z, writer, normalized=not options.raw_latents, on_chunk=advance)
         if not main:
             continue
         # total: until the file is in place (an MP4's encode runs beside the decode and ends after it)

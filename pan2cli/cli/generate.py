@@ -12,7 +12,9 @@ by the ranks together (rows split), rank 0 writing.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -20,11 +22,41 @@ import click
 from pan2cli.cli._launch import run_on_ranks
 from pan2cli.cli._options import device_option, dtype_option, gpus_option, quiet_option
 from pan2cli.cli._output import info, progress_bar, result, warn
+from pan2cli.constants import MAX_SEED
 from pan2cli.errors import InputError
 from pan2cli.pipeline.components import DEFAULT_MODEL_REPO
 from pan2cli.presets import DEFAULT_PRESET, load_preset
 from pan2cli.vae.config import DECODE_KERNEL_MODES
 from pan2cli.outputs import DEFAULT_CRF
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """`pan2 generate`'s parameters as parsed (see `generate_command`); each rank runs `_generate` with its own `device`.
+
+    `overrides` holds the preset settings given on the command line (None options left out); `size` is (height, width).
+    """
+
+    prompt: str | None
+    prompts_file: Path | None
+    output: str | None
+    model: str | None
+    revision: str | None
+    preset: str
+    overrides: dict
+    size: tuple[int, int] | None
+    save_latents: bool
+    skip_existing: bool
+    overwrite: bool
+    offload: bool
+    dit_fused_kernels: bool
+    decode_kernel: str
+    decode_kernel_parallel: bool
+    chunk_latent_frames: int | None
+    crf: int
+    dtype: str | None
+    device: str | None
+    quiet: bool
 
 
 def _parse_size(ctx, param, value):
@@ -105,7 +137,7 @@ def _jobs(prompt, prompts_file, output, preset, overrides, save_latents, overwri
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Denoising steps.  [default: the preset's, 50]")
 @click.option("--guidance", type=click.FloatRange(min=0, min_open=True), default=None, help="Classifier-free guidance scale; 1 skips the negative prompt.  [default: the preset's, 2.5]")
 @click.option("--shift", type=click.FloatRange(min=0, min_open=True), default=None, help="Flow shift s of the schedule σ' = s·σ/(1+(s−1)·σ).  [default: the preset's, 9]")
-@click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None, help="Random seed.  [default: the preset's, 123]")
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None, help="Random seed.  [default: the preset's, 123]")
 @click.option("--frames", type=int, default=None, help="Video frames, 1 + 4·k (121 = 5 s at 24 fps).  [default: the preset's]")
 @click.option("--duration", type=float, default=None, help="Video length in seconds: frames = 4·round(duration·fps/4) + 1.")
 @click.option("--size", callback=_parse_size, default=None, metavar="HxW", help="Height x width in pixels, multiples of 32.  [default: the preset's, 704x1248]")
@@ -141,14 +173,14 @@ def generate_command(ctx, prompt, prompts_file, output, model, revision, preset,
       pan2 generate "the door opens" --image door.png --duration 5 --offload
       pan2 generate --prompts prompts.json -o videos/ --skip-existing --gpus 8
     """
-    options = dict(
+    options = GenerateOptions(
         prompt=prompt, prompts_file=prompts_file, output=output, model=model, revision=revision, preset=preset,
         overrides={k: v for k, v in dict(steps=steps, guidance=guidance, shift=shift, seed=seed, frames=frames, duration=duration, fps=fps, negative_prompt=negative_prompt, image=image).items() if v is not None},
         size=size, save_latents=save_latents, skip_existing=skip_existing, overwrite=overwrite, offload=offload,
         dit_fused_kernels=dit_fused_kernels, decode_kernel=decode_kernel, decode_kernel_parallel=decode_kernel_parallel,
         chunk_latent_frames=chunk_latent_frames, crf=crf, dtype=dtype, device=device, quiet=quiet,
     )  # fmt: skip
-    return run_on_ranks(ctx, gpus, device, lambda d: _generate(**{**options, "device": None if d is None else str(d)}))
+    return run_on_ranks(ctx, gpus, device, lambda d: _generate(dataclasses.replace(options, device=None if d is None else str(d))))
 
 
 def _progress(quiet: bool):
@@ -158,7 +190,7 @@ def _progress(quiet: bool):
     return factory
 
 
-def _generate(prompt, prompts_file, output, model, revision, preset, overrides, size, save_latents, skip_existing, overwrite, offload, dit_fused_kernels, decode_kernel, decode_kernel_parallel, chunk_latent_frames, crf, dtype, device, quiet) -> int:
+def _generate(options: GenerateOptions) -> int:
     """The command's work in this process (the only one, or one rank of several)."""
     from pan2cli import distributed  # here, like the pipeline: `pan2 --help` does not load torch
     from pan2cli.pipeline import PAN2PipelineConfig, VideoGenerator
@@ -168,18 +200,23 @@ def _generate(prompt, prompts_file, output, model, revision, preset, overrides, 
     # 1. Check every input and output before any model loads (every rank; rank 0 reports a shared failure).
     error = None
     try:
-        if size is not None:
-            overrides = {**overrides, "height": size[0], "width": size[1]}
-        preset_obj = load_preset(preset)
-        jobs, skipped, warnings, batch = _jobs(prompt, prompts_file, output, preset_obj, overrides, save_latents, overwrite, skip_existing, crf, world if prompts_file else 1, rank if prompts_file else 0)
+        overrides = options.overrides
+        if options.size is not None:
+            overrides = {**overrides, "height": options.size[0], "width": options.size[1]}
+        preset_obj = load_preset(options.preset)
+        jobs, skipped, warnings, batch = _jobs(
+            options.prompt, options.prompts_file, options.output, preset_obj, overrides, options.save_latents, options.overwrite, options.skip_existing,
+            options.crf, world if options.prompts_file else 1, rank if options.prompts_file else 0,
+        )  # fmt: skip
         config = PAN2PipelineConfig(
-            device=device, dtype=dtype, vae_decode_kernel=decode_kernel, vae_decode_kernel_parallel=decode_kernel_parallel,
-            dit_fused_kernels=dit_fused_kernels, offload=offload, chunk_latent_frames=chunk_latent_frames or preset_obj.chunk_latent_frames,
+            device=options.device, dtype=options.dtype, vae_decode_kernel=options.decode_kernel, vae_decode_kernel_parallel=options.decode_kernel_parallel,
+            dit_fused_kernels=options.dit_fused_kernels, offload=options.offload, chunk_latent_frames=options.chunk_latent_frames or preset_obj.chunk_latent_frames,
         )  # fmt: skip
         config.torch_device()
     except InputError as exc:
         error = exc
     distributed.raise_if_any_failed(error)
+    quiet = options.quiet
     quiet_here = quiet or (not main and not batch)
     if main:
         for line in warnings:
@@ -196,7 +233,7 @@ def _generate(prompt, prompts_file, output, model, revision, preset, overrides, 
             from huggingface_hub.utils import disable_progress_bars
 
             disable_progress_bars()
-        generator = VideoGenerator.from_pretrained(model, config=config, revision=revision, progress=_progress(quiet_here), info=lambda line: info(line, quiet_here), warn=warn)
+        generator = VideoGenerator.from_pretrained(options.model, config=config, revision=options.revision, progress=_progress(quiet_here), info=lambda line: info(line, quiet_here), warn=warn)
         for job in jobs:
             generator.check_job(job)
             jobs_checked.append(job)

@@ -8,10 +8,12 @@ from typing import Any
 
 import torch
 
+from pan2cli.constants import TORCH_DTYPES
 from pan2cli.errors import InputError
 from pan2cli.vae.config import DECODE_KERNEL_MODES
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# fp32 first: the order `one of fp32, bf16` names them in.
+DTYPES = {name: getattr(torch, TORCH_DTYPES[name]) for name in ("fp32", "bf16")}
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,9 @@ import torch
 import pan2cli
 from pan2cli import distributed, launch
 from pan2cli.atomic import replace_into
+from pan2cli.constants import video_frames
 from pan2cli.decode import decode_latents
-from pan2cli.errors import OutOfMemoryError, Pan2Error
+from pan2cli.errors import Pan2Error, out_of_memory
 from pan2cli.outputs import check_output_path
 from pan2cli.pipeline.components import PAN2Components, resolve_components
 from pan2cli.pipeline.config import PAN2PipelineConfig
@@ -51,7 +52,6 @@ from pan2cli.video import open_video_writer
 
 # Progress hook: (description, total, unit) → context manager yielding `advance(n)`.
 ProgressFactory = Callable[[str, int, str], "contextmanager"]
-_TEMPORAL = 4  # Wan2.2 VAE: 4 video frames per latent frame after the first
 
 
 @contextmanager
@@ -211,7 +211,7 @@ class VideoGenerator:
         try:
             yield
         except torch.OutOfMemoryError as exc:
-            raise OutOfMemoryError(f"the GPU ran out of memory during {stage.replace('_', ' ')}: {str(exc).splitlines()[0]}", hint="pass --offload, or a smaller size or duration") from exc
+            raise out_of_memory(exc, f"during {stage.replace('_', ' ')}", hint="pass --offload, or a smaller size or duration") from exc
         finally:
             self._sync()
             result.seconds[stage] = result.seconds.get(stage, 0.0) + time.perf_counter() - start
@@ -436,7 +436,7 @@ class VideoGenerator:
         writing = open_video_writer(job.output, "mp4", settings.fps, crf=job.crf, overwrite=job.overwrite) if writes and job.output is not None else nullcontext()
         with writing as writer, launch.partial_output(writer.tmp_path if writer is not None else None):
             sink = _FrameSink(job.return_frames and writes, writer)
-            total = 1 + _TEMPORAL * (result.latents.shape[2] - 1)
+            total = video_frames(result.latents.shape[2])
             with self.progress("Decoding", total, "frames") as advance:
                 decode_latents(decoder, result.latents, sink if writes else None, normalized=True, on_chunk=advance)
         result.frames = sink.frames()

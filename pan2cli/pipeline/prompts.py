@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pan2cli.constants import valid_seed
 from pan2cli.errors import InputError
 
 RECORD_FIELDS = ("prompt", "negative_prompt", "duration", "image", "seed", "name")
 _SLUG_CHARS = 48
-_MAX_SEED = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def _record(raw: Any, index: int, source: Path, warnings: list[str]) -> dict[str
         out["duration"] = float(duration)
     seed = raw.get("seed")
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not valid_seed(seed):
             raise InputError(f"{where}: 'seed' must be a whole number from 0 to 2**64 - 1, got {seed!r}")
         out["seed"] = seed
     image = raw.get("image")

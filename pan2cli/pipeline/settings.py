@@ -8,16 +8,15 @@ from pathlib import Path
 
 import torch
 
+from pan2cli.constants import SIZE_MULTIPLE, VAE_TEMPORAL_FACTOR, latent_shape, valid_frames, valid_seed, valid_size
 from pan2cli.errors import InputError
 from pan2cli.presets import Preset
 from pan2cli.outputs import DEFAULT_CRF
 
-_TEMPORAL, _SPATIAL, _SIZE_MULTIPLE, _CHANNELS = 4, 16, 32, 48
-
 
 def frames_for_duration(duration: float, fps: float) -> int:
     """Video frames for `duration` seconds: `4·round(duration·fps/4) + 1` (5 s at 24 fps → 121)."""
-    return 4 * round(duration * fps / 4) + 1
+    return VAE_TEMPORAL_FACTOR * round(duration * fps / VAE_TEMPORAL_FACTOR) + 1
 
 
 @dataclass(frozen=True)
@@ -40,15 +39,15 @@ class GenerationSettings:
         """Bad input (exit 2) before any model loads: empty prompt, F not 1 mod 4, sizes not multiples of 32, ..."""
         if not self.prompt.strip():
             raise InputError("the prompt is empty", hint="pass the text to generate from, e.g. pan2 generate \"a cat on a skateboard\"")
-        if self.frames < 1 or self.frames % _TEMPORAL != 1:
+        if not valid_frames(self.frames):
             raise InputError(
                 f"--frames {self.frames} is not 1 + 4·k (the Wan2.2 VAE decodes 1 + 4·(latent frames − 1) frames)",
                 hint="use e.g. 121 (5 s at 24 fps), 241 or 481, or --duration",
             )
         for name in ("height", "width"):
             value = getattr(self, name)
-            if value < _SIZE_MULTIPLE or value % _SIZE_MULTIPLE:
-                raise InputError(f"--size: {name} {value} is not a positive multiple of {_SIZE_MULTIPLE}", hint="e.g. --size 704x1248")
+            if not valid_size(value):
+                raise InputError(f"--size: {name} {value} is not a positive multiple of {SIZE_MULTIPLE}", hint="e.g. --size 704x1248")
         if self.steps < 1:
             raise InputError(f"--steps {self.steps} must be ≥ 1")
         if not (math.isfinite(self.guidance) and self.guidance > 0):
@@ -57,13 +56,13 @@ class GenerationSettings:
             raise InputError(f"--shift {self.shift} must be a positive number")
         if not (math.isfinite(self.fps) and self.fps > 0):
             raise InputError(f"--fps {self.fps} must be a positive number")
-        if not 0 <= self.seed <= 2**64 - 1:
+        if not valid_seed(self.seed):
             raise InputError(f"--seed {self.seed} must be from 0 to 2**64 - 1")
 
     @property
     def latent_shape(self) -> tuple[int, int, int, int, int]:
         """`[1, 48, 1 + (F − 1)/4, H/16, W/16]`."""
-        return (1, _CHANNELS, 1 + (self.frames - 1) // _TEMPORAL, self.height // _SPATIAL, self.width // _SPATIAL)
+        return latent_shape(self.frames, self.height, self.width)
 
 
 def resolve_settings(

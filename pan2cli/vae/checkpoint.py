@@ -28,6 +28,7 @@ import torch
 
 from pan2cli.errors import CheckpointError, InputError
 from pan2cli.hub import hub_errors
+from pan2cli.paths import looks_like_path
 from pan2cli.jsonfile import read_json_object
 from pan2cli.statedict import key_problems, listing
 from pan2cli.vae.config import DEFAULT_VAE_REPO, WanVAEConfig
@@ -198,12 +199,8 @@ class VAECheckpoint:
     layout: str  # "diffusers folder", "single file"
 
 
-def _looks_like_path(spec: str) -> bool:
-    return (
-        spec.startswith(("/", "./", "../", "~"))
-        or spec.count("/") > 1
-        or spec.endswith((".pth", ".pt", ".ckpt", ".safetensors", ".bin", ".json"))
-    )
+# Single-file checkpoints (and a config file): a spec ending in one is a path, never a repo id.
+_FILE_SUFFIXES = (".pth", ".pt", ".ckpt", ".safetensors", ".bin", ".json")
 
 
 def _diffusers_folder(folder: Path) -> Path | None:
@@ -274,7 +271,7 @@ def resolve_vae_checkpoint(spec: str | Path | None = None, revision: str | None 
     path = Path(spec).expanduser()
     if path.exists():
         return _local_checkpoint(path)
-    if _looks_like_path(spec):
+    if looks_like_path(spec, file_suffixes=_FILE_SUFFIXES):
         raise InputError(f"no such file or folder: {spec}", hint=_VAE_HINT)
     return _hub_checkpoint(spec, revision)
 

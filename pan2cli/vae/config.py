@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from pan2cli.constants import LATENT_CHANNELS, VAE_SPATIAL_FACTOR, VAE_TEMPORAL_FACTOR
 from pan2cli.errors import CheckpointError, InputError
 
 # Per-channel statistics of the Wan2.2 latent space (docs: wan22_vae.md §6). The DiT produces
@@ -70,7 +71,7 @@ class WanVAEConfig:
 
     base_dim: int = 160
     decoder_base_dim: int = 256
-    z_dim: int = 48
+    z_dim: int = LATENT_CHANNELS
     dim_mult: tuple[int, ...] = (1, 2, 4, 4)
     num_res_blocks: int = 2
     attn_scales: tuple[float, ...] = ()
@@ -79,8 +80,8 @@ class WanVAEConfig:
     in_channels: int = 12
     out_channels: int = 12
     patch_size: int = 2
-    scale_factor_spatial: int = 16
-    scale_factor_temporal: int = 4
+    scale_factor_spatial: int = VAE_SPATIAL_FACTOR
+    scale_factor_temporal: int = VAE_TEMPORAL_FACTOR
     dropout: float = 0.0
     latents_mean: tuple[float, ...] = WAN22_LATENTS_MEAN
     latents_std: tuple[float, ...] = WAN22_LATENTS_STD
