@@ -1,13 +1,13 @@
 """Which device and dtype a run uses when the user leaves them out, and checks on the ones they name.
 
-torch is imported when a device is resolved, not with this module: the CLI's options read `DTYPE_NAMES`.
+torch is imported when a device is resolved, not with this module (the dtype names are in pan2cli.constants).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pan2cli.constants import DTYPE_NAMES, TORCH_DTYPES  # noqa: F401  (DTYPE_NAMES re-exported for the CLI's options)
+from pan2cli.constants import TORCH_DTYPES
 from pan2cli.errors import InputError
 
 if TYPE_CHECKING:

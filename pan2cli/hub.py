@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Iterator
 
 from pan2cli.errors import DownloadError, InputError
-from pan2cli.paths import looks_like_path  # noqa: F401  (one rule for "path or repo id", imported from here by the components)
 
 # Whether this process found the hub unreachable and switched huggingface_hub to its cache (None: not checked yet).
 _unreachable: bool | None = None

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from pan2cli.constants import LATENT_CHANNELS  # noqa: F401  (re-exported: the default channel count of `load_latents`)
+from pan2cli.constants import LATENT_CHANNELS
 from pan2cli.errors import InputError
 
 _SAFETENSORS_KEY = "latents"

@@ -10,7 +10,8 @@ import safetensors.torch
 import torch
 
 from pan2cli.errors import InputError
-from pan2cli.latents import LATENT_CHANNELS, LatentInput, load_latents, normalize, unnormalize
+from pan2cli.constants import LATENT_CHANNELS
+from pan2cli.latents import LatentInput, load_latents, normalize, unnormalize
 
 C = LATENT_CHANNELS
 

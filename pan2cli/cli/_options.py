@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from pan2cli.devices import DTYPE_NAMES
+from pan2cli.constants import DTYPE_NAMES
 
 device_option = click.option(
     "--device",

@@ -115,7 +115,7 @@ def _model_folder(path: Path, subfolder: str | None) -> Path:
 
 def _local_root(path_or_repo: str | Path, subfolder: str | None, revision: str | None) -> Path:
     """A local folder for `path_or_repo`: itself, or the hub snapshot of the transformer's files."""
-    from pan2cli.hub import looks_like_path
+    from pan2cli.paths import looks_like_path
 
     spec = str(path_or_repo)
     path = Path(spec).expanduser()

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from pan2cli.errors import CheckpointError, InputError
-from pan2cli.hub import looks_like_path
+from pan2cli.paths import looks_like_path
 from pan2cli.jsonfile import read_json_object
 
 DEFAULT_MODEL_REPO = "IFM/PAN2"

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pan2cli.errors import CheckpointError
-from pan2cli.hub import hub_errors, hub_list_files, hub_snapshot, hub_tensor_shapes, looks_like_path
+from pan2cli.hub import hub_errors, hub_list_files, hub_snapshot, hub_tensor_shapes
+from pan2cli.paths import looks_like_path
 from pan2cli.pipeline.component_checks import WEIGHT_STEMS, CheckedComponents, check_components
 from pan2cli.pipeline.components import (
     COMPONENTS,
