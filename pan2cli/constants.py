@@ -46,4 +46,10 @@ def video_frames(latent_frames: int) -> int:
 
 def latent_shape(frames: int, height: int, width: int) -> tuple[int, int, int, int, int]:
     """Shape of the Wan2.2 VAE latent of one video (batch, channels, frames, height, width): `[1, 48, 1 + (F − 1)/4, H/16, W/16]`."""
-    return (1, LATENT_CHANNELS, latent_frames(frames), height // VAE_SPATIAL_FACTOR, width // VAE_SPATIAL_FACTOR)
+    return (
+        1,
+        LATENT_CHANNELS,
+        latent_frames(frames),
+        height // VAE_SPATIAL_FACTOR,
+        width // VAE_SPATIAL_FACTOR,
+    )

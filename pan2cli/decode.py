@@ -124,5 +124,9 @@ def decode_latents(
             hint="pass a smaller --chunk-latent-frames (1 uses the least memory), or free the GPU",
         ) from exc
     seconds = time.perf_counter() - start
-    peak = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else (None, None)
+    peak = (
+        (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
+        if device.type == "cuda"
+        else (None, None)
+    )
     return DecodeStats(frames, height, width, seconds, first_frame_at, *peak)

@@ -92,7 +92,9 @@ def process_group(device: str | None) -> Iterator[torch.device]:
         if not torch.cuda.is_available():
             raise InputError("--device cuda: CUDA is not available on this machine", hint="pass --device cpu")
         if local_rank >= torch.cuda.device_count():
-            raise InputError(f"rank {launch.env_rank()} needs cuda:{local_rank}, but only {torch.cuda.device_count()} GPU(s) are visible")
+            raise InputError(
+                f"rank {launch.env_rank()} needs cuda:{local_rank}, but only {torch.cuda.device_count()} GPU(s) are visible"
+            )
         backend, this_device = "nccl", torch.device("cuda", local_rank)
         torch.cuda.set_device(this_device)
     else:
@@ -257,20 +259,28 @@ def is_comm_error(error: BaseException) -> bool:
     if isinstance(error, getattr(dist, "DistError", ())):
         return True
     text = str(error)
-    return isinstance(error, RuntimeError) and any(word in text for word in ("Gloo", "gloo", "NCCL", "Connection closed", "Timed out"))
+    return isinstance(error, RuntimeError) and any(
+        word in text for word in ("Gloo", "gloo", "NCCL", "Connection closed", "Timed out")
+    )
 
 
 def interrupted_exit() -> tuple[int, str | None]:
     """`(exit code, line to print)` of a rank stopped by Ctrl-C or torchrun's SIGTERM."""
     # pan2's launcher prints "Interrupted." once; under a user's torchrun, rank 0 does.
-    return EXIT_INTERRUPTED, None if launch.has_parent_launcher() or launch.env_rank() != 0 else "Interrupted."
+    return (
+        EXIT_INTERRUPTED,
+        None if launch.has_parent_launcher() or launch.env_rank() != 0 else "Interrupted.",
+    )
 
 
 def _comm_error_exit(error: BaseException) -> tuple[int, str | None]:
     # Usually another rank failed and printed why; pan2's launcher says so if none did.
     if launch.has_parent_launcher():
         return launch._EXIT_PEER_LOST, None
-    return EXIT_FAILURE, f"Error: rank {launch.env_rank()} lost contact with the other ranks: {str(error).splitlines()[0]}"
+    return (
+        EXIT_FAILURE,
+        f"Error: rank {launch.env_rank()} lost contact with the other ranks: {str(error).splitlines()[0]}",
+    )
 
 
 def reports_error(error: BaseException) -> bool:

@@ -50,7 +50,9 @@ def out_of_memory(error: BaseException, when: str | None = None, hint: str | Non
     """
     text = str(error)
     first_line = text.splitlines()[0] if text else "out of memory"
-    return OutOfMemoryError(f"the GPU ran out of memory {when}: {first_line}" if when else first_line, hint=hint)
+    return OutOfMemoryError(
+        f"the GPU ran out of memory {when}: {first_line}" if when else first_line, hint=hint
+    )
 
 
 class Terminated(KeyboardInterrupt):

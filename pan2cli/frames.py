@@ -21,9 +21,7 @@ def frames_to_uint8(video: torch.Tensor) -> torch.Tensor:
         ValueError: `video` is not a [3, F, H, W] floating tensor.
     """
     if video.ndim != 4 or video.shape[0] != 3 or not video.is_floating_point():
-        raise ValueError(
-            f"expected a floating [3, F, H, W] video, got {video.dtype} {tuple(video.shape)}"
-        )
+        raise ValueError(f"expected a floating [3, F, H, W] video, got {video.dtype} {tuple(video.shape)}")
     # float32 math even for bf16/fp16 input: bf16 cannot represent (x + 1) * 127.5 to 0.5.
     x = (video.to(torch.float32) + 1.0) * 127.5
     # torch.round rounds half to even: 127.5 (x = 0) -> 128, 0.5 -> 0, 1.5 -> 2. Exact .5

@@ -46,7 +46,10 @@ def _say_unreachable_once() -> None:
     from pan2cli import launch
 
     if _unreachable and not _said_unreachable and launch.env_rank() == 0:
-        print(f"Warning: the Hugging Face hub ({constants.ENDPOINT}) is unreachable; using the local cache", file=sys.stderr)
+        print(
+            f"Warning: the Hugging Face hub ({constants.ENDPOINT}) is unreachable; using the local cache",
+            file=sys.stderr,
+        )
     _said_unreachable = True
 
 
@@ -86,7 +89,9 @@ def hub_errors(repo_id: str, revision: str | None, *, what: str, local_hint: str
             hint=f"accept the licence on huggingface.co and log in (`hf auth login`, or set HF_TOKEN), or {local_hint}",
         ) from exc
     except (RepositoryNotFoundError, HFValidationError) as exc:
-        raise InputError(f"no Hugging Face repository {repo_id!r} (or no access to it)", hint=local_hint) from exc
+        raise InputError(
+            f"no Hugging Face repository {repo_id!r} (or no access to it)", hint=local_hint
+        ) from exc
     except RevisionNotFoundError as exc:
         raise InputError(f"{repo_id} has no revision {revision!r}", hint="check --revision") from exc
     except LocalEntryNotFoundError as exc:  # offline, or the hub unreachable, and nothing cached
@@ -125,7 +130,14 @@ def hub_snapshot(repo_id: str, revision: str | None, allow_patterns: list[str]) 
 
     with _connection_errors():
         # Offline, say so explicitly: some huggingface_hub 1.x versions otherwise still list the repo's tree.
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(allow_patterns), local_files_only=hub_offline()))
+        return Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                allow_patterns=list(allow_patterns),
+                local_files_only=hub_offline(),
+            )
+        )
 
 
 def hub_list_files(repo_id: str, revision: str | None) -> set[str] | None:
@@ -158,10 +170,16 @@ def _unreachable_errors() -> tuple[type[BaseException], ...]:
     from huggingface_hub import errors as hub_error_types
 
     errors: list[type[BaseException]] = [ConnectionError, TimeoutError]
-    offline = getattr(hub_error_types, "OfflineModeIsEnabled", None)  # a ConnectionError in some versions only
+    offline = getattr(
+        hub_error_types, "OfflineModeIsEnabled", None
+    )  # a ConnectionError in some versions only
     if isinstance(offline, type):
         errors.append(offline)
-    for module, names in (("httpx2", ("TransportError",)), ("httpx", ("TransportError",)), ("requests", ("ConnectionError", "Timeout"))):
+    for module, names in (
+        ("httpx2", ("TransportError",)),
+        ("httpx", ("TransportError",)),
+        ("requests", ("ConnectionError", "Timeout")),
+    ):
         try:
             loaded = importlib.import_module(module)
         except ImportError:

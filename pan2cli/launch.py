@@ -23,7 +23,15 @@ from typing import Iterator, Sequence
 
 import torch
 
-from pan2cli.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_TERMINATED, InputError, Pan2Error, Terminated
+from pan2cli.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    InputError,
+    Pan2Error,
+    Terminated,
+)
 
 # Seconds a collective may wait for the other ranks before it fails (a rank died or hangs).
 ENV_TIMEOUT = "PAN2_DIST_TIMEOUT"
@@ -98,7 +106,9 @@ def check_gpus(gpus: int, device: str | None) -> None:
     if gpus > visible:
         raise InputError(
             f"--gpus {gpus}: only {visible} GPU(s) visible",
-            hint=f"pass --gpus {visible}" if visible > 1 else "pass --device cpu to run the processes on the CPU",
+            hint=f"pass --gpus {visible}"
+            if visible > 1
+            else "pass --device cpu to run the processes on the CPU",
         )
 
 

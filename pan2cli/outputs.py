@@ -18,7 +18,17 @@ DEFAULT_CRF = 17
 # at about 26 frames/s on a 16-core H200 host, slower than the decode's 39: the encode then ended
 # 2.1 s after a 5 s video's decode; faster keeps up (0.4 s), with the same PSNR at crf 17 and a file
 # no larger in our measurements (docs/BENCHMARKS.md, 2026-12-01).
-X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
+X264_PRESETS = (
+    "ultrafast",
+    "superfast",
+    "veryfast",
+    "faster",
+    "fast",
+    "medium",
+    "slow",
+    "slower",
+    "veryslow",
+)
 DEFAULT_X264_PRESET = "faster"
 _FRAME_NAME = re.compile(r"frame_\d+\.png")  # the files of a PNG output (`VideoWriter._write_png`)
 

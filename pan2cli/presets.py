@@ -78,9 +78,7 @@ class Preset:
                 f"preset source must be a path, got {type(self.source).__name__} {self.source!r}"
             )
         problems = [
-            problem
-            for name in _RULES
-            if (problem := _value_problem(name, getattr(self, name))) is not None
+            problem for name in _RULES if (problem := _value_problem(name, getattr(self, name))) is not None
         ]
         if problems:
             raise InputError(f"{self.source}: {'; '.join(problems)}", hint=_fix_hint(self.source))
@@ -119,8 +117,18 @@ _RULES: dict[str, tuple[type | tuple[type, ...], str, Any, str]] = {
     "width": (int, "an integer", valid_size, f"must be a positive multiple of {SIZE_MULTIPLE}"),
     "fps": (int, "an integer", lambda v: v > 0, "must be > 0"),
     "steps": (int, "an integer", lambda v: v >= 1, "must be >= 1"),
-    "guidance": ((int, float), "a number", lambda v: math.isfinite(v) and v > 0, "must be a finite number > 0"),
-    "flow_shift": ((int, float), "a number", lambda v: math.isfinite(v) and v > 0, "must be a finite number > 0"),
+    "guidance": (
+        (int, float),
+        "a number",
+        lambda v: math.isfinite(v) and v > 0,
+        "must be a finite number > 0",
+    ),
+    "flow_shift": (
+        (int, float),
+        "a number",
+        lambda v: math.isfinite(v) and v > 0,
+        "must be a finite number > 0",
+    ),
     "seed": (int, "an integer", valid_seed, "must be between 0 and 2**64 - 1"),
     "sampler": (str, "a string", lambda v: v in SAMPLERS, f"must be one of: {', '.join(SAMPLERS)}"),
     "negative_prompt": (str, "a string", None, ""),
@@ -190,7 +198,9 @@ def _load_file(path: Path, name: str) -> Preset:
     unknown = sorted(set(data) - set(_FILE_KEYS))
     if unknown:
         keys = ", ".join(repr(k) for k in unknown)
-        problems.append(f"unknown key{'s' if len(unknown) > 1 else ''} {keys} (valid keys: {', '.join(_FILE_KEYS)})")
+        problems.append(
+            f"unknown key{'s' if len(unknown) > 1 else ''} {keys} (valid keys: {', '.join(_FILE_KEYS)})"
+        )
         hint = "the preset name is the file name" if "name" in unknown else None
     missing = [k for k in _FILE_KEYS if k not in data]
     if missing:

@@ -29,6 +29,7 @@ def key_problems(
     problems += [f"unexpected keys: {listing(unexpected)}"] if unexpected else []
     if misshaped:
         problems.append(
-            "wrong shapes: " + listing(f"{k} {list(shapes[k])} (expected {list(expected[k])})" for k in misshaped)
+            "wrong shapes: "
+            + listing(f"{k} {list(shapes[k])} (expected {list(expected[k])})" for k in misshaped)
         )
     return problems

@@ -30,7 +30,9 @@ class VideoWriter:
     aborts and leaves nothing behind. Create with `open_video_writer`.
     """
 
-    def __init__(self, path: Path, fmt: str, fps: float, crf: int, overwrite: bool, preset: str = DEFAULT_X264_PRESET):
+    def __init__(
+        self, path: Path, fmt: str, fps: float, crf: int, overwrite: bool, preset: str = DEFAULT_X264_PRESET
+    ):
         self.path = Path(path)
         self.fmt = fmt
         self.fps = float(fps)

@@ -21,7 +21,11 @@ Shapes = dict[str, tuple[int, ...]]
 def index_weight_map(index: Path) -> dict[str, str]:
     """Checkpoint key → shard file name, from a `*.safetensors.index.json` (checked to be non-empty strings)."""
     weight_map = read_json_object(index).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+    if (
+        not isinstance(weight_map, dict)
+        or not weight_map
+        or not all(isinstance(v, str) for v in weight_map.values())
+    ):
         raise CheckpointError(f"{index} has no weight_map of key → shard file")
     return weight_map
 
@@ -36,7 +40,9 @@ def _local_tensor_shapes(paths: list[Path]) -> list[Shapes]:
             with safe_open(str(path), framework="pt", device="cpu") as handle:
                 out.append({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
         except Exception as exc:  # safetensors raises its own SafetensorError and OSErrors
-            raise CheckpointError(f"{path} could not be read as safetensors (truncated or not a safetensors file): {exc}") from exc
+            raise CheckpointError(
+                f"{path} could not be read as safetensors (truncated or not a safetensors file): {exc}"
+            ) from exc
     return out
 
 
@@ -58,7 +64,9 @@ class FileView:
 LOCAL_FILES = FileView()
 
 
-def weight_files(folder: Path, stems: tuple[str, ...], files: FileView = LOCAL_FILES) -> tuple[Path | None, list[Path]]:
+def weight_files(
+    folder: Path, stems: tuple[str, ...], files: FileView = LOCAL_FILES
+) -> tuple[Path | None, list[Path]]:
     """The index (None for a single file) and the safetensors files of a component, checked to exist.
 
     Args:
@@ -75,19 +83,27 @@ def weight_files(folder: Path, stems: tuple[str, ...], files: FileView = LOCAL_F
             shards = sorted(set(index_weight_map(index).values()))
             odd = [name for name in shards if Path(name).name != name or name in (".", "..")]
             if odd:
-                raise CheckpointError(f"{files.label(index)} lists shard files outside its folder: {listing(odd)}")
+                raise CheckpointError(
+                    f"{files.label(index)} lists shard files outside its folder: {listing(odd)}"
+                )
             missing = [name for name in shards if not files.exists(folder / name)]
             if missing:
-                raise CheckpointError(f"{files.label(index)} lists {listing(missing)}, not in {files.label(folder)}")
+                raise CheckpointError(
+                    f"{files.label(index)} lists {listing(missing)}, not in {files.label(folder)}"
+                )
             return index, [folder / name for name in shards]
         single = folder / f"{stem}.safetensors"
         if files.exists(single):
             return None, [single]
-    names = " or ".join(f"{stem}.safetensors (or shards with {stem}.safetensors.index.json)" for stem in stems)
+    names = " or ".join(
+        f"{stem}.safetensors (or shards with {stem}.safetensors.index.json)" for stem in stems
+    )
     raise CheckpointError(f"{files.label(folder)} has no {names}")
 
 
-def tensor_locations(folder: Path, stems: tuple[str, ...], files: FileView = LOCAL_FILES) -> tuple[Shapes, dict[str, Path]]:
+def tensor_locations(
+    folder: Path, stems: tuple[str, ...], files: FileView = LOCAL_FILES
+) -> tuple[Shapes, dict[str, Path]]:
     """Tensor name → shape, and tensor name → the file holding it, over all the files of a component; the index
     checked against the headers.
 
@@ -100,12 +116,20 @@ def tensor_locations(folder: Path, stems: tuple[str, ...], files: FileView = LOC
     for path, header in zip(paths, files.tensor_shapes(paths)):
         for key, shape in header.items():
             if key in owner:
-                raise CheckpointError(f"{key} is in both {owner[key].name} and {path.name} ({files.label(folder)})")
+                raise CheckpointError(
+                    f"{key} is in both {owner[key].name} and {path.name} ({files.label(folder)})"
+                )
             shapes[key], owner[key] = tuple(shape), path
     if index is not None:
-        wrong = sorted(key for key, shard in index_weight_map(index).items() if key not in owner or owner[key].name != shard)
+        wrong = sorted(
+            key
+            for key, shard in index_weight_map(index).items()
+            if key not in owner or owner[key].name != shard
+        )
         if wrong:
-            raise CheckpointError(f"{files.label(index)} maps keys to shards that do not hold them: {listing(wrong)}")
+            raise CheckpointError(
+                f"{files.label(index)} maps keys to shards that do not hold them: {listing(wrong)}"
+            )
     return shapes, owner
 
 

@@ -61,18 +61,61 @@ CLI_FIGURES = {
 
 # -- arguments ------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--latent-frames", type=int, nargs="+", default=[31, 121], help="Latent frames T, one latents file each.  [default: 31 121]")
-    parser.add_argument("--latent-size", default="44x78", help="Latent H x W (16x in pixels).  [default: 44x78, 704x1248 pixels]")
-    parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2], help="GPU counts (1: no --gpus flag).  [default: 1 2]")
-    parser.add_argument("--formats", nargs="+", choices=("pt", "mp4"), default=["pt", "mp4"], help="Output formats.  [default: pt mp4]")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--latent-frames",
+        type=int,
+        nargs="+",
+        default=[31, 121],
+        help="Latent frames T, one latents file each.  [default: 31 121]",
+    )
+    parser.add_argument(
+        "--latent-size",
+        default="44x78",
+        help="Latent H x W (16x in pixels).  [default: 44x78, 704x1248 pixels]",
+    )
+    parser.add_argument(
+        "--gpus", type=int, nargs="+", default=[1, 2], help="GPU counts (1: no --gpus flag).  [default: 1 2]"
+    )
+    parser.add_argument(
+        "--formats",
+        nargs="+",
+        choices=("pt", "mp4"),
+        default=["pt", "mp4"],
+        help="Output formats.  [default: pt mp4]",
+    )
     parser.add_argument("--runs", type=int, default=3, help="Timed runs after the warm-up.  [default: 3]")
-    parser.add_argument("--cold", action=argparse.BooleanOptionalAction, default=True, help="Also time decodes with empty kernel and Triton caches.  [default: on]")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: check the script without a GPU.  [default: cuda]")
-    parser.add_argument("--tiny", action="store_true", help="The tiny VAE config of make_tiny_pan2 instead of the full size (a CPU check).")
-    parser.add_argument("--timeout", type=float, default=600.0, help="Seconds each child process may run.  [default: 600]")
-    parser.add_argument("--seed", type=int, default=0, help="Seed of the VAE weights and the latents.  [default: 0]")
-    parser.add_argument("--workdir", type=Path, default=None, help="Build the inputs here (kept).  [default: a fresh temporary folder]")
+    parser.add_argument(
+        "--cold",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Also time decodes with empty kernel and Triton caches.  [default: on]",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: check the script without a GPU.  [default: cuda]",
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="The tiny VAE config of make_tiny_pan2 instead of the full size (a CPU check).",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="Seconds each child process may run.  [default: 600]"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="Seed of the VAE weights and the latents.  [default: 0]"
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="Build the inputs here (kept).  [default: a fresh temporary folder]",
+    )
     parser.add_argument("--keep", action="store_true", help="Keep the temporary work folder (printed).")
     parser.add_argument("--out", default=None, help="Also write the results as JSON here.")
     args = parser.parse_args(argv)
@@ -117,7 +160,9 @@ def run_child(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[floa
     The child gets its own process group, so a timeout also ends what it started (torchrun's workers).
     """
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except BaseException as exc:  # the timeout, or Ctrl-C here
@@ -164,7 +209,18 @@ def measure_floor(args: argparse.Namespace) -> dict:
 
 def decode_command(args: argparse.Namespace, vae: Path, latents: Path, output: Path, gpus: int) -> list[str]:
     """`python -m pan2cli decode` as a user would type it for this case."""
-    cmd = [sys.executable, "-m", "pan2cli", "decode", str(latents), "--vae", str(vae), "-o", str(output), "--overwrite"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pan2cli",
+        "decode",
+        str(latents),
+        "--vae",
+        str(vae),
+        "-o",
+        str(output),
+        "--overwrite",
+    ]
     if args.device == "cpu":
         cmd += ["--device", "cpu", "--dtype", "fp32"]
     if gpus > 1:
@@ -186,7 +242,9 @@ def summarize_runs(runs: list[dict]) -> dict:
     return {key: spread([run[key] for run in runs]) for key in ("wall_s", *CLI_FIGURES)}
 
 
-def measure_cli(args: argparse.Namespace, vae: Path, latents: dict[int, Path], gpu_counts: list[int], outdir: Path) -> list[dict]:
+def measure_cli(
+    args: argparse.Namespace, vae: Path, latents: dict[int, Path], gpu_counts: list[int], outdir: Path
+) -> list[dict]:
     """One row per (T, GPUs, format): an untimed warm-up, then `--runs` timed fresh-process decodes."""
     rows = []
     for t, path in latents.items():
@@ -196,22 +254,54 @@ def measure_cli(args: argparse.Namespace, vae: Path, latents: dict[int, Path], g
                 print(f"pan2 decode: T={t}, {gpus} GPU(s), {fmt} …", flush=True)
                 run_child(cmd, child_env(), args.timeout)  # warm-up
                 runs = timed_decodes(cmd, child_env(), args.runs, args.timeout)
-                rows.append({"latent_frames": t, "gpus": gpus, "format": fmt, "command": cmd, "runs": runs, **summarize_runs(runs)})
-                print(f"  {json.dumps(runs)}", flush=True)  # as it comes: a run cut short keeps what it measured
+                rows.append(
+                    {
+                        "latent_frames": t,
+                        "gpus": gpus,
+                        "format": fmt,
+                        "command": cmd,
+                        "runs": runs,
+                        **summarize_runs(runs),
+                    }
+                )
+                print(
+                    f"  {json.dumps(runs)}", flush=True
+                )  # as it comes: a run cut short keeps what it measured
     return rows
 
 
-def measure_in_process(args: argparse.Namespace, vae: Path, latents: dict[int, Path], gpus: int, workdir: Path) -> dict:
+def measure_in_process(
+    args: argparse.Namespace, vae: Path, latents: dict[int, Path], gpus: int, workdir: Path
+) -> dict:
     """Steady-state decode seconds per T in one process (or `gpus` ranks under torchrun): this script as
     `--in-process-worker`, in a child so that this process holds no model or GPU memory."""
     report = workdir / f"in_process_gpus{gpus}.json"
-    worker_args = [WORKER_FLAG, "--device", args.device, "--vae", str(vae), "--runs", str(args.runs), "--report", str(report)]
+    worker_args = [
+        WORKER_FLAG,
+        "--device",
+        args.device,
+        "--vae",
+        str(vae),
+        "--runs",
+        str(args.runs),
+        "--report",
+        str(report),
+    ]
     worker_args += ["--latents", *(str(p) for p in latents.values())]
     env = child_env()
     if gpus == 1:
         cmd = [sys.executable, __file__, *worker_args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus), __file__, *worker_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(gpus),
+            __file__,
+            *worker_args,
+        ]
         # As `pan2 decode --gpus N` does: CPU ranks share the cores (torchrun alone would give each 1 thread).
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // gpus)))
     print(f"in-process steady state: {gpus} GPU(s) …", flush=True)
@@ -275,13 +365,19 @@ def worker_main(argv: list[str]) -> None:
     from pan2cli.vae.kernel import select_decode_path
     from pan2cli.vae.kernel_decoder import WanKernelDecoder
 
-    group = distributed.process_group(args.device) if launch.under_torchrun() else nullcontext(torch.device(args.device))
+    group = (
+        distributed.process_group(args.device)
+        if launch.under_torchrun()
+        else nullcontext(torch.device(args.device))
+    )
     with group as device:
         start = time.perf_counter()
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         reference = load_vae_decoder(args.vae, None, dtype=dtype, device=device)
         decoder, note = select_decode_path(reference)
-        if not distributed.agree_all(decoder is not reference):  # every rank takes the same path, as in the CLI
+        if not distributed.agree_all(
+            decoder is not reference
+        ):  # every rank takes the same path, as in the CLI
             decoder = reference
         del reference
         load_s = time.perf_counter() - start
@@ -292,7 +388,13 @@ def worker_main(argv: list[str]) -> None:
             results[z.shape[1]] = {"seconds": seconds, "median_s": statistics.median(seconds)}
         if distributed.is_main():
             path = "compiled kernel" if isinstance(decoder, WanKernelDecoder) else "reference decoder"
-            report = {"ranks": distributed.world_size(), "decode_path": path, "note": note, "load_s": load_s, "latents": results}
+            report = {
+                "ranks": distributed.world_size(),
+                "decode_path": path,
+                "note": note,
+                "load_s": load_s,
+                "latents": results,
+            }
             Path(args.report).write_text(json.dumps(report, indent=2))
 
 
@@ -305,12 +407,19 @@ def print_report(results: dict) -> None:
     """The header lines, the floor, one table row per case, the cold-cache figures."""
     floor = results["floor"]
     print()
-    print(f"{results['date']} on {results['device_name']}; torch {results['torch']}; VAE {results['vae']}; latents 48 x T x {results['latent_size']}")
-    print(f"floor (fresh `{floor['command'][-1]}`): min {_s(floor['min'])} s, median {_s(floor['median'])} s over {len(floor['wall_s'])} runs")
+    print(
+        f"{results['date']} on {results['device_name']}; torch {results['torch']}; VAE {results['vae']}; latents 48 x T x {results['latent_size']}"
+    )
+    print(
+        f"floor (fresh `{floor['command'][-1]}`): min {_s(floor['min'])} s, median {_s(floor['median'])} s over {len(floor['wall_s'])} runs"
+    )
     for note in results["notes"]:
         print(f"note: {note}")
     for gpus, value in results["in_process"].items():
-        print(f"in-process ({gpus} GPU(s)): {value['decode_path']}, loaded in {value['load_s']:.1f} s" + (f"; {value['note']}" if value["note"] else ""))
+        print(
+            f"in-process ({gpus} GPU(s)): {value['decode_path']}, loaded in {value['load_s']:.1f} s"
+            + (f"; {value['note']}" if value["note"] else "")
+        )
     print()
     print(
         "| latent frames | GPUs | format | runs | wall min s | wall median s | CLI decode min s | CLI decode median s "
@@ -319,7 +428,13 @@ def print_report(results: dict) -> None:
     )
     print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in results["rows"]:
-        steady = results["in_process"].get(row["gpus"], {}).get("latents", {}).get(row["latent_frames"], {}).get("median_s")
+        steady = (
+            results["in_process"]
+            .get(row["gpus"], {})
+            .get("latents", {})
+            .get(row["latent_frames"], {})
+            .get("median_s")
+        )
         decode = row["decode"]["median"]
         ratio = decode / steady if decode is not None and steady else None
         overhead = row["wall_s"]["median"] - (floor["median"] + steady) if steady is not None else None
@@ -334,8 +449,13 @@ def print_report(results: dict) -> None:
         later = cold["later_median"]
         print()
         print(f"cold caches (T={cold['latent_frames']}, 1 GPU, pt):")
-        print(f"- empty caches: wall {_s(empty['wall_s'])} s, CLI decode {_s(empty['decode'])} s (kernel build included)")
-        print(f"- `pan2 kernels build`: {_s(cold['kernels_build_s'])} s" + ("" if cold["kernels_build_s"] is not None else " (skipped: no kernel on the CPU)"))
+        print(
+            f"- empty caches: wall {_s(empty['wall_s'])} s, CLI decode {_s(empty['decode'])} s (kernel build included)"
+        )
+        print(
+            f"- `pan2 kernels build`: {_s(cold['kernels_build_s'])} s"
+            + ("" if cold["kernels_build_s"] is not None else " (skipped: no kernel on the CPU)")
+        )
         first = cold["after_build"][0]
         print(
             f"- first decode after the build: wall {_s(first['wall_s'])} s, CLI decode {_s(first['decode'])} s; "
@@ -357,7 +477,9 @@ def run_benchmark(args: argparse.Namespace, workdir: Path) -> dict:
             gpu_counts.append(gpus)
     results = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)",
+        "device_name": torch.cuda.get_device_name()
+        if args.device == "cuda"
+        else f"CPU ({os.cpu_count()} cores)",
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -375,7 +497,9 @@ def run_benchmark(args: argparse.Namespace, workdir: Path) -> dict:
     results["floor"] = measure_floor(args)
     print(f"  {json.dumps(results['floor']['wall_s'])}", flush=True)
     results["rows"] = measure_cli(args, vae, latents, gpu_counts, workdir / "out")
-    results["in_process"] = {gpus: measure_in_process(args, vae, latents, gpus, workdir) for gpus in gpu_counts}
+    results["in_process"] = {
+        gpus: measure_in_process(args, vae, latents, gpus, workdir) for gpus in gpu_counts
+    }
     print(f"  {json.dumps(results['in_process'])}", flush=True)
     if args.cold:
         first = args.latent_frames[0]

@@ -23,10 +23,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from pan2cli.frames import frames_to_uint8, psnr
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.model import WanVAEDecoder
 from pan2cli.vae.random_weights import decoder_from_state, random_vae_state_dict
-from pan2cli.frames import frames_to_uint8, psnr
 
 _TFLOP_FIRST, _TFLOP_LATER = 20.06, 64.69  # at 44x78 latent pixels (wan22_vae.md §8.1)
 
@@ -120,7 +120,9 @@ class _CountingOps:
 
     def rms_norm_silu(self, x, gamma, bias, residual, sum_out, out, silu, history, normalize):
         tensors = 2 + (residual is not None) + (sum_out is not None)
-        self.bytes["rms_norm"] += x.numel() * 2 * tensors + (history.numel() * 2 if history is not None else 0)
+        self.bytes["rms_norm"] += x.numel() * 2 * tensors + (
+            history.numel() * 2 if history is not None else 0
+        )
         return self.ops.rms_norm_silu(x, gamma, bias, residual, sum_out, out, silu, history, normalize)
 
     def phase_interleave(self, phases, bias, shortcut, out, factor_t, frame_offset):
@@ -179,12 +181,16 @@ def profile_kernel_path(run, z, kernel=None) -> list[tuple[str, float]]:
     if counting is not None:
         for op, moved in counting.bytes.items():
             if kernel_seconds.get(op):
-                rows.append((f"  {op}: {moved / 1e9:.1f} GB moved, {moved / kernel_seconds[op] / 1e12:.2f} TB/s", 0.0))
+                rows.append(
+                    (f"  {op}: {moved / 1e9:.1f} GB moved, {moved / kernel_seconds[op] / 1e12:.2f} TB/s", 0.0)
+                )
     return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--latent-shape", default="1,48,31,44,78")
     parser.add_argument("--accuracy-frames", type=int, default=5, help="latent frames of the accuracy decode")
     parser.add_argument("--repeats", type=int, default=3)
@@ -214,7 +220,12 @@ def main() -> None:
     z = torch.randn(shape, generator=generator).cuda()
     z_acc = torch.randn(acc_shape, generator=generator).cuda()
     state = random_vae_state_dict(WanVAEConfig(), seed=11)
-    results: dict = {"shape": shape, "accuracy_shape": acc_shape, "gpu": torch.cuda.get_device_name(), "paths": {}}
+    results: dict = {
+        "shape": shape,
+        "accuracy_shape": acc_shape,
+        "gpu": torch.cuda.get_device_name(),
+        "paths": {},
+    }
 
     start = time.perf_counter()
     load_kernel()
@@ -244,7 +255,10 @@ def main() -> None:
             "psnr_db": psnr(got, expected),
             "ssim": ssim(got, expected),
         }
-        del got, expected  # the timed decodes' peak counts the weights and the latents, not the accuracy check's frames
+        del (
+            got,
+            expected,
+        )  # the timed decodes' peak counts the weights and the latents, not the accuracy check's frames
         if timed:
             seconds, peak, reserved = time_decode(run, z, args.repeats)
             row.update(
@@ -300,7 +314,9 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
     base = results["paths"].get("diffusers 0.42.1 (bf16)", {}).get("median_s")
-    print(f"\nlatent {list(shape)} on {results['gpu']}; accuracy on {list(acc_shape)} vs our fp32 reference (TF32 off)")
+    print(
+        f"\nlatent {list(shape)} on {results['gpu']}; accuracy on {list(acc_shape)} vs our fp32 reference (TF32 off)"
+    )
     print(
         "| path | median s | runs | peak GiB (reserved) | weights GiB | TFLOP/s | PSNR dB | SSIM | vs diffusers bf16 |"
     )

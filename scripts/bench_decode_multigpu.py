@@ -46,9 +46,20 @@ GIB = 2**30
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, default=2, help="GPUs of the split decode (≥ 2).  [default: 2]")
-    parser.add_argument("--latent-shape", default="1,48,31,44,78", help="B,C,T,H,W of the latents.  [default: 5 s at 704x1248]")
-    parser.add_argument("--chunk-latent-frames", type=int, default=4, help="Latent frames per pass after the first.  [default: 4]")
-    parser.add_argument("--repeats", type=int, default=3, help="Timed runs after the warm-up (median reported).  [default: 3]")
+    parser.add_argument(
+        "--latent-shape",
+        default="1,48,31,44,78",
+        help="B,C,T,H,W of the latents.  [default: 5 s at 704x1248]",
+    )
+    parser.add_argument(
+        "--chunk-latent-frames",
+        type=int,
+        default=4,
+        help="Latent frames per pass after the first.  [default: 4]",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="Timed runs after the warm-up (median reported).  [default: 3]"
+    )
     parser.add_argument("--seed", type=int, default=0, help="Seed of the weights and latents.  [default: 0]")
     parser.add_argument("--out", default=None, help="Also write the results as JSON here.")
     parser.add_argument(
@@ -63,13 +74,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="auto",
         help="Decode path, the same for 1 and N GPUs: the compiled kernel (auto/require) or the reference (off).  [default: auto]",
     )
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: gloo processes, to test the script.  [default: cuda]")
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: gloo processes, to test the script.  [default: cuda]",
+    )
     parser.add_argument(
         "--trace",
         action="store_true",
         help="No timing: one decode each way with every stage output checksummed per row; prints where the split first departs from one GPU.",
     )
-    parser.add_argument("--decoder-base-dim", type=int, default=256, help="Decoder width unit (256 is the real model).  [default: 256]")
+    parser.add_argument(
+        "--decoder-base-dim",
+        type=int,
+        default=256,
+        help="Decoder width unit (256 is the real model).  [default: 256]",
+    )
     args = parser.parse_args(argv)
     args.latent_shape = tuple(int(v) for v in args.latent_shape.split(","))
     if len(args.latent_shape) != 5 or args.latent_shape[0] != 1:
@@ -85,7 +106,16 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     if args.device == "cuda" and visible < args.gpus:
         print(f"error: --gpus {args.gpus} needs {args.gpus} CUDA GPUs; {visible} visible", file=sys.stderr)
         return 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.gpus), __file__, *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(args.gpus),
+        __file__,
+        *argv,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
     return subprocess.run(cmd, env=env).returncode
 
@@ -142,7 +172,9 @@ class StageTrace:
 
             for name, module in decoder.named_modules():
                 if isinstance(module, (WanCausalConv3d, WanResample, WanResidualBlock)):
-                    module.register_forward_hook(lambda m, args, out, name=name: self._record(name, out, row_dim=3))
+                    module.register_forward_hook(
+                        lambda m, args, out, name=name: self._record(name, out, row_dim=3)
+                    )
 
     def _wrap(self, decoder, method: str) -> None:
         original = getattr(decoder, method)
@@ -173,7 +205,9 @@ def compare_traces(one: list, bands: list[list]) -> None:
         joined = torch.cat([b[i][1] for b in bands])
         names = {b[i][0] for b in bands}
         if names != {name} or joined.shape != whole.shape:
-            print(f"stage {i}: {name} vs {sorted(names)}, rows {tuple(whole.shape)} vs {tuple(joined.shape)}: traces out of step")
+            print(
+                f"stage {i}: {name} vs {sorted(names)}, rows {tuple(whole.shape)} vs {tuple(joined.shape)}: traces out of step"
+            )
             return
         rows = (joined != whole).any(dim=1).nonzero().flatten().tolist()
         if rows:
@@ -215,7 +249,10 @@ def worker(args: argparse.Namespace) -> None:
         z = torch.randn(args.latent_shape, generator=torch.Generator().manual_seed(args.seed + 1))
         load_s = time.perf_counter() - start
         if rank == 0:
-            print(f"built the decoder ({path}) in {load_s:.1f} s on {world} ranks; latents {list(args.latent_shape)}", flush=True)
+            print(
+                f"built the decoder ({path}) in {load_s:.1f} s on {world} ranks; latents {list(args.latent_shape)}",
+                flush=True,
+            )
             if note:
                 print(note, flush=True)
 
@@ -295,7 +332,9 @@ def report(args, world: int, base, per_rank: list[dict], equality: dict) -> None
     )
     frames = equality["frames_differing"]
     if frames:
-        print(f"frames that differ: {len(frames)} of {len(equality['fraction_differing_per_frame'])}, {_ranges(frames)}")
+        print(
+            f"frames that differ: {len(frames)} of {len(equality['fraction_differing_per_frame'])}, {_ranges(frames)}"
+        )
 
 
 def _ranges(indices: list[int]) -> str:
@@ -307,6 +346,7 @@ def _ranges(indices: list[int]) -> str:
         else:
             spans.append([i, i])
     return ", ".join(f"{a}-{b}" if b != a else f"{a}" for a, b in spans)
+
 
 def main() -> int:
     argv = sys.argv[1:]

@@ -39,12 +39,21 @@ from pan2cli.dit.checkpoint import release_defaults  # noqa: E402
 from pan2cli.pipeline.sampling import denoise  # noqa: E402
 from scripts.make_random_pan2 import random_transformer  # noqa: E402
 
-SMALL = dict(num_attention_heads=2, attention_head_dim=16, num_layers=2, num_refiner_layers=1, text_embed_dim=32, rope_axes_dim=(4, 6, 6))
+SMALL = dict(
+    num_attention_heads=2,
+    attention_head_dim=16,
+    num_layers=2,
+    num_refiner_layers=1,
+    text_embed_dim=32,
+    rope_axes_dim=(4, 6, 6),
+)
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--frames", type=int, nargs="+", default=[121], help="video frames, 1 + 4k (default 121)")
+    parser.add_argument(
+        "--frames", type=int, nargs="+", default=[121], help="video frames, 1 + 4k (default 121)"
+    )
     parser.add_argument("--height", type=int, default=704)
     parser.add_argument("--width", type=int, default=1248)
     parser.add_argument("--text", type=int, default=300, help="text tokens (default 300)")
@@ -72,7 +81,9 @@ def forward_flops(config: dict, video_tokens: int, text_tokens: int) -> float:
     )
     inner = int(d * config["refiner_mlp_ratio"])
     refiner = config["num_refiner_layers"] * (2 * l * (4 * d * d + 3 * d * inner) + 4 * l * l * d)
-    edges = 2 * s * d * (config["in_channels"] * 4 + config["out_channels"] * 4) + 2 * l * d * (config["text_embed_dim"] + d)
+    edges = 2 * s * d * (config["in_channels"] * 4 + config["out_channels"] * 4) + 2 * l * d * (
+        config["text_embed_dim"] + d
+    )
     return float(blocks + refiner + edges)
 
 
@@ -94,7 +105,10 @@ def profile_step(step, sync) -> dict[str, float]:
     for event in prof.key_averages():
         name = event.key.lower()
         kind = next((k for k, needles in _KERNEL_KINDS if any(n in name for n in needles)), "rest")
-        kinds[kind] = kinds.get(kind, 0.0) + getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0.0)) / 1e3
+        kinds[kind] = (
+            kinds.get(kind, 0.0)
+            + getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0.0)) / 1e3
+        )
     return {k: round(v, 1) for k, v in sorted(kinds.items())}
 
 
@@ -134,12 +148,19 @@ def main() -> None:
         video_tokens = shape[2] * shape[3] // 2 * shape[4] // 2
         generator = torch.Generator(device=device).manual_seed(1)
         hidden = torch.randn(shape, generator=generator, device=device).to(dtype)
-        cond = torch.randn(1, args.text, config["text_embed_dim"], generator=generator, device=device).to(dtype)
-        uncond = torch.randn(1, 12, config["text_embed_dim"], generator=generator, device=device).to(dtype)  # " " through the template
+        cond = torch.randn(1, args.text, config["text_embed_dim"], generator=generator, device=device).to(
+            dtype
+        )
+        uncond = torch.randn(1, 12, config["text_embed_dim"], generator=generator, device=device).to(
+            dtype
+        )  # " " through the template
         timestep = torch.tensor([900.0], device=device)
         for variant in args.variants:
             set_fused_kernels(model, variant != "unfused" and device.type == "cuda")
-            backend = {"fused-cudnn": SDPBackend.CUDNN_ATTENTION, "fused-flash": SDPBackend.FLASH_ATTENTION}.get(variant)
+            backend = {
+                "fused-cudnn": SDPBackend.CUDNN_ATTENTION,
+                "fused-flash": SDPBackend.FLASH_ATTENTION,
+            }.get(variant)
             if variant == "compiled":
                 for block in model.transformer_blocks:
                     block.compile()  # one graph per block; the 44 blocks share the compiled code
@@ -157,7 +178,11 @@ def main() -> None:
                     model(hidden, timestep, cond)
                     model(hidden, timestep, uncond)
 
-            with torch.inference_mode(), attention, sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+            with (
+                torch.inference_mode(),
+                attention,
+                sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext(),
+            ):
                 step()  # warm-up: Triton compiles, cuBLAS picks its kernels
                 sync()
                 if device.type == "cuda":

@@ -40,7 +40,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu for a dry run (default cuda)")
     parser.add_argument("--small", action="store_true", help="tiny shapes (a dry run of the set-up)")
-    parser.add_argument("--reps", type=int, default=20, help="timed runs per op (default 20; the block runs a quarter)")
+    parser.add_argument(
+        "--reps", type=int, default=20, help="timed runs per op (default 20; the block runs a quarter)"
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs before timing (default 3)")
     parser.add_argument("--skip-block", action="store_true", help="ops only")
     parser.add_argument("--skip-sweep", action="store_true", help="no launch-shape sweep")
@@ -54,7 +56,9 @@ class Timer:
     def __init__(self, device: torch.device, warmup: int):
         self.device = device
         self.warmup = warmup
-        self.flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device) if device.type == "cuda" else None
+        self.flush = (
+            torch.empty(256 * 2**20, dtype=torch.int8, device=device) if device.type == "cuda" else None
+        )
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -104,7 +108,10 @@ def main() -> int:
     args = parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: CUDA is not available; this benchmark needs a GPU (use --device cpu --small for a dry run)", file=sys.stderr)
+        print(
+            "error: CUDA is not available; this benchmark needs a GPU (use --device cpu --small for a dry run)",
+            file=sys.stderr,
+        )
         return 1
     on_gpu = device.type == "cuda"
     can_fuse = on_gpu or triton_interpreting()
@@ -129,12 +136,22 @@ def main() -> int:
     results: dict = {
         "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
         "torch": torch.__version__,
-        "shapes": {"video_tokens": n_video, "grid": grid, "text_tokens": n_text, "hidden": dim, "heads": heads, "head_dim": head_dim},
+        "shapes": {
+            "video_tokens": n_video,
+            "grid": grid,
+            "text_tokens": n_text,
+            "hidden": dim,
+            "heads": heads,
+            "head_dim": head_dim,
+        },
         "ops": [],
         "sweep": [],
         "block": [],
     }
-    print(f"# {results['device']}, torch {torch.__version__}; {n_video} video + {n_text} text tokens, {heads} heads × {head_dim}", file=sys.stderr)
+    print(
+        f"# {results['device']}, torch {torch.__version__}; {n_video} video + {n_text} text tokens, {heads} heads × {head_dim}",
+        file=sys.stderr,
+    )
 
     def record_op(name: str, floor_bytes: int, variants: dict, check: tuple | None) -> None:
         floor_ms = floor_bytes / COPY_BANDWIDTH * 1e3
@@ -181,9 +198,13 @@ def main() -> int:
     for mode, groups in (("per-sample", 1), ("per-token", n_total)):
         scale, shift = rand(1, groups, dim, scale=0.3), rand(1, groups, dim)
         ln_bytes = 2 * nbytes(x) + nbytes(scale, shift)
-        variants = {"eager": lambda s=scale, h=shift: fusions.layer_norm_modulate(x, s, h, eps=eps, fused=False)}
+        variants = {
+            "eager": lambda s=scale, h=shift: fusions.layer_norm_modulate(x, s, h, eps=eps, fused=False)
+        }
         if can_fuse:
-            variants["fused"] = lambda s=scale, h=shift: fusions.layer_norm_modulate(x, s, h, eps=eps, fused=True)
+            variants["fused"] = lambda s=scale, h=shift: fusions.layer_norm_modulate(
+                x, s, h, eps=eps, fused=True
+            )
         if can_compile:
             compiled_ln = torch.compile(fusions.layer_norm_modulate_reference, dynamic=False)
             variants["compiled"] = lambda s=scale, h=shift, f=compiled_ln: f(x, s, h, eps)
@@ -207,23 +228,32 @@ def main() -> int:
                               q_out, k_out, eps=eps, out_token_offset=n_video, block_rows=b, num_warps=w)  # fmt: skip
 
                 ms = timer(run_qk, max(5, args.reps // 2))
-                results["sweep"].append({"op": "qk_norm_rope", "block_rows": block_rows, "num_warps": warps, "ms": ms})
+                results["sweep"].append(
+                    {"op": "qk_norm_rope", "block_rows": block_rows, "num_warps": warps, "ms": ms}
+                )
         scale1, shift1 = rand(1, 1, dim), rand(1, 1, dim)
         y = torch.empty_like(x)
         for block_rows in (1, 2):
             for warps in (4, 8, 16):
                 ms = timer(lambda b=block_rows, w=warps: ln_launch(x, scale1, shift1, y, eps=eps, block_rows=b, num_warps=w),
                            max(5, args.reps // 2))  # fmt: skip
-                results["sweep"].append({"op": "ln_modulate/per-sample", "block_rows": block_rows, "num_warps": warps, "ms": ms})
+                results["sweep"].append(
+                    {"op": "ln_modulate/per-sample", "block_rows": block_rows, "num_warps": warps, "ms": ms}
+                )
         for op in ("qk_norm_rope", "ln_modulate/per-sample"):
             best = min((s for s in results["sweep"] if s["op"] == op), key=lambda s: s["ms"])
-            print(f"sweep {op}: best block_rows={best['block_rows']} num_warps={best['num_warps']} {best['ms']:.3f} ms", file=sys.stderr)
+            print(
+                f"sweep {op}: best block_rows={best['block_rows']} num_warps={best['num_warps']} {best['ms']:.3f} ms",
+                file=sys.stderr,
+            )
 
     # -- one block ----------------------------------------------------------------------------
     if not args.skip_block:
         del qk, x
         torch.manual_seed(0)
-        block = PAN2TransformerBlock(dim, heads, head_dim, mlp_ratio, context_mlp_ratio, eps).to(device=device, dtype=dtype)
+        block = PAN2TransformerBlock(dim, heads, head_dim, mlp_ratio, context_mlp_ratio, eps).to(
+            device=device, dtype=dtype
+        )
         block.norm1.float()  # the AdaLN linear is float32, as released
         block = block.eval().requires_grad_(False)
         hidden = rand(1, n_video, dim)
@@ -256,7 +286,9 @@ def main() -> int:
         results["block_flops"] = flops
         if "eager unfused" in outputs:
             for entry in results["block"]:
-                entry["rel_error_vs_eager_unfused"] = rel_error(outputs[entry["variant"]], outputs["eager unfused"])
+                entry["rel_error_vs_eager_unfused"] = rel_error(
+                    outputs[entry["variant"]], outputs["eager unfused"]
+                )
 
     print_table(results)
     if args.out:
@@ -283,10 +315,16 @@ def print_table(results: dict) -> None:
         )  # fmt: skip
     if results["block"]:
         base = next((e["ms"] for e in results["block"] if e["variant"] == "eager unfused"), None)
-        lines += ["", "| block variant | ms | vs eager unfused | TFLOP/s | rel. error vs eager unfused |", "| --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "| block variant | ms | vs eager unfused | TFLOP/s | rel. error vs eager unfused |",
+            "| --- | --- | --- | --- | --- |",
+        ]
         for e in results["block"]:
             speed = f"{base / e['ms']:.2f}x" if base else "–"
-            lines.append(f"| {e['variant']} | {e['ms']:.2f} | {speed} | {e['tflop_per_s']:.0f} | {e.get('rel_error_vs_eager_unfused', 0):.2e} |")
+            lines.append(
+                f"| {e['variant']} | {e['ms']:.2f} | {speed} | {e['tflop_per_s']:.0f} | {e.get('rel_error_vs_eager_unfused', 0):.2e} |"
+            )
     print("\n".join(lines))
 
 

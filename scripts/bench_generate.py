@@ -36,8 +36,12 @@ def build_checkpoint(root: Path, layers: int, text_layers: int) -> None:
     device = torch.device("cuda")
     with quiet_transformers():
         tokenizer = write_tokenizer(root / "tokenizer")
-        random_text_model(len(tokenizer), device, num_hidden_layers=text_layers).save_pretrained(str(root / "text_encoder"))
-    save_pan2_transformer(random_transformer(device, num_layers=layers), root / "transformer", max_shard_bytes=5 * 10**9)
+        random_text_model(len(tokenizer), device, num_hidden_layers=text_layers).save_pretrained(
+            str(root / "text_encoder")
+        )
+    save_pan2_transformer(
+        random_transformer(device, num_layers=layers), root / "transformer", max_shard_bytes=5 * 10**9
+    )
     write_vae(root / "vae", seed=0, config=WanVAEConfig())
     write_scheduler_and_index(root, type(tokenizer).__name__)
 
@@ -78,8 +82,11 @@ def main() -> None:
     args.height, args.width = (int(v) for v in args.size.split("x"))
     if not torch.cuda.is_available():
         sys.exit("bench_generate.py needs a CUDA GPU")
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | {args.size}, {args.frames} frames, {args.steps} steps, "
-          f"transformer {args.layers} blocks, text model {args.text_layers} layers", flush=True)
+    print(
+        f"{torch.cuda.get_device_name()} | torch {torch.__version__} | {args.size}, {args.frames} frames, {args.steps} steps, "
+        f"transformer {args.layers} blocks, text model {args.text_layers} layers",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="pan2-bench-") as folder:
         root = Path(folder)
         build_checkpoint(root, args.layers, args.text_layers)

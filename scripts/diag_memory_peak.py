@@ -52,7 +52,10 @@ def main() -> None:
     for segment in snapshot["segments"]:
         for block in segment["blocks"]:
             if block["state"] == "active_allocated":
-                live[block["address"]] = (block["size"], _where(block.get("frames", [])) or "before recording")
+                live[block["address"]] = (
+                    block["size"],
+                    _where(block.get("frames", [])) or "before recording",
+                )
     trace = snapshot["device_traces"][torch.cuda.current_device()]
     # Walk back from the end state to the state before the trace, then forward to the peak.
     for event in reversed(trace):

@@ -72,7 +72,9 @@ class _Probe:
     def _dense(t: torch.Tensor) -> torch.Tensor:
         return t.contiguous(memory_format=_CHANNELS_LAST[t.dim()])
 
-    def _bands(self, op: str, fn, inp: torch.Tensor, out: torch.Tensor, halo: int, row_dim: int, dense=None) -> None:
+    def _bands(
+        self, op: str, fn, inp: torch.Tensor, out: torch.Tensor, halo: int, row_dim: int, dense=None
+    ) -> None:
         """Run `fn` on the top and bottom half of the rows (with `halo` extra input rows each side).
 
         Each band is first copied to a dense tensor (`dense`, default: channels-last), as a rank holds it.
@@ -88,7 +90,10 @@ class _Probe:
         bottom = fn(dense(bottom_in))
         self._record(op, inp.shape, out.narrow(row_dim, 0, top.shape[row_dim]), top)
         self._record(
-            op, inp.shape, out.narrow(row_dim, rows_out - bottom.shape[row_dim], bottom.shape[row_dim]), bottom
+            op,
+            inp.shape,
+            out.narrow(row_dim, rows_out - bottom.shape[row_dim], bottom.shape[row_dim]),
+            bottom,
         )
 
     def _conv(self, conv, inp, weight, bias, stride, padding):
@@ -191,7 +196,9 @@ def main() -> None:
     parser.add_argument("--chunk-latent-frames", type=int, default=4)
     parser.add_argument("--tail-frames", type=int, default=None)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--deterministic", action="store_true", help="torch.backends.cudnn.deterministic = True")
+    parser.add_argument(
+        "--deterministic", action="store_true", help="torch.backends.cudnn.deterministic = True"
+    )
     parser.add_argument(
         "--fp32-gemm-reductions",
         action="store_true",
@@ -226,7 +233,9 @@ def main() -> None:
         if compare:
             differing = {k: v for k, v in probe.exactness.items() if v["differing"]}
             results["exactness"] = probe.exactness
-            print(f"{len(probe.exactness)} op shapes compared, {len(differing)} differ between bands and whole frames:")
+            print(
+                f"{len(probe.exactness)} op shapes compared, {len(differing)} differ between bands and whole frames:"
+            )
             for key, v in sorted(probe.exactness.items()):
                 frac = v["differing"] / max(1, v["values"])
                 print(

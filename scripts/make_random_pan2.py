@@ -49,7 +49,9 @@ def random_transformer(device: torch.device, seed: int = 0, **config) -> PAN2Tra
         model = PAN2Transformer3DModel(**config)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     for name, param in model.named_parameters():
-        param.data = torch.empty_like(param, dtype=torch.float32 if keeps_fp32(name) else dtype, device="meta")
+        param.data = torch.empty_like(
+            param, dtype=torch.float32 if keeps_fp32(name) else dtype, device="meta"
+        )
     model = model.to_empty(device=device)
     _randomise(model, device, seed)
     return model.eval().requires_grad_(False)
@@ -67,7 +69,9 @@ def random_text_model(vocab_size: int, device: torch.device, seed: int = 1, **ov
     return model.eval()
 
 
-def write_random_pan2(root: Path, device: torch.device, transformer_dir: Path | None = None) -> dict[str, float]:
+def write_random_pan2(
+    root: Path, device: torch.device, transformer_dir: Path | None = None
+) -> dict[str, float]:
     """Write every component into `root` (the transformer into `transformer_dir`, linked from `root`); returns the seconds each took."""
     root.mkdir(parents=True, exist_ok=True)
     seconds: dict[str, float] = {}
@@ -94,7 +98,12 @@ def write_random_pan2(root: Path, device: torch.device, transformer_dir: Path | 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--device", default="cuda" if torch.cuda.is_available() else "cpu", show_default=True, help="Where the weights are drawn.")
+@click.option(
+    "--device",
+    default="cuda" if torch.cuda.is_available() else "cpu",
+    show_default=True,
+    help="Where the weights are drawn.",
+)
 @click.option(
     "--transformer-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
     help="Write the transformer's 67 GB there (another disk, or a tmpfs) and link OUT/transformer to it.",

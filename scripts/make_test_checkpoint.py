@@ -37,9 +37,15 @@ def _parse_formats(ctx: click.Context, param: click.Parameter, value: str) -> tu
     show_default=True,
     help="Decoder width unit (stage widths are 4x, 4x, 4x, 2x, 1x it).",
 )
-@click.option("--base-dim", type=click.IntRange(min=1), default=160, show_default=True, help="Encoder width unit.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the values (the same in every format).")
-@click.option("--dtype", type=click.Choice(sorted(_DTYPES)), default="fp32", show_default=True, help="Stored dtype.")
+@click.option(
+    "--base-dim", type=click.IntRange(min=1), default=160, show_default=True, help="Encoder width unit."
+)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seed of the values (the same in every format)."
+)
+@click.option(
+    "--dtype", type=click.Choice(sorted(_DTYPES)), default="fp32", show_default=True, help="Stored dtype."
+)
 @click.option(
     "--formats",
     default=",".join(FORMATS),
@@ -47,9 +53,17 @@ def _parse_formats(ctx: click.Context, param: click.Parameter, value: str) -> tu
     callback=_parse_formats,
     help="Comma-separated layouts to write.",
 )
-@click.option("--encoder/--no-encoder", default=True, show_default=True, help="Include the encoder and quant_conv.")
+@click.option(
+    "--encoder/--no-encoder", default=True, show_default=True, help="Include the encoder and quant_conv."
+)
 def main(
-    out_dir: Path, decoder_base_dim: int, base_dim: int, seed: int, dtype: str, formats: tuple[str, ...], encoder: bool
+    out_dir: Path,
+    decoder_base_dim: int,
+    base_dim: int,
+    seed: int,
+    dtype: str,
+    formats: tuple[str, ...],
+    encoder: bool,
 ) -> None:
     """Write a random-weight Wan2.2 VAE into OUT_DIR in each layout pan2 reads.
 

@@ -88,7 +88,10 @@ def write_tokenizer(folder: Path):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -190,7 +193,13 @@ def write_modular_index(root: Path, tokenizer_class: str) -> None:
     }
     index: dict = {"_class_name": "PAN2ModularPipeline", "_diffusers_version": DIFFUSERS_VERSION}
     for name, (library, class_name) in components.items():
-        spec = {"type_hint": [library, class_name], "pretrained_model_name_or_path": None, "subfolder": name, "variant": None, "revision": None}
+        spec = {
+            "type_hint": [library, class_name],
+            "pretrained_model_name_or_path": None,
+            "subfolder": name,
+            "variant": None,
+            "revision": None,
+        }
         index[name] = [library, class_name, spec]
     (root / "modular_model_index.json").write_text(json.dumps(index, indent=2) + "\n")
 
@@ -216,7 +225,9 @@ def write_tiny_pan2(root: str | Path, seed: int = 0, multimodal_text_encoder: bo
     # Leave the caller's random state alone; transformers' progress bars and notes are not this script's output.
     with torch.random.fork_rng(devices=[]), quiet_transformers():
         tokenizer = write_tokenizer(root / "tokenizer")
-        write_text_encoder(root / "text_encoder", tiny_text_model(len(tokenizer), seed), multimodal_text_encoder)
+        write_text_encoder(
+            root / "text_encoder", tiny_text_model(len(tokenizer), seed), multimodal_text_encoder
+        )
         write_transformer(root / "transformer", tiny_transformer(seed + 1))
     write_vae(root / "vae", seed)
     write_scheduler_and_index(root, type(tokenizer).__name__)

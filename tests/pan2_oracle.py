@@ -164,12 +164,16 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=BLOCK_EPS)
         self.norm2_context = nn.LayerNorm(dim, elementwise_affine=False, eps=BLOCK_EPS)
         self.ff = FeedForward(dim, inner_dim=int(dim * mlp_ratio), activation_fn="gelu-approximate")
-        self.ff_context = FeedForward(dim, inner_dim=int(dim * context_mlp_ratio), activation_fn="gelu-approximate")
+        self.ff_context = FeedForward(
+            dim, inner_dim=int(dim * context_mlp_ratio), activation_fn="gelu-approximate"
+        )
 
     def forward(self, x, ctx, temb, cos, sin):
         assert self.norm1.norm.eps == BLOCK_EPS
         x_mod, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(x, emb=temb)
-        c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.scale_shift_table_context.chunk(6)
+        c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.scale_shift_table_context.chunk(
+            6
+        )
         ctx_mod = self.norm1_context(ctx) * (1 + c_scale) + c_shift
 
         a, ca = self.attn(x_mod, ctx_mod, cos, sin)
@@ -210,7 +214,9 @@ class OraclePAN2(nn.Module):
 
         self.x_embedder = nn.Conv3d(in_channels, dim, kernel_size=self.patch_size, stride=self.patch_size)
         self.time_embedder = TimestepEmbedding(TIMESTEP_WIDTH, dim)  # linear_1, SiLU, linear_2
-        self.context_embedder = nn.Sequential(RMSNorm(text_embed_dim, eps=TEXT_EPS), nn.Linear(text_embed_dim, dim))
+        self.context_embedder = nn.Sequential(
+            RMSNorm(text_embed_dim, eps=TEXT_EPS), nn.Linear(text_embed_dim, dim)
+        )
         self.context_refiner = nn.ModuleList(
             [
                 RefinerBlock(dim, num_attention_heads, attention_head_dim, refiner_mlp_ratio)

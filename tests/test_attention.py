@@ -6,7 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pan2cli.dit.attention import DEFAULT_ORDER, ENV_ATTENTION, attention_backend, attention_backends, attention_order
+from pan2cli.dit.attention import (
+    DEFAULT_ORDER,
+    ENV_ATTENTION,
+    attention_backend,
+    attention_backends,
+    attention_order,
+)
 from pan2cli.errors import InputError
 
 

@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import save_file
 
 import pan2cli.decode as decode_module  # the CLI imports decode_latents from here when it runs
+from pan2cli.frames import frames_to_uint8
 from pan2cli.latents import unnormalize
 from pan2cli.vae.checkpoint import load_vae_decoder
-from pan2cli.frames import frames_to_uint8
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,9 @@ def _frames_on_disk(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
-def _expected_frames(vae: Path, latents: torch.Tensor, normalized: bool = True, chunk_latent_frames: int = 4) -> torch.Tensor:
+def _expected_frames(
+    vae: Path, latents: torch.Tensor, normalized: bool = True, chunk_latent_frames: int = 4
+) -> torch.Tensor:
     """The library's fp32 CPU decode with the CLI's chunking: the same convolutions on the same shapes.
 
     (A different chunking would be another summation order, which CPUs and BLAS kernels round differently.)
@@ -51,7 +53,10 @@ def test_mp4_has_the_right_frames_size_and_fps(run_cli, tiny_vae, latents_file, 
     assert result.stdout.strip() == str(out)
     assert "9 frames, 48x32, 12 fps" in result.stderr
     # the decode's own seconds, its rate and first frame, and the total with the encode (issue 14)
-    figures = re.search(r"decode (\d+\.\d+) s \(.*, (\d+\.\d) frames/s, first frame after (\d+\.\d+) s\), total (\d+\.\d+) s", result.stderr)
+    figures = re.search(
+        r"decode (\d+\.\d+) s \(.*, (\d+\.\d) frames/s, first frame after (\d+\.\d+) s\), total (\d+\.\d+) s",
+        result.stderr,
+    )
     assert figures, result.stderr
     decode, rate, first, total = map(float, figures.groups())
     assert first <= decode <= total
@@ -69,19 +74,26 @@ def test_mp4_has_the_right_frames_size_and_fps(run_cli, tiny_vae, latents_file, 
 
 def test_pt_output_equals_the_library_decode(run_cli, tiny_vae, latents_file, tmp_path):
     path = latents_file((48, 3, 2, 3))
-    result = run_cli("decode", path, "--format", "pt", "--vae", tiny_vae, "--chunk-latent-frames", "1", "--device", "cpu")
+    result = run_cli(
+        "decode", path, "--format", "pt", "--vae", tiny_vae, "--chunk-latent-frames", "1", "--device", "cpu"
+    )
     assert result.exit_code == 0, result.stderr
     out = tmp_path / "latents.frames.pt"  # never the input itself
     assert result.stdout.strip() == str(out)
     frames = torch.load(out, weights_only=True)
     assert frames.dtype == torch.uint8 and frames.shape == (9, 32, 48, 3)
-    assert torch.equal(frames, _expected_frames(tiny_vae, torch.load(path, weights_only=True), chunk_latent_frames=1))
+    assert torch.equal(
+        frames, _expected_frames(tiny_vae, torch.load(path, weights_only=True), chunk_latent_frames=1)
+    )
 
 
 def test_raw_latents_skip_the_unnormalisation(run_cli, tiny_vae, latents_file, tmp_path):
     path = latents_file((48, 2, 2, 2))
     out = tmp_path / "raw.pt"
-    assert run_cli("decode", path, "-o", out, "--raw-latents", "--vae", tiny_vae, "--device", "cpu").exit_code == 0
+    assert (
+        run_cli("decode", path, "-o", out, "--raw-latents", "--vae", tiny_vae, "--device", "cpu").exit_code
+        == 0
+    )
     expected = _expected_frames(tiny_vae, torch.load(path, weights_only=True), normalized=False)
     assert torch.equal(torch.load(out, weights_only=True), expected)
 
@@ -151,7 +163,8 @@ def _bad_latents(tmp_path: Path, kind: str) -> Path:
 
 
 @pytest.mark.parametrize(
-    "kind", ["rank", "channels", "nan", "inf", "empty", "text", "object", "truncated_safetensors", "no_latents_key"]
+    "kind",
+    ["rank", "channels", "nan", "inf", "empty", "text", "object", "truncated_safetensors", "no_latents_key"],
 )
 def test_bad_latents_exit_2_without_output(run_cli, tiny_vae, tmp_path, kind):
     path = _bad_latents(tmp_path, kind)
@@ -200,14 +213,22 @@ def test_one_output_file_for_several_videos_is_refused(run_cli, tiny_vae, latent
     assert "existing folder" in result.stderr
 
 
-def test_ctrl_c_removes_the_partial_output_and_exits_130(run_cli, tiny_vae, latents_file, tmp_path, monkeypatch):
+def test_ctrl_c_removes_the_partial_output_and_exits_130(
+    run_cli, tiny_vae, latents_file, tmp_path, monkeypatch
+):
     real_decode = decode_module.decode_latents
 
     def interrupted(decoder, latents, writer, **kwargs):
         def chunk_then_interrupt(n):
             raise KeyboardInterrupt
 
-        return real_decode(decoder, latents, writer, on_chunk=chunk_then_interrupt, **{k: v for k, v in kwargs.items() if k != "on_chunk"})
+        return real_decode(
+            decoder,
+            latents,
+            writer,
+            on_chunk=chunk_then_interrupt,
+            **{k: v for k, v in kwargs.items() if k != "on_chunk"},
+        )
 
     monkeypatch.setattr(decode_module, "decode_latents", interrupted)
     path = latents_file((48, 3, 2, 2))
@@ -231,7 +252,11 @@ def test_out_of_memory_is_a_known_failure(run_cli, tiny_vae, latents_file, tmp_p
 def _pan2(*args, env=None, cwd=None) -> subprocess.CompletedProcess:
     environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "pan2cli", *map(str, args)], capture_output=True, text=True, env=environment, cwd=cwd
+        [sys.executable, "-m", "pan2cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        cwd=cwd,
     )
 
 
@@ -260,7 +285,9 @@ def _closed_port_endpoint() -> str:
 def test_unreachable_hub_without_cache_fails_at_once(latents_file, tmp_path):
     endpoint = _closed_port_endpoint()
     env = {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": ""}
-    proc = _pan2("decode", latents_file((48, 1, 2, 2)), "--device", "cpu", env=env)  # the default --vae, from the hub
+    proc = _pan2(
+        "decode", latents_file((48, 1, 2, 2)), "--device", "cpu", env=env
+    )  # the default --vae, from the hub
     assert proc.returncode == 1, proc.stderr
     # huggingface_hub's own retries (25 s) each say "Retrying in …": none may happen (no clock needed)
     assert "Retrying" not in proc.stderr and "Traceback" not in proc.stderr
@@ -311,11 +338,27 @@ def test_sigterm_removes_the_partial_output_and_exits_143(tiny_vae, latents_file
     (hook / "sitecustomize.py").write_text(_SLOW_DECODE)
     latents = latents_file((48, 3, 2, 2))
     env = {**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}"}
-    cmd = [sys.executable, "-m", "pan2cli", "decode", str(latents), "--vae", str(tiny_vae), "--device", "cpu", "-o", "out.mp4"]
-    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pan2cli",
+        "decode",
+        str(latents),
+        "--vae",
+        str(tiny_vae),
+        "--device",
+        "cpu",
+        "-o",
+        "out.mp4",
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 60
-        while not any(p.name.startswith(".out.mp4.partial") for p in tmp_path.iterdir()):  # writing has started
+        while not any(
+            p.name.startswith(".out.mp4.partial") for p in tmp_path.iterdir()
+        ):  # writing has started
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)  # what `kill` and job schedulers send
@@ -357,7 +400,9 @@ def test_output_suffix_that_names_no_format_is_refused(tiny_vae, latents_file, t
 
 @pytest.mark.parametrize(("name", "fmt"), [("x.mp4", "pt"), ("x.pt", "mp4"), ("x.mp4", "png")])
 def test_output_suffix_and_format_that_disagree_are_refused(tiny_vae, latents_file, tmp_path, name, fmt):
-    proc = _pan2("decode", latents_file((48, 1, 2, 2)), "-o", tmp_path / name, "--format", fmt, "--vae", tiny_vae)
+    proc = _pan2(
+        "decode", latents_file((48, 1, 2, 2)), "-o", tmp_path / name, "--format", fmt, "--vae", tiny_vae
+    )
     assert proc.returncode == 2
     assert proc.stderr.startswith("Error: ") and f"--format is {fmt}" in proc.stderr
     assert _frames_on_disk(tmp_path) == ["latents.pt"]
@@ -368,7 +413,9 @@ def test_output_suffix_chooses_the_format(tiny_vae, latents_file, tmp_path):
     proc = _pan2("decode", path, "-o", tmp_path / "x.PT", "--vae", tiny_vae, "--device", "cpu")
     assert proc.returncode == 0, proc.stderr
     assert torch.load(tmp_path / "x.PT", weights_only=True).shape == (5, 32, 32, 3)
-    proc = _pan2("decode", path, "-o", tmp_path / "frames", "--format", "png", "--vae", tiny_vae, "--device", "cpu")
+    proc = _pan2(
+        "decode", path, "-o", tmp_path / "frames", "--format", "png", "--vae", tiny_vae, "--device", "cpu"
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(tmp_path / "frames")
     assert len(_frames_on_disk(tmp_path / "frames")) == 5
@@ -388,7 +435,18 @@ def test_trailing_slash_names_a_folder_that_must_exist(tiny_vae, latents_file, t
 
 def test_png_frames_go_to_the_folder_named_with_a_slash(tiny_vae, latents_file, tmp_path):
     path = latents_file((48, 1, 2, 2))
-    args = ("decode", path, "--format", "png", "-o", f"{tmp_path / 'frames'}/", "--vae", tiny_vae, "--device", "cpu")
+    args = (
+        "decode",
+        path,
+        "--format",
+        "png",
+        "-o",
+        f"{tmp_path / 'frames'}/",
+        "--vae",
+        tiny_vae,
+        "--device",
+        "cpu",
+    )
     proc = _pan2(*args)
     assert proc.returncode == 0, proc.stderr
     assert _frames_on_disk(tmp_path / "frames") == ["frame_00000.png"]
@@ -438,7 +496,9 @@ def test_a_batch_into_one_name_writes_numbered_files(tiny_vae, latents_file, tmp
 
 def test_bf16_on_the_cpu_warns_and_runs(run_cli, tiny_vae, latents_file, tmp_path):
     path = latents_file((48, 1, 2, 2))
-    result = run_cli("decode", path, "--vae", tiny_vae, "--device", "cpu", "--dtype", "bf16", "-o", tmp_path / "bf16.mp4")
+    result = run_cli(
+        "decode", path, "--vae", tiny_vae, "--device", "cpu", "--dtype", "bf16", "-o", tmp_path / "bf16.mp4"
+    )
     assert result.exit_code == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("Warning:")]
     assert len(warnings) == 1 and "slower" in warnings[0] and "--dtype fp32" in warnings[0]
@@ -460,8 +520,22 @@ def test_a_decode_imports_nothing_heavy(tiny_vae, latents_file, tmp_path):
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(_REPORT_HEAVY_MODULES)
     report = tmp_path / "modules.txt"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), str(REPO)]), "PAN2_TEST_MODULES": str(report)}
-    command = [sys.executable, "-m", "pan2cli", "decode", str(latents_file((48, 2, 2, 3))), "--vae", str(tiny_vae), "-o", str(tmp_path / "v.mp4")]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(hook), str(REPO)]),
+        "PAN2_TEST_MODULES": str(report),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "pan2cli",
+        "decode",
+        str(latents_file((48, 2, 2, 3))),
+        "--vae",
+        str(tiny_vae),
+        "-o",
+        str(tmp_path / "v.mp4"),
+    ]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert report.read_text() == ""
@@ -472,7 +546,9 @@ def test_x264_preset_reaches_the_encoder(run_cli, tiny_vae, latents_file, tmp_pa
     latents = latents_file((48, 3, 2, 3))
     sizes = {}
     for preset in ("ultrafast", "veryslow"):
-        result = run_cli("decode", latents, "--vae", tiny_vae, "-o", tmp_path / f"{preset}.mp4", "--x264-preset", preset)
+        result = run_cli(
+            "decode", latents, "--vae", tiny_vae, "-o", tmp_path / f"{preset}.mp4", "--x264-preset", preset
+        )
         assert result.exit_code == 0, result.stderr
         sizes[preset] = (tmp_path / f"{preset}.mp4").read_bytes()
     assert sizes["ultrafast"] != sizes["veryslow"]
@@ -488,7 +564,9 @@ def _mp4_frames(path: Path) -> tuple[torch.Tensor, float]:
     """The frames of an MP4 (uint8 [F, H, W, 3]) and the frame rate its container states."""
     reader = imageio.get_reader(path, "ffmpeg")
     try:
-        frames = torch.from_numpy(np.stack(list(reader.iter_data())))  # iter_data: len(reader) is inf for a stream
+        frames = torch.from_numpy(
+            np.stack(list(reader.iter_data()))
+        )  # iter_data: len(reader) is inf for a stream
         return frames, reader.get_meta_data()["fps"]
     finally:
         reader.close()
@@ -497,12 +575,17 @@ def _mp4_frames(path: Path) -> tuple[torch.Tensor, float]:
 @pytest.mark.parametrize(
     ("chunk", "chunks"),
     [
-        (1, [1, 4, 4, 4, 4]),  # 5 latent frames: the first alone (1 video frame), then 4 video frames per latent frame
+        (
+            1,
+            [1, 4, 4, 4, 4],
+        ),  # 5 latent frames: the first alone (1 video frame), then 4 video frames per latent frame
         (3, [1, 12, 4]),
         (None, [1, 16]),  # the default, 4
     ],
 )
-def test_chunk_latent_frames_sets_the_decoder_passes(run_cli, tiny_vae, latents_file, tmp_path, monkeypatch, chunk, chunks):
+def test_chunk_latent_frames_sets_the_decoder_passes(
+    run_cli, tiny_vae, latents_file, tmp_path, monkeypatch, chunk, chunks
+):
     """Issue 18: `--chunk-latent-frames` reaches the decoder (the bug: the CLI not passing the value on, so
     every decode ran in chunks of 4). The frames are the same whatever the chunk size (the design), so the
     visible effect is the decoder passes: each hands the writer its frames in one piece."""
@@ -558,7 +641,10 @@ def test_mp4_holds_the_frames_of_the_decode_in_order(run_cli, tiny_vae, latents_
     luma, expected = _luma(video), _luma(reference)
     for i in range(len(video)):
         own = _psnr_db(luma[i], expected[i])
-        assert own >= 30, (i, own)  # measured 34.0-36.4 dB at the default --crf 17; a neighbour frame: 14.0-15.1 dB
+        assert own >= 30, (
+            i,
+            own,
+        )  # measured 34.0-36.4 dB at the default --crf 17; a neighbour frame: 14.0-15.1 dB
         for j in (i - 1, i + 1):
             if 0 <= j < len(video):
                 assert own > _psnr_db(luma[i], expected[j]), (i, j)

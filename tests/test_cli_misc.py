@@ -17,7 +17,6 @@ import pan2cli
 from pan2cli.cli import cli
 from pan2cli.presets import load_preset
 
-
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -50,7 +49,12 @@ def test_help_lists_commands_and_exit_codes(run_cli):
 
 def test_every_decode_option_is_documented_with_examples(run_cli):
     text = run_cli("decode", "--help").stdout
-    options = [opt for param in cli.commands["decode"].params for opt in getattr(param, "opts", []) if opt.startswith("--")]
+    options = [
+        opt
+        for param in cli.commands["decode"].params
+        for opt in getattr(param, "opts", [])
+        if opt.startswith("--")
+    ]
     assert len(options) >= 12
     for option in options:
         assert re.search(rf"{option}\b", text), option
@@ -80,7 +84,9 @@ except SystemExit as exc:
 def test_help_and_version_do_not_import_torch():
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for args in [["--version"], *([*path[1:], "--help"] for path, _ in _commands())]:
-        proc = subprocess.run([sys.executable, "-c", _HELP_WITHOUT_TORCH, *args], capture_output=True, text=True, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-c", _HELP_WITHOUT_TORCH, *args], capture_output=True, text=True, env=env
+        )
         assert proc.stderr.splitlines()[-1] == "exit 0 False", (args, proc.stderr)
         assert proc.stdout.startswith("pan2 " if args == ["--version"] else "Usage: pan2"), args
 
@@ -143,7 +149,7 @@ def test_presets_list_and_show(run_cli):
     assert shown.exit_code == 0
     values = json.loads(shown.stdout)
     assert values["frames"] == 121 and values["latent_shape"] == [1, 48, 31, 44, 78]
-    assert 'frames = 241' in run_cli("presets", "show", "pan2-10s").stdout
+    assert "frames = 241" in run_cli("presets", "show", "pan2-10s").stdout
 
 
 def test_presets_show_prints_a_preset_that_loads_back(run_cli, tmp_path):
@@ -167,7 +173,9 @@ def test_unknown_preset_exits_2(run_cli):
 def _pan2_without_a_gpu(*args, env=None) -> subprocess.CompletedProcess:
     """`python -m pan2cli ARGS` with every GPU hidden (CUDA_VISIBLE_DEVICES=""): the no-GPU behaviour on any host."""
     environment = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "pan2cli", *map(str, args)], capture_output=True, text=True, env=environment)
+    return subprocess.run(
+        [sys.executable, "-m", "pan2cli", *map(str, args)], capture_output=True, text=True, env=environment
+    )
 
 
 def test_doctor_reports_the_machine(run_cli):
@@ -190,7 +198,16 @@ def test_doctor_without_a_gpu_names_the_reference_decoder():
 
 
 def test_decode_kernel_require_without_a_gpu_is_refused(run_cli, tiny_vae, latents_file, tmp_path):
-    result = run_cli("decode", latents_file((48, 1, 2, 2)), "--vae", tiny_vae, "--device", "cpu", "--decode-kernel", "require")
+    result = run_cli(
+        "decode",
+        latents_file((48, 1, 2, 2)),
+        "--vae",
+        tiny_vae,
+        "--device",
+        "cpu",
+        "--decode-kernel",
+        "require",
+    )
     assert result.exit_code == 2
     assert "Error: --decode-kernel require: the decode runs on cpu" in result.stderr
     assert not (tmp_path / "latents.mp4").exists()
@@ -239,7 +256,9 @@ def test_progress_bar_shows_the_rate_and_the_first_item(monkeypatch):
     from pan2cli.cli import _output
 
     screen = io.StringIO()
-    monkeypatch.setattr(_output, "stderr", Console(file=screen, force_terminal=True, color_system=None, width=200))
+    monkeypatch.setattr(
+        _output, "stderr", Console(file=screen, force_terminal=True, color_system=None, width=200)
+    )
     monkeypatch.setattr(_output.sys.stderr, "isatty", lambda: True)
     with _output.progress_bar("Decoding x.pt", total=9, unit="frames", first="first frame") as advance:
         advance(1)

@@ -10,17 +10,26 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
+from safetensors.torch import (  # bound before `no_tensor_reads` replaces safetensors' readers
+    load_file,
+    save_file,
+)
 
 import pan2cli.hub
-import torch
-from safetensors.torch import load_file, save_file  # bound before `no_tensor_reads` replaces safetensors' readers
-
 from pan2cli.dit.checkpoint import save_pan2_transformer
 from pan2cli.dit.model import PAN2Transformer3DModel
 from pan2cli.errors import CheckpointError, DownloadError, InputError
 from pan2cli.pipeline.components import resolve_components
 
-TINY = dict(num_attention_heads=2, attention_head_dim=16, rope_axes_dim=(4, 6, 6), num_layers=1, num_refiner_layers=1, text_embed_dim=32)
+TINY = dict(
+    num_attention_heads=2,
+    attention_head_dim=16,
+    rope_axes_dim=(4, 6, 6),
+    num_layers=1,
+    num_refiner_layers=1,
+    text_embed_dim=32,
+)
 REPO = "IFM/PAN2"
 SHA = "0123456789abcdef0123456789abcdef01234567"
 OTHER_SHA = "fedcba9876543210fedcba9876543210fedcba98"
@@ -40,21 +49,43 @@ def _write_json(path: Path, data) -> None:
 
 def _spec(name: str, repo: str | None = REPO, subfolder: str | None = None) -> list:
     library, class_name = CLASSES[name]
-    spec = {"type_hint": [library, class_name], "pretrained_model_name_or_path": repo, "subfolder": subfolder or name, "variant": None, "revision": None}
+    spec = {
+        "type_hint": [library, class_name],
+        "pretrained_model_name_or_path": repo,
+        "subfolder": subfolder or name,
+        "variant": None,
+        "revision": None,
+    }
     return [library, class_name, spec]
 
 
 def _modular_index(**specs) -> dict:
-    index = {"_class_name": "PAN2ModularPipeline", "_diffusers_version": "0.37.0", "_blocks_class_name": "PAN2AutoBlocks"}
+    index = {
+        "_class_name": "PAN2ModularPipeline",
+        "_diffusers_version": "0.37.0",
+        "_blocks_class_name": "PAN2AutoBlocks",
+    }
     index.update({name: _spec(name) for name in CLASSES})
     index.update(specs)
     return index
 
 
 def _write_text_encoder(folder: Path, hidden_size: int = 32) -> None:
-    _write_json(folder / "config.json", {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text", "hidden_size": hidden_size}})
-    save_file({"model.language_model.norm.weight": torch.ones(hidden_size)}, str(folder / "model-00001-of-00001.safetensors"))
-    _write_json(folder / "model.safetensors.index.json", {"metadata": {}, "weight_map": {"model.language_model.norm.weight": "model-00001-of-00001.safetensors"}})
+    _write_json(
+        folder / "config.json",
+        {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text", "hidden_size": hidden_size}},
+    )
+    save_file(
+        {"model.language_model.norm.weight": torch.ones(hidden_size)},
+        str(folder / "model-00001-of-00001.safetensors"),
+    )
+    _write_json(
+        folder / "model.safetensors.index.json",
+        {
+            "metadata": {},
+            "weight_map": {"model.language_model.norm.weight": "model-00001-of-00001.safetensors"},
+        },
+    )
 
 
 def _write_release(root: Path) -> Path:
@@ -62,18 +93,27 @@ def _write_release(root: Path) -> Path:
     from pan2cli.vae.config import WanVAEConfig
     from pan2cli.vae.random_weights import write_test_checkpoints
 
-    with torch.random.fork_rng(devices=[]):  # the initialisation's weights, seeded, without touching the caller's RNG
+    with torch.random.fork_rng(
+        devices=[]
+    ):  # the initialisation's weights, seeded, without touching the caller's RNG
         torch.manual_seed(0)
         transformer = PAN2Transformer3DModel(**TINY)
     save_pan2_transformer(transformer, root / "transformer", max_shard_bytes=100_000)
     _write_text_encoder(root / "text_encoder")
     _write_json(root / "tokenizer" / "tokenizer.json", {"version": "1.0"})
     _write_json(root / "tokenizer" / "tokenizer_config.json", {"tokenizer_class": "Qwen2Tokenizer"})
-    (root / "tokenizer" / "chat_template.jinja").write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
-    vae = write_test_checkpoints(root / "_vae", WanVAEConfig(base_dim=16, decoder_base_dim=16), seed=0, formats=("diffusers",))["diffusers"]
+    (root / "tokenizer" / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    )
+    vae = write_test_checkpoints(
+        root / "_vae", WanVAEConfig(base_dim=16, decoder_base_dim=16), seed=0, formats=("diffusers",)
+    )["diffusers"]
     shutil.move(str(vae), root / "vae")
     shutil.rmtree(root / "_vae")
-    _write_json(root / "scheduler" / "scheduler_config.json", {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0})
+    _write_json(
+        root / "scheduler" / "scheduler_config.json",
+        {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0},
+    )
     _write_json(root / "modular_model_index.json", _modular_index())
     return root
 
@@ -141,7 +181,10 @@ def test_release_layout_accepted_without_reading_tensors(release, no_tensor_read
     for name in ("transformer", "text_encoder", "tokenizer", "vae", "scheduler"):
         assert components.folder(name) == release.resolve() / name
     assert components.num_train_timesteps == 1000 and components.scheduler_shift == 3.0
-    assert components.transformer_arguments["num_layers"] == 1 and components.transformer_arguments["text_embed_dim"] == 32
+    assert (
+        components.transformer_arguments["num_layers"] == 1
+        and components.transformer_arguments["text_embed_dim"] == 32
+    )
     assert no_tensor_reads == []
 
 
@@ -155,7 +198,10 @@ def test_folder_without_index_or_scheduler_accepted(release):
 
 def test_index_subfolders_are_followed(release):
     (release / "transformer").rename(release / "dit")
-    _write_json(release / "modular_model_index.json", _modular_index(transformer=_spec("transformer", subfolder="dit")))
+    _write_json(
+        release / "modular_model_index.json",
+        _modular_index(transformer=_spec("transformer", subfolder="dit")),
+    )
     assert resolve_components(release).folder("transformer") == release.resolve() / "dit"
 
 
@@ -165,11 +211,15 @@ def test_snapshot_folder_in_the_hub_cache_records_its_commit(release_template, t
 
 
 @pytest.mark.parametrize(
-    ("index_name", "class_name"), [("modular_model_index.json", "WanModularPipeline"), ("model_index.json", "WanPipeline")]
+    ("index_name", "class_name"),
+    [("modular_model_index.json", "WanModularPipeline"), ("model_index.json", "WanPipeline")],
 )
 def test_index_of_another_pipeline_refused(release, index_name, class_name):
     (release / "modular_model_index.json").unlink()
-    _write_json(release / index_name, {"_class_name": class_name, "transformer": ["diffusers", "WanTransformer3DModel"]})
+    _write_json(
+        release / index_name,
+        {"_class_name": class_name, "transformer": ["diffusers", "WanTransformer3DModel"]},
+    )
     with pytest.raises(CheckpointError, match=f"describes a {class_name}, not a PAN 2 pipeline") as info:
         resolve_components(release)
     assert info.value.exit_code == 2
@@ -180,20 +230,33 @@ def test_missing_component_folder_named(release):
     shutil.rmtree(release / "tokenizer")
     with pytest.raises(CheckpointError, match=r"has no tokenizer/, vae/ \(a PAN 2 checkpoint needs") as info:
         resolve_components(release)
-    assert info.value.hint == "its index takes them from IFM/PAN2: pass --model IFM/PAN2 to fetch from the hub"  # no download
+    assert (
+        info.value.hint == "its index takes them from IFM/PAN2: pass --model IFM/PAN2 to fetch from the hub"
+    )  # no download
 
 
 def test_transformer_config_of_another_model_refused(release, no_tensor_reads):
-    config = {"_class_name": "WanTransformer3DModel", "_diffusers_version": "0.35.0", "num_layers": 30, "in_channels": 48}
+    config = {
+        "_class_name": "WanTransformer3DModel",
+        "_diffusers_version": "0.35.0",
+        "num_layers": 30,
+        "in_channels": 48,
+    }
     _write_json(release / "transformer" / "config.json", config)
-    with pytest.raises(CheckpointError, match="describes a WanTransformer3DModel, not a PAN2Transformer3DModel"):
+    with pytest.raises(
+        CheckpointError, match="describes a WanTransformer3DModel, not a PAN2Transformer3DModel"
+    ):
         resolve_components(release)
 
 
 def test_unknown_transformer_config_keys_named(release, no_tensor_reads):
     config = json.loads((release / "transformer" / "config.json").read_text())
-    _write_json(release / "transformer" / "config.json", {**config, "qk_norm": "rms_norm", "guidance_embeds": False})
-    with pytest.raises(CheckpointError, match="not PAN2Transformer3DModel config keys: guidance_embeds, qk_norm"):
+    _write_json(
+        release / "transformer" / "config.json", {**config, "qk_norm": "rms_norm", "guidance_embeds": False}
+    )
+    with pytest.raises(
+        CheckpointError, match="not PAN2Transformer3DModel config keys: guidance_embeds, qk_norm"
+    ):
         resolve_components(release)
 
 
@@ -235,7 +298,9 @@ def test_tokenizer_without_chat_template_named(release):
 def test_text_encoder_of_another_width_named(release):
     shutil.rmtree(release / "text_encoder")
     _write_text_encoder(release / "text_encoder", hidden_size=48)
-    with pytest.raises(CheckpointError, match="has hidden_size 48, but the transformer's text_embed_dim is 32"):
+    with pytest.raises(
+        CheckpointError, match="has hidden_size 48, but the transformer's text_embed_dim is 32"
+    ):
         resolve_components(release)
 
 
@@ -287,7 +352,9 @@ class FakeHub:
         from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
         http = _hub_http_client()
-        response = http.Response(404, request=http.Request("GET", f"https://huggingface.co/api/models/{repo_id}"))
+        response = http.Response(
+            404, request=http.Request("GET", f"https://huggingface.co/api/models/{repo_id}")
+        )
         if repo_id not in self.repos:
             raise RepositoryNotFoundError(f"404: {repo_id}", response=response)
         folder, sha = self.repos[repo_id]
@@ -318,14 +385,20 @@ class FakeHub:
         self.calls.append(("header", repo_id, filename, revision))
         path = self._repo(repo_id, revision)[0] / filename
         with safe_open(str(path), framework="pt") as handle:
-            tensors = {key: SimpleNamespace(shape=list(handle.get_slice(key).get_shape())) for key in handle.keys()}
+            tensors = {
+                key: SimpleNamespace(shape=list(handle.get_slice(key).get_shape())) for key in handle.keys()
+            }
         return SimpleNamespace(tensors=tensors)
 
     def kinds(self) -> list[str]:
         return [call[0] for call in self.calls]
 
     def weight_calls(self) -> list[tuple]:
-        return [call for call in self.calls if call[0] == "snapshot" and any(p.endswith(".safetensors") for p in call[3])]
+        return [
+            call
+            for call in self.calls
+            if call[0] == "snapshot" and any(p.endswith(".safetensors") for p in call[3])
+        ]
 
 
 @pytest.fixture
@@ -345,7 +418,9 @@ def fake_hub(monkeypatch, tmp_path):
 
 
 def _expected_weights(release: Path) -> list[str]:
-    index = json.loads((release / "transformer" / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    index = json.loads(
+        (release / "transformer" / "diffusion_pytorch_model.safetensors.index.json").read_text()
+    )
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) >= 2  # the fixture is sharded
     return sorted([
@@ -364,10 +439,16 @@ def test_hub_checks_small_files_and_headers_before_one_weight_download(release, 
     assert set(kinds[3:-1]) == {"header"}
     assert hub.calls[0] == ("snapshot", REPO, "main", ("modular_model_index.json", "model_index.json"))
     small = hub.calls[1][3]
-    assert hub.calls[1][2] == SHA and "transformer/*.json" in small and not any(p.endswith(".safetensors") for p in small)
+    assert (
+        hub.calls[1][2] == SHA
+        and "transformer/*.json" in small
+        and not any(p.endswith(".safetensors") for p in small)
+    )
     headers = sorted(call[2] for call in hub.calls if call[0] == "header")
     weights = _expected_weights(release)
-    assert headers == sorted(w for w in weights if w.startswith(("transformer/diffusion_pytorch_model-", "vae/")))
+    assert headers == sorted(
+        w for w in weights if w.startswith(("transformer/diffusion_pytorch_model-", "vae/"))
+    )
     assert all(call[3] == SHA for call in hub.calls if call[0] == "header")
     assert hub.weight_calls() == [("snapshot", REPO, SHA, tuple(weights))]
     assert components.model_id == REPO and components.revision == SHA
@@ -382,7 +463,9 @@ def test_hub_wrong_tensors_fail_before_the_weight_download(release, fake_hub):
     state["transformer_blocks.0.ff.net.2.weight"] = torch.zeros(32, 64)
     save_file(state, str(release / "transformer" / "diffusion_pytorch_model.safetensors"))
     hub = fake_hub({REPO: (release, SHA)})
-    with pytest.raises(CheckpointError, match=r"wrong shapes: transformer_blocks\.0\.ff\.net\.2\.weight \[32, 64\]") as info:
+    with pytest.raises(
+        CheckpointError, match=r"wrong shapes: transformer_blocks\.0\.ff\.net\.2\.weight \[32, 64\]"
+    ) as info:
         resolve_components(REPO)
     assert f"{REPO}@{SHA[:12]}:transformer" in str(info.value)
     assert ("header", REPO, "transformer/diffusion_pytorch_model.safetensors", SHA) in hub.calls
@@ -390,7 +473,9 @@ def test_hub_wrong_tensors_fail_before_the_weight_download(release, fake_hub):
 
 
 def test_hub_transformer_of_another_model_fails_before_any_header(release, fake_hub):
-    _write_json(release / "transformer" / "config.json", {"_class_name": "WanTransformer3DModel", "num_layers": 30})
+    _write_json(
+        release / "transformer" / "config.json", {"_class_name": "WanTransformer3DModel", "num_layers": 30}
+    )
     hub = fake_hub({REPO: (release, SHA)})
     with pytest.raises(CheckpointError, match="describes a WanTransformer3DModel"):
         resolve_components(REPO)
@@ -417,17 +502,30 @@ def test_hub_component_in_another_repo_is_fetched_from_it(release, tmp_path, fak
     other = tmp_path / "other"
     other.mkdir()
     shutil.move(str(release / "text_encoder"), other / "encoder")
-    _write_json(release / "modular_model_index.json", _modular_index(text_encoder=_spec("text_encoder", "Qwen/Qwen3.5-9B", "encoder")))
+    _write_json(
+        release / "modular_model_index.json",
+        _modular_index(text_encoder=_spec("text_encoder", "Qwen/Qwen3.5-9B", "encoder")),
+    )
     hub = fake_hub({REPO: (release, SHA), "Qwen/Qwen3.5-9B": (other, OTHER_SHA)})
     components = resolve_components(REPO)
-    assert components.folder("text_encoder") == hub.cache / "models--Qwen--Qwen3.5-9B" / "snapshots" / OTHER_SHA / "encoder"
+    assert (
+        components.folder("text_encoder")
+        == hub.cache / "models--Qwen--Qwen3.5-9B" / "snapshots" / OTHER_SHA / "encoder"
+    )
     assert [call[1] for call in hub.weight_calls()] == [REPO, "Qwen/Qwen3.5-9B"]
-    assert hub.weight_calls()[1][3] == ("encoder/model-00001-of-00001.safetensors", "encoder/model.safetensors.index.json")
-    assert components.revision == SHA and components.sources["text_encoder"] == f"Qwen/Qwen3.5-9B@{OTHER_SHA[:12]}:encoder"
+    assert hub.weight_calls()[1][3] == (
+        "encoder/model-00001-of-00001.safetensors",
+        "encoder/model.safetensors.index.json",
+    )
+    assert (
+        components.revision == SHA
+        and components.sources["text_encoder"] == f"Qwen/Qwen3.5-9B@{OTHER_SHA[:12]}:encoder"
+    )
 
 
 def test_hub_offline_takes_the_cache_and_checks_the_cached_files(release, fake_hub, monkeypatch):
     from huggingface_hub import constants
+
     state = _single_file_transformer(release / "transformer")
     state["extra.weight"] = torch.zeros(1)
     save_file(state, str(release / "transformer" / "diffusion_pytorch_model.safetensors"))
@@ -436,7 +534,10 @@ def test_hub_offline_takes_the_cache_and_checks_the_cached_files(release, fake_h
     with pytest.raises(CheckpointError, match=r"unexpected keys: extra\.weight"):
         resolve_components(REPO)
     assert "list" not in hub.kinds() and "header" not in hub.kinds()
-    assert len(hub.weight_calls()) == 1 and "transformer/diffusion_pytorch_model.safetensors" in hub.weight_calls()[0][3]
+    assert (
+        len(hub.weight_calls()) == 1
+        and "transformer/diffusion_pytorch_model.safetensors" in hub.weight_calls()[0][3]
+    )
 
 
 def test_hub_offline_good_cache_records_the_cached_commit(release, fake_hub, monkeypatch):
@@ -483,7 +584,10 @@ def test_real_huggingface_hub_offline_reads_a_cached_snapshot(release_template, 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # what users set; some 1.x versions read the variable itself
     components = resolve_components(REPO)
-    assert components.revision == SHA and components.folder("tokenizer") == repo / "snapshots" / SHA / "tokenizer"
+    assert (
+        components.revision == SHA
+        and components.folder("tokenizer") == repo / "snapshots" / SHA / "tokenizer"
+    )
     with pytest.raises(DownloadError, match="no copy is cached"):
         resolve_components("IFM/Other")
 
@@ -514,7 +618,22 @@ def test_generate_refuses_a_wrong_checkpoint_in_one_line(release, run_cli, tmp_p
         state["proj_out.weight"] = torch.zeros(8, 32)
         save_file(state, str(release / "transformer" / "diffusion_pytorch_model.safetensors"))
     out = tmp_path / "x.mp4"
-    res = run_cli("generate", "a cat", "--model", release, "--device", "cpu", "--steps", 2, "--frames", 5, "--size", "64x96", "-o", out)
+    res = run_cli(
+        "generate",
+        "a cat",
+        "--model",
+        release,
+        "--device",
+        "cpu",
+        "--steps",
+        2,
+        "--frames",
+        5,
+        "--size",
+        "64x96",
+        "-o",
+        out,
+    )
     assert res.exit_code == 2, res.stderr
     first = res.stderr.splitlines()[0]
     assert first.startswith("Error: ") and named in first, res.stderr

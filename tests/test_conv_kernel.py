@@ -38,7 +38,9 @@ def _inputs(shape, c_out, kernel, seed=0, bias=False):
 def _reference(x, w, b, pad_w):
     """fp32 conv of the same bf16 values, channels-last out, rounded once to bf16."""
     if x.dim() == 5:
-        out = F.conv3d(x.float().permute(0, 4, 1, 2, 3), w.float(), b, padding=(0, 0, pad_w)).permute(0, 2, 3, 4, 1)
+        out = F.conv3d(x.float().permute(0, 4, 1, 2, 3), w.float(), b, padding=(0, 0, pad_w)).permute(
+            0, 2, 3, 4, 1
+        )
     else:
         out = F.conv2d(x.float().permute(0, 3, 1, 2), w.float(), b, padding=(0, pad_w)).permute(0, 2, 3, 1)
     return out.to(torch.bfloat16)

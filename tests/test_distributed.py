@@ -23,7 +23,9 @@ SMALL = WanVAEConfig(base_dim=16, decoder_base_dim=16)
 def _decoder() -> WanVAEDecoder:
     """The reduced-width decoder in float64 with random weights (γ and biases perturbed), the same in every process."""
     decoder = WanVAEDecoder(SMALL).double()
-    decoder.load_state_dict(random_vae_state_dict(SMALL, seed=3, dtype=torch.float64, encoder=False), strict=True)
+    decoder.load_state_dict(
+        random_vae_state_dict(SMALL, seed=3, dtype=torch.float64, encoder=False), strict=True
+    )
     return decoder.eval()
 
 
@@ -39,7 +41,10 @@ def _split_decode(rank: int, world: int, init_file: str, shape, chunk: int, out_
         decoder = _decoder()
         rows = row_split_for(decoder.config, shape[-2])
         assert rows is not None and rows.sizes == split_rows(shape[-2], world)
-        chunks = [rows.gather_rows(video, dim=3) for video in decoder.decode_chunks(_latents(shape), chunk, rows=rows)]
+        chunks = [
+            rows.gather_rows(video, dim=3)
+            for video in decoder.decode_chunks(_latents(shape), chunk, rows=rows)
+        ]
         torch.save(torch.cat(chunks, dim=2), f"{out_prefix}{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -58,7 +63,9 @@ def _split_decode(rank: int, world: int, init_file: str, shape, chunk: int, out_
 def test_split_decode_equals_one_process_float64(tmp_path, world, shape, chunk):
     expected = _decoder().decode(_latents(shape), chunk)
     prefix = str(tmp_path / "rank")
-    mp.spawn(_split_decode, args=(world, str(tmp_path / "init"), shape, chunk, prefix), nprocs=world, join=True)
+    mp.spawn(
+        _split_decode, args=(world, str(tmp_path / "init"), shape, chunk, prefix), nprocs=world, join=True
+    )
     for rank in range(world):
         got = torch.load(f"{prefix}{rank}.pt", weights_only=True)
         assert got.shape == expected.shape
@@ -180,7 +187,9 @@ def test_torchrun_environment_is_detected(monkeypatch):
 
 def test_a_failing_launcher_is_one_error_line(run_cli, tiny_vae, latents_file, monkeypatch):
     def agent_fails(config):
-        raise RuntimeError("The server socket has failed to listen on any local network address.\nmore detail")
+        raise RuntimeError(
+            "The server socket has failed to listen on any local network address.\nmore detail"
+        )
 
     monkeypatch.setattr("torch.distributed.run.run", agent_fails)
     # launch() sets these for its workers: monkeypatch puts them back afterwards

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pan2cli.launch import _EXIT_PEER_LOST
 from pan2cli.errors import EXIT_INTERRUPTED
+from pan2cli.launch import _EXIT_PEER_LOST
 
 REPO = Path(__file__).resolve().parents[1]
 
 # Loaded by every process through PYTHONPATH: makes one rank fail (or hang) after its first chunk.
-_FAILING_RANK = '''
+_FAILING_RANK = """
 import os
 if os.environ.get("RANK") == os.environ.get("PAN2_TEST_FAIL_RANK"):
     import pan2cli.vae.model as model
@@ -33,13 +33,13 @@ if os.environ.get("RANK") == os.environ.get("PAN2_TEST_FAIL_RANK"):
         raise __import__("torch").OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     model.WanVAEDecoder.decode_chunks = decode_chunks
-'''
+"""
 
 # Loaded by every process through PYTHONPATH: each rank writes its pid to PIDS/rank<r>; after the first
 # chunk the victim waits to be killed while the other rank goes on into a collective ("collective"),
 # sleeps ("sleep": torchrun's SIGTERM ends it), or waits where no signal handler can run ("stuck",
 # as a rank inside an NCCL wait does).
-_RANK_TO_KILL = '''
+_RANK_TO_KILL = """
 import os
 if "RANK" in os.environ and os.environ.get("PAN2_TEST_PIDS"):
     with open(os.path.join(os.environ["PAN2_TEST_PIDS"], "rank" + os.environ["RANK"]), "w") as f:
@@ -64,14 +64,14 @@ if "RANK" in os.environ and os.environ.get("PAN2_TEST_PIDS"):
     # Both decode paths: the reference (CPU) and the compiled kernel (the default on a GPU).
     for cls in (WanVAEDecoder, WanKernelDecoder):
         cls.decode_uint8_chunks = stopping_after_the_first(cls.decode_uint8_chunks)
-'''
+"""
 
 
 # Loaded by every rank through PYTHONPATH, after one of the hooks above: each rank also writes the exit
 # code it chose itself (`record_exit`: its own error, a quiet exit after a peer's failure, or the end it
 # gives itself after torchrun's SIGTERM) to PAN2_TEST_EXITS/exit<r>. A rank that torchrun had to SIGKILL
 # (30 s after a SIGTERM it did not act on) never chose a code and leaves no file.
-_RECORD_EXITS = '''
+_RECORD_EXITS = """
 import os
 if "RANK" in os.environ and os.environ.get("PAN2_TEST_EXITS"):
     import pan2cli.launch as launch
@@ -83,7 +83,7 @@ if "RANK" in os.environ and os.environ.get("PAN2_TEST_EXITS"):
         return real_record_exit(code)
 
     launch.record_exit = record_exit
-'''
+"""
 
 
 def _chosen_exit(folder: Path, rank: str) -> str | None:
@@ -100,7 +100,13 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 def _python(*args, env, cwd, **kwargs):
     return subprocess.run(
-        [sys.executable, *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd, timeout=120, **kwargs
+        [sys.executable, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=120,
+        **kwargs,
     )
 
 
@@ -115,9 +121,37 @@ def latents(latents_file):
 
 def test_gpus_on_cpu_writes_the_frames_of_one_process(tiny_vae, latents, tmp_path):
     env = _env(tmp_path)
-    one = _python("-m", "pan2cli", "decode", latents, "--vae", tiny_vae, "--device", "cpu", "-o", "one.pt", env=env, cwd=tmp_path)
+    one = _python(
+        "-m",
+        "pan2cli",
+        "decode",
+        latents,
+        "--vae",
+        tiny_vae,
+        "--device",
+        "cpu",
+        "-o",
+        "one.pt",
+        env=env,
+        cwd=tmp_path,
+    )
     assert one.returncode == 0, one.stderr
-    two = _python("-m", "pan2cli", "decode", latents, "--vae", tiny_vae, "--device", "cpu", "--gpus", "2", "-o", "two.pt", env=env, cwd=tmp_path)
+    two = _python(
+        "-m",
+        "pan2cli",
+        "decode",
+        latents,
+        "--vae",
+        tiny_vae,
+        "--device",
+        "cpu",
+        "--gpus",
+        "2",
+        "-o",
+        "two.pt",
+        env=env,
+        cwd=tmp_path,
+    )
     assert two.returncode == 0, two.stderr
     assert two.stdout.strip() == "two.pt"  # rank 0 alone prints the path and the summary
     assert two.stderr.count("9 frames, 48x80") == 1
@@ -152,8 +186,25 @@ def test_bad_input_under_gpus_exits_2_with_one_error_line(tiny_vae, tmp_path, ki
     if kind == "bad_latents":
         path.write_text("not a tensor\n")
     else:
-        torch.save(torch.randn(48, 2, 1, 3, generator=torch.Generator().manual_seed(0)), path)  # one latent row for two ranks
-    proc = _python("-m", "pan2cli", "decode", path, "--vae", tiny_vae, "--device", "cpu", "--gpus", "2", "-o", "out.pt", env=_env(tmp_path), cwd=tmp_path)
+        torch.save(
+            torch.randn(48, 2, 1, 3, generator=torch.Generator().manual_seed(0)), path
+        )  # one latent row for two ranks
+    proc = _python(
+        "-m",
+        "pan2cli",
+        "decode",
+        path,
+        "--vae",
+        tiny_vae,
+        "--device",
+        "cpu",
+        "--gpus",
+        "2",
+        "-o",
+        "out.pt",
+        env=_env(tmp_path),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr
     assert len(_error_lines(proc.stderr)) == 1, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -175,7 +226,22 @@ def test_one_rank_failing_stops_all_with_its_code(tiny_vae, latents, tmp_path, f
     (hook / "sitecustomize.py").write_text(_FAILING_RANK + _RECORD_EXITS)
     env = _env(tmp_path, PAN2_TEST_FAIL_RANK=failing_rank, PAN2_TEST_EXITS=str(hook), PAN2_DIST_TIMEOUT="150")
     env["PYTHONPATH"] = f"{hook}{os.pathsep}{env['PYTHONPATH']}"
-    proc = _python("-m", "pan2cli", "decode", latents, "--vae", tiny_vae, "--device", "cpu", "--gpus", "2", "-o", "out.mp4", env=env, cwd=tmp_path)
+    proc = _python(
+        "-m",
+        "pan2cli",
+        "decode",
+        latents,
+        "--vae",
+        tiny_vae,
+        "--device",
+        "cpu",
+        "--gpus",
+        "2",
+        "-o",
+        "out.mp4",
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 1, proc.stderr
     assert _error_lines(proc.stderr) == [
         "Error: the GPU ran out of memory while decoding (1, 48, 3, 5, 3) latents with 4 latent frames "
@@ -193,14 +259,32 @@ def test_one_rank_failing_stops_all_with_its_code(tiny_vae, latents, tmp_path, f
     [(signal.SIGINT, 130, "Interrupted."), (signal.SIGTERM, 143, "Terminated.")],
     ids=["ctrl-c", "sigterm"],
 )
-def test_ctrl_c_stops_every_rank_and_removes_the_partial_output(tiny_vae, latents, tmp_path, signum, code, line):
+def test_ctrl_c_stops_every_rank_and_removes_the_partial_output(
+    tiny_vae, latents, tmp_path, signum, code, line
+):
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(_FAILING_RANK)
     env = _env(tmp_path, PAN2_TEST_FAIL_RANK="1", PAN2_TEST_FAIL_KIND="hang")
     env["PYTHONPATH"] = f"{hook}{os.pathsep}{env['PYTHONPATH']}"
-    cmd = [sys.executable, "-m", "pan2cli", "decode", str(latents), "--vae", str(tiny_vae), "--device", "cpu", "--gpus", "2", "-o", "out.mp4"]
-    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pan2cli",
+        "decode",
+        str(latents),
+        "--vae",
+        str(tiny_vae),
+        "--device",
+        "cpu",
+        "--gpus",
+        "2",
+        "-o",
+        "out.mp4",
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 60
     while not any(p.name.startswith(".out.mp4.partial") for p in tmp_path.iterdir()):  # rank 0 is writing
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
@@ -234,16 +318,28 @@ def test_a_rank_killed_stops_all_and_is_named(tiny_vae, latents_file, tmp_path, 
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(_RANK_TO_KILL + _RECORD_EXITS)
-    latents = latents_file((48, 3, 4, 3), seed=1)  # 2 latent rows per rank; 2 chunks with --chunk-latent-frames 2
-    env = _env(tmp_path, PAN2_TEST_PIDS=str(hook), PAN2_TEST_EXITS=str(hook), PAN2_TEST_VICTIM=victim, PAN2_TEST_SURVIVOR=survivor)
+    latents = latents_file(
+        (48, 3, 4, 3), seed=1
+    )  # 2 latent rows per rank; 2 chunks with --chunk-latent-frames 2
+    env = _env(
+        tmp_path,
+        PAN2_TEST_PIDS=str(hook),
+        PAN2_TEST_EXITS=str(hook),
+        PAN2_TEST_VICTIM=victim,
+        PAN2_TEST_SURVIVOR=survivor,
+    )
     env["PYTHONPATH"] = f"{hook}{os.pathsep}{env['PYTHONPATH']}"
     cmd = [sys.executable, "-m", "pan2cli", "decode", str(latents), "--vae", str(tiny_vae), "--device", device, "--gpus", "2",
            "--chunk-latent-frames", "2", "-o", "out.mp4"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 60
         pid_file = hook / f"rank{victim}"
-        while not (pid_file.exists() and any(p.name.startswith(".out.mp4.partial") for p in tmp_path.iterdir())):
+        while not (
+            pid_file.exists() and any(p.name.startswith(".out.mp4.partial") for p in tmp_path.iterdir())
+        ):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.1)
         time.sleep(0.5)  # the other rank reaches its next collective (or its sleep, or its stuck wait)

@@ -14,14 +14,23 @@ REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
+    ),
 ]
 
 
 def _pan2(*args, cwd) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = str(REPO)
-    return subprocess.run([sys.executable, "-m", "pan2cli", *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pan2cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=300,
+    )
 
 
 def test_two_gpus_write_the_frames_of_one_gpu(tiny_vae, latents_file, tmp_path):
@@ -39,6 +48,16 @@ def test_two_gpus_write_the_frames_of_one_gpu(tiny_vae, latents_file, tmp_path):
 
 
 def test_one_named_gpu_with_several_processes_is_bad_input(tiny_vae, latents_file, tmp_path):
-    result = _pan2("decode", latents_file((48, 1, 2, 2)), "--vae", tiny_vae, "--device", "cuda:0", "--gpus", 2, cwd=tmp_path)
+    result = _pan2(
+        "decode",
+        latents_file((48, 1, 2, 2)),
+        "--vae",
+        tiny_vae,
+        "--device",
+        "cuda:0",
+        "--gpus",
+        2,
+        cwd=tmp_path,
+    )
     assert result.returncode == 2
     assert result.stderr.startswith("Error: --device cuda:0 names one GPU")

@@ -11,7 +11,14 @@ from safetensors.torch import load_file, save_file
 from pan2cli.dit import PAN2Transformer3DModel, load_pan2_transformer, save_pan2_transformer
 from pan2cli.errors import CheckpointError, InputError
 
-TINY = dict(num_attention_heads=2, attention_head_dim=16, num_layers=2, num_refiner_layers=1, text_embed_dim=8, rope_axes_dim=(4, 6, 6))
+TINY = dict(
+    num_attention_heads=2,
+    attention_head_dim=16,
+    num_layers=2,
+    num_refiner_layers=1,
+    text_embed_dim=8,
+    rope_axes_dim=(4, 6, 6),
+)
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +26,9 @@ def model() -> PAN2Transformer3DModel:
     model = PAN2Transformer3DModel(**TINY).eval()
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for p in model.parameters():  # every parameter drawn again: the initialisation's randomness is not kept
+        for (
+            p
+        ) in model.parameters():  # every parameter drawn again: the initialisation's randomness is not kept
             p.normal_(0, 0.2, generator=g)
     return model
 
@@ -33,7 +42,9 @@ def assert_same_weights(loaded, model, dtype):
         adaln = ".norm1.linear." in key or key.startswith("norm_out.linear.")
         expected_dtype = torch.float32 if adaln and dtype != torch.float64 else dtype
         assert tensor.dtype == expected_dtype, key
-        assert torch.equal(tensor, want[key].to(expected_dtype)), key  # kept float32: never rounded through bf16
+        assert torch.equal(tensor, want[key].to(expected_dtype)), (
+            key
+        )  # kept float32: never rounded through bf16
 
 
 @pytest.mark.parametrize("stem", ["diffusion_pytorch_model", "model"])
@@ -62,7 +73,11 @@ def test_loaded_model_runs(tmp_path, model):
 
 
 def test_float64_takes_every_tensor(tmp_path, model):
-    assert_same_weights(load_pan2_transformer(save_pan2_transformer(model, tmp_path), dtype=torch.float64), model, torch.float64)
+    assert_same_weights(
+        load_pan2_transformer(save_pan2_transformer(model, tmp_path), dtype=torch.float64),
+        model,
+        torch.float64,
+    )
 
 
 def test_missing_and_unexpected_keys_are_named(tmp_path, model):

@@ -83,10 +83,14 @@ def test_interleaved_rotation_is_the_complex_product():
     x = torch.randn(2, 30, 3, 128, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     pairs = torch.view_as_complex(x.view(2, 30, 3, 64, 2).contiguous())
     turned = pairs * torch.polar(torch.ones_like(cos), torch.atan2(sin, cos))[None, :, None, :]
-    assert torch.allclose(apply_rope(x, cos, sin, interleaved=True), torch.view_as_real(turned).flatten(-2), atol=1e-12)
+    assert torch.allclose(
+        apply_rope(x, cos, sin, interleaved=True), torch.view_as_real(turned).flatten(-2), atol=1e-12
+    )
     # the angles: pair 0 of token (t=2, h=0, w=0) turns by 2·16/24 rad; pair 8 (the first h pair) by h
     token = 2 * 10
-    assert torch.allclose(torch.atan2(sin[token, 0], cos[token, 0]), torch.tensor(2 * 16 / 24, dtype=torch.float64))
+    assert torch.allclose(
+        torch.atan2(sin[token, 0], cos[token, 0]), torch.tensor(2 * 16 / 24, dtype=torch.float64)
+    )
     assert torch.allclose(torch.atan2(sin[5 + 3, 8], cos[5 + 3, 8]), torch.tensor(1.0, dtype=torch.float64))
 
 
@@ -155,7 +159,13 @@ def test_launchers_refuse_bad_layouts():
 
     x = torch.randn(1, 10, 8, device=DEVICE)
     with pytest.raises(AssertionError, match="do not divide"):
-        ln_launch(x, torch.zeros(1, 3, 8, device=DEVICE), torch.zeros(1, 3, 8, device=DEVICE), torch.empty_like(x), eps=1e-6)
+        ln_launch(
+            x,
+            torch.zeros(1, 3, 8, device=DEVICE),
+            torch.zeros(1, 3, 8, device=DEVICE),
+            torch.empty_like(x),
+            eps=1e-6,
+        )
     q = torch.randn(1, 4, 2, 48, device=DEVICE)  # head_dim 48 is not a power of two
     out = torch.empty_like(q)
     with pytest.raises(AssertionError, match="power of two"):
@@ -173,7 +183,9 @@ def test_custom_ops_are_registered_with_fakes():
         cos = torch.empty(6, 32)
         q_out, k_out = torch.ops.pan2_fusions.qk_norm_rope(q, q, w, w, cos, cos, t, t, w, w, 1e-6, True)
         assert q_out.shape == k_out.shape == (2, 11, 3, 64)
-        y = torch.ops.pan2_fusions.layer_norm_modulate(torch.empty(2, 6, 32), torch.empty(2, 1, 32), torch.empty(2, 1, 32), 1e-6)
+        y = torch.ops.pan2_fusions.layer_norm_modulate(
+            torch.empty(2, 6, 32), torch.empty(2, 1, 32), torch.empty(2, 1, 32), 1e-6
+        )
         assert y.shape == (2, 6, 32)
 
 
@@ -181,7 +193,9 @@ def test_custom_ops_are_registered_with_fakes():
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim, axes", [(128, (16, 56, 56)), (64, (16, 24, 24))])
 def test_gpu_qk_norm_rope_large(head_dim, axes):
-    inputs = _qk_inputs(2, (7, 22, 13), 77, 32 if head_dim == 128 else 8, head_dim, axes, torch.bfloat16, seed=4)
+    inputs = _qk_inputs(
+        2, (7, 22, 13), 77, 32 if head_dim == 128 else 8, head_dim, axes, torch.bfloat16, seed=4
+    )
     fused = fusions.qk_norm_rope(**inputs, eps=1e-6, fused=True)
     reference = fusions.qk_norm_rope(**inputs, eps=1e-6, fused=False)
     for got, want in zip(fused, reference):

@@ -18,7 +18,14 @@ from pan2cli.errors import CheckpointError, InputError
 pytestmark = pytest.mark.usefixtures("triton_interpreter_without_cuda")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TINY = dict(num_attention_heads=2, attention_head_dim=16, num_layers=2, num_refiner_layers=1, text_embed_dim=24, rope_axes_dim=(4, 6, 6))
+TINY = dict(
+    num_attention_heads=2,
+    attention_head_dim=16,
+    num_layers=2,
+    num_refiner_layers=1,
+    text_embed_dim=24,
+    rope_axes_dim=(4, 6, 6),
+)
 
 
 def tiny_model(dtype=torch.float32, seed: int = 0, **changes) -> PAN2Transformer3DModel:
@@ -44,7 +51,10 @@ def test_release_config_has_the_released_tensors():
     assert len(shapes) == 1418
     assert sum(torch.Size(s).numel() for s in shapes.values()) == 29_201_996_992
     assert shapes["x_embedder.weight"] == (4096, 97, 1, 2, 2)
-    assert shapes["context_embedder.0.weight"] == (4096,) and shapes["context_embedder.1.weight"] == (4096, 4096)
+    assert shapes["context_embedder.0.weight"] == (4096,) and shapes["context_embedder.1.weight"] == (
+        4096,
+        4096,
+    )
     assert shapes["context_refiner.3.ff.net.0.proj.weight"] == (32768, 4096)
     assert shapes["context_refiner.3.ff.net.2.weight"] == (4096, 16384)
     assert "context_refiner.0.attn.to_q.bias" not in shapes  # the refiner is bias-free
@@ -72,7 +82,9 @@ def test_config_keys_are_the_constructor_arguments():
         config_arguments({"_class_name": "WanTransformer3DModel"})
     with pytest.raises(CheckpointError, match="sums to 30"):
         PAN2Transformer3DModel(**{**TINY, "rope_axes_dim": (10, 10, 10)})
-    with pytest.raises(CheckpointError, match="in_channels must be a positive whole number.*mlp_ratio must be a positive"):
+    with pytest.raises(
+        CheckpointError, match="in_channels must be a positive whole number.*mlp_ratio must be a positive"
+    ):
         PAN2Transformer3DModel(**{**TINY, "in_channels": 0, "mlp_ratio": -1})
 
 
@@ -136,7 +148,9 @@ def test_adaln_linears_stay_float32_in_a_bf16_model(tmp_path):
     from pan2cli.dit.checkpoint import save_pan2_transformer
 
     folder = save_pan2_transformer(tiny_model(), tmp_path / "transformer")
-    model = PAN2Transformer3DModel.from_pretrained(tmp_path, subfolder="transformer", torch_dtype=torch.bfloat16)
+    model = PAN2Transformer3DModel.from_pretrained(
+        tmp_path, subfolder="transformer", torch_dtype=torch.bfloat16
+    )
     dtypes = {name: p.dtype for name, p in model.named_parameters()}
     assert dtypes["transformer_blocks.1.norm1.linear.weight"] == torch.float32
     assert dtypes["norm_out.linear.bias"] == torch.float32
@@ -145,7 +159,9 @@ def test_adaln_linears_stay_float32_in_a_bf16_model(tmp_path):
     hidden, context = inputs()
     out = model.to(DEVICE)(hidden, torch.tensor([300.0], device=DEVICE), context)
     assert out.dtype == torch.bfloat16 and out.isfinite().all()
-    all_bf16 = PAN2Transformer3DModel.from_pretrained(folder, torch_dtype=torch.bfloat16, keep_fp32_modules=False)
+    all_bf16 = PAN2Transformer3DModel.from_pretrained(
+        folder, torch_dtype=torch.bfloat16, keep_fp32_modules=False
+    )
     assert all(p.dtype == torch.bfloat16 for p in all_bf16.parameters())
 
 

@@ -36,7 +36,14 @@ SMALL = dict(
 
 # (patch_size, batch, frames, height, width, text length)
 CASES = {
-    "pt2": ((2, 2, 2), 2, 4, 4, 6, 5),  # temporal patch > 1: t positions in patch units, (c, pt, ph, pw) order
+    "pt2": (
+        (2, 2, 2),
+        2,
+        4,
+        4,
+        6,
+        5,
+    ),  # temporal patch > 1: t positions in patch units, (c, pt, ph, pw) order
     "pt1": ((1, 2, 2), 2, 3, 4, 6, 5),  # the release patch, odd frame count
     "text1": ((1, 2, 2), 2, 5, 2, 4, 1),  # odd frame count, a single text token
 }
@@ -66,7 +73,9 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 if name.endswith(("norm1.linear.weight", "norm_out.linear.weight")):
                     std *= 0.5
                 p.copy_(r * std)
-            elif name.endswith(".weight") and ("norm" in name.split(".")[-2] or name == "context_embedder.0.weight"):
+            elif name.endswith(".weight") and (
+                "norm" in name.split(".")[-2] or name == "context_embedder.0.weight"
+            ):
                 p.copy_(1.0 + 0.3 * r)
             else:
                 p.copy_(0.3 * r)
@@ -190,7 +199,9 @@ def test_small_config_key_shapes_match():
             oracle = OraclePAN2(**SMALL, patch_size=patch)
             model = PAN2Transformer3DModel(**SMALL, patch_size=patch)
         o = {k: tuple(v.shape) for k, v in oracle.state_dict().items()}
-        assert o == expected_checkpoint_shapes(D=32, heads=2, head_dim=16, layers=2, refiners=2, text=24, patch=patch)
+        assert o == expected_checkpoint_shapes(
+            D=32, heads=2, head_dim=16, layers=2, refiners=2, text=24, patch=patch
+        )
         assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == o
 
 
@@ -222,7 +233,9 @@ def test_oracle_pieces_match_diffusers_in_float32():
             3 * 256.0 ** (-torch.arange(0, 6, 2, dtype=torch.float64) / 6),
         ]
     )
-    assert torch.allclose(cos[token], angles.cos(), atol=1e-15) and torch.allclose(sin[token], angles.sin(), atol=1e-15)
+    assert torch.allclose(cos[token], angles.cos(), atol=1e-15) and torch.allclose(
+        sin[token], angles.sin(), atol=1e-15
+    )
     f32 = get_1d_rotary_pos_embed(6, torch.arange(4, dtype=torch.float32), 256.0, use_real=False)
     c32, s32 = rope_cos_sin((1, 1, 4), (4, 6, 6), 256.0, 2 / 3, torch.float32, "cpu")
     assert torch.allclose(c32[:, 5:], f32.real) and torch.allclose(s32[:, 5:], f32.imag)

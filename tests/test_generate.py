@@ -78,9 +78,18 @@ def test_cli_writes_mp4_and_sidecar(tiny_pan2, run_cli, tmp_path):
     finally:
         reader.close()
     side = json.loads((tmp_path / "x.json").read_text())
-    assert side["prompt"] == "a cat" and side["seed"] == 123 and side["steps"] == 2 and side["preset"] == "pan2-10s"
+    assert (
+        side["prompt"] == "a cat"
+        and side["seed"] == 123
+        and side["steps"] == 2
+        and side["preset"] == "pan2-10s"
+    )
     assert side["fps"] == 12.0 and side["dtype"] == "float32"  # --device cpu runs float32
-    assert side["model"] == str(tiny_pan2.resolve()) and side["pan2cli_version"] and side["overrides"]["steps"] == 2
+    assert (
+        side["model"] == str(tiny_pan2.resolve())
+        and side["pan2cli_version"]
+        and side["overrides"]["steps"] == 2
+    )
     assert {"text_encoding", "denoising", "decode"} <= set(side["seconds"])
     assert side["attention"] == "cpu"  # the SDPA backend of the denoising: torch's own choice on the CPU
 
@@ -93,14 +102,22 @@ def test_sampler_is_the_release_flow_matching_euler_with_cfg(tiny_pan2, generato
     from pan2cli.pipeline.text import PAN2TextEncoder
 
     steps, guidance, seed = 3, 3.5, 11
-    got = generator.generate("a red fox", negative_prompt="snow", seed=seed, guidance=guidance, **{**SMALL, "steps": steps}).latents
+    got = generator.generate(
+        "a red fox", negative_prompt="snow", seed=seed, guidance=guidance, **{**SMALL, "steps": steps}
+    ).latents
 
-    encoder = PAN2TextEncoder.load(tiny_pan2 / "text_encoder", tiny_pan2 / "tokenizer", dtype=torch.float32, device=torch.device("cpu"))
+    encoder = PAN2TextEncoder.load(
+        tiny_pan2 / "text_encoder", tiny_pan2 / "tokenizer", dtype=torch.float32, device=torch.device("cpu")
+    )
     cond, uncond = encoder.encode("a red fox").features, encoder.encode("snow").features
-    model = PAN2Transformer3DModel.from_pretrained(tiny_pan2, subfolder="transformer", torch_dtype=torch.float32)
+    model = PAN2Transformer3DModel.from_pretrained(
+        tiny_pan2, subfolder="transformer", torch_dtype=torch.float32
+    )
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_pan2, subfolder="scheduler")
     scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1])
-    latents = torch.randn((1, 48, 2, 4, 6), generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32)
+    latents = torch.randn(
+        (1, 48, 2, 4, 6), generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32
+    )
     condition = torch.zeros(1, 49, 2, 4, 6)
     with torch.no_grad():
         for t in scheduler.timesteps:
@@ -139,7 +156,9 @@ def test_text_to_video_condition_is_zero_and_guidance_one_skips_the_negative(gen
 
 
 def test_offload_gives_the_same_frames(tiny_pan2, generator):
-    offloaded = VideoGenerator.from_pretrained(tiny_pan2, config=PAN2PipelineConfig(device="cpu", offload=True))
+    offloaded = VideoGenerator.from_pretrained(
+        tiny_pan2, config=PAN2PipelineConfig(device="cpu", offload=True)
+    )
     a = generator.generate("the door opens", **SMALL)
     b = offloaded.generate("the door opens", **SMALL)
     # Same weights, same ops; the streamed copies can round a GEMV's last bit differently on CPU.
@@ -153,7 +172,9 @@ def test_offload_on_cuda_gives_the_same_latents(tiny_pan2):
     """`--offload` on a GPU: the blocks stream from pinned host memory to the GPU one after another, and the
     sample is the one of the resident model (the same bf16 kernels on the same weights: equal to the bit)."""
     resident = VideoGenerator.from_pretrained(tiny_pan2, config=PAN2PipelineConfig(device="cuda"))
-    streamed = VideoGenerator.from_pretrained(tiny_pan2, config=PAN2PipelineConfig(device="cuda", offload=True))
+    streamed = VideoGenerator.from_pretrained(
+        tiny_pan2, config=PAN2PipelineConfig(device="cuda", offload=True)
+    )
     a = resident.generate("the door opens", **SMALL)
     b = streamed.generate("the door opens", **SMALL)
     assert torch.equal(a.latents, b.latents)
@@ -161,7 +182,19 @@ def test_offload_on_cuda_gives_the_same_latents(tiny_pan2):
 
 def test_cli_offload_and_image_to_video_end_to_end(tiny_pan2, generator, start_image, run_cli, tmp_path):
     out = tmp_path / "door.mp4"
-    res = run_cli("generate", "the door opens", "--model", tiny_pan2, *CLI_SMALL, "--image", start_image, "--offload", "--save-latents", "-o", out)
+    res = run_cli(
+        "generate",
+        "the door opens",
+        "--model",
+        tiny_pan2,
+        *CLI_SMALL,
+        "--image",
+        start_image,
+        "--offload",
+        "--save-latents",
+        "-o",
+        out,
+    )
     assert res.exit_code == 0, res.stderr
     assert _mp4_frames(out).shape == (5, 64, 96, 3)
     side = json.loads((tmp_path / "door.json").read_text())
@@ -171,7 +204,9 @@ def test_cli_offload_and_image_to_video_end_to_end(tiny_pan2, generator, start_i
     assert torch.allclose(saved, in_memory, rtol=0, atol=1e-5)  # streamed weights: the same latents
 
 
-def test_image_to_video_conditions_frame_0_with_the_release_recipe(tiny_pan2, generator, start_image, monkeypatch):
+def test_image_to_video_conditions_frame_0_with_the_release_recipe(
+    tiny_pan2, generator, start_image, monkeypatch
+):
     """Cover-resize 104x120 → 83x96 (LANCZOS), crop rows round(19/2) = 10 (half to even) … 74, /255·2 − 1,
     the VAE posterior's mode normalised, on condition frame 0 with mask 1 there; frame 0 itself still noised."""
     from PIL import Image
@@ -183,7 +218,9 @@ def test_image_to_video_conditions_frame_0_with_the_release_recipe(tiny_pan2, ge
     crop = resized[10:74, 0:96].astype(np.float32)  # rows 10…73, RGB order kept
     pixels = torch.from_numpy(crop).permute(2, 0, 1) / 255.0 * 2.0 - 1.0
     encoder = load_vae_encoder(tiny_pan2 / "vae")
-    expected = normalize(encoder.encode(pixels[None, :, None]).float(), encoder.config.latents_mean, encoder.config.latents_std)
+    expected = normalize(
+        encoder.encode(pixels[None, :, None]).float(), encoder.config.latents_mean, encoder.config.latents_std
+    )
     for hidden, _, _ in spy.calls:
         assert torch.allclose(hidden[:, 48:96, :1], expected, atol=1e-5)
         assert not hidden[:, 48:96, 1:].any()
@@ -200,7 +237,11 @@ def test_save_latents_round_trip_through_pan2_decode(tiny_pan2, generator, run_c
     assert res.exit_code == 0, res.stderr
     latents = tmp_path / "v.latents.pt"
     data = torch.load(latents, weights_only=True)
-    assert data["latents"].shape == (48, 2, 4, 6) and data["latents"].dtype == torch.float32 and data["fps"] == 24.0
+    assert (
+        data["latents"].shape == (48, 2, 4, 6)
+        and data["latents"].dtype == torch.float32
+        and data["fps"] == 24.0
+    )
     again = generator.generate("a cat runs", **SMALL)
     assert torch.equal(data["latents"], again.latents[0])
     dec = run_cli("decode", latents, "--vae", tiny_pan2 / "vae", "--device", "cpu", "-o", tmp_path / "d.pt")
@@ -210,7 +251,9 @@ def test_save_latents_round_trip_through_pan2_decode(tiny_pan2, generator, run_c
 
 def test_a_long_prompt_is_cut_with_a_warning_quiet_or_not(tiny_pan2, run_cli, tmp_path):
     prompt = " ".join(["the red fox runs over the snow"] * 300)  # well over 1536 tokens after the header
-    res = run_cli("generate", prompt, "--model", tiny_pan2, *CLI_SMALL, "--steps", 1, "-q", "-o", tmp_path / "long.mp4")
+    res = run_cli(
+        "generate", prompt, "--model", tiny_pan2, *CLI_SMALL, "--steps", 1, "-q", "-o", tmp_path / "long.mp4"
+    )
     assert res.exit_code == 0, res.stderr
     warnings = [line for line in res.stderr.splitlines() if line.startswith("Warning:")]
     assert len(warnings) == 1 and "tokens were cut" in warnings[0] and "1536" in warnings[0], res.stderr
@@ -237,7 +280,9 @@ def test_prompt_file_batch_skip_existing_and_failures(tiny_pan2, run_cli, tmp_pa
     (out / "001_dog-run.mp4").unlink()
     (out / "001_dog-run.json").write_text("{}")
     before = (out / "000_a-cat-jumps.mp4").stat().st_mtime_ns
-    res = run_cli("generate", "--prompts", prompts, "--model", tiny_pan2, *CLI_SMALL, "-o", out, "--skip-existing")
+    res = run_cli(
+        "generate", "--prompts", prompts, "--model", tiny_pan2, *CLI_SMALL, "-o", out, "--skip-existing"
+    )
     assert res.exit_code == 0, res.stderr
     assert res.stdout.split() == [str(out / "001_dog-run.mp4")]
     assert (out / "000_a-cat-jumps.mp4").stat().st_mtime_ns == before
@@ -260,13 +305,18 @@ def test_prompt_file_batch_skip_existing_and_failures(tiny_pan2, run_cli, tmp_pa
     assert res.exit_code == 1
     assert "Error: 001_dog-run failed: simulated failure" in res.stderr
     assert "1 prompt(s) failed" in res.stderr
-    assert sorted(p.name for p in again.glob("*.mp4")) == ["000_a-cat-jumps.mp4", "002_the-fox-in-the-snow.mp4"]
+    assert sorted(p.name for p in again.glob("*.mp4")) == [
+        "000_a-cat-jumps.mp4",
+        "002_the-fox-in-the-snow.mp4",
+    ]
 
 
 def test_plain_text_prompt_file(tiny_pan2, run_cli, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("# comment\na cat\n\nthe dog\n")
-    res = run_cli("generate", "--prompts", prompts, "--model", tiny_pan2, *CLI_SMALL, "--steps", 1, "-o", tmp_path)
+    res = run_cli(
+        "generate", "--prompts", prompts, "--model", tiny_pan2, *CLI_SMALL, "--steps", 1, "-o", tmp_path
+    )
     assert res.exit_code == 0, res.stderr
     assert sorted(p.name for p in tmp_path.glob("*.mp4")) == ["000_a-cat.mp4", "001_the-dog.mp4"]
 
@@ -276,7 +326,9 @@ def _broken_repo(tiny_pan2, tmp_path, case):
     from safetensors.torch import load_file, save_file
 
     model = tmp_path / "broken"
-    shutil.copytree(tiny_pan2, model, ignore=shutil.ignore_patterns("vae") if case == "missing component" else None)
+    shutil.copytree(
+        tiny_pan2, model, ignore=shutil.ignore_patterns("vae") if case == "missing component" else None
+    )
     config_path = model / "transformer" / "config.json"
     config = json.loads(config_path.read_text())
     if case == "another model's transformer":
@@ -295,7 +347,11 @@ def _broken_repo(tiny_pan2, tmp_path, case):
         save_file(state, str(shard))
         index_path = next((model / "transformer").glob("*.index.json"))
         index = json.loads(index_path.read_text())
-        index["weight_map"] = {k: shard.name if k in state else v for k, v in index["weight_map"].items() if k in state or v != shard.name}
+        index["weight_map"] = {
+            k: shard.name if k in state else v
+            for k, v in index["weight_map"].items()
+            if k in state or v != shard.name
+        }
         index_path.write_text(json.dumps(index))
     elif case == "tokenizer without a chat template":
         for name in ("tokenizer_config.json",):
@@ -326,7 +382,15 @@ def _broken_repo(tiny_pan2, tmp_path, case):
 )
 def test_bad_input_exits_2_with_one_error_line_and_no_file(case, message, tiny_pan2, run_cli, tmp_path):
     model, args = tiny_pan2, ["a cat"]
-    if case in ("missing component", "another model's transformer", "unknown config key", "missing key", "unexpected key", "wrong shape", "tokenizer without a chat template"):
+    if case in (
+        "missing component",
+        "another model's transformer",
+        "unknown config key",
+        "missing key",
+        "unexpected key",
+        "wrong shape",
+        "tokenizer without a chat template",
+    ):
         model = _broken_repo(tiny_pan2, tmp_path, case)
     elif case == "empty prompt":
         args = [""]
@@ -353,7 +417,9 @@ def test_output_folder_with_a_trailing_slash_must_exist(tiny_pan2, run_cli, tmp_
     assert res.exit_code == 2 and "the folder does not exist" in res.stderr
     assert not (tmp_path / "clips").exists()
     (tmp_path / "clips").mkdir()
-    res = run_cli("generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "--steps", 1, "-o", f"{tmp_path}/clips/")
+    res = run_cli(
+        "generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "--steps", 1, "-o", f"{tmp_path}/clips/"
+    )
     assert res.exit_code == 0, res.stderr
     assert res.stdout.strip() == str(tmp_path / "clips" / "a-cat.mp4")
 
@@ -361,7 +427,9 @@ def test_output_folder_with_a_trailing_slash_must_exist(tiny_pan2, run_cli, tmp_
 @pytest.mark.parametrize("duration, frames", [(0.52, 5), (0.64, 9)])
 def test_duration_rounds_to_the_nearest_frame_count(generator, duration, frames):
     """frames = 4·round(duration·fps/4) + 1: 5.2/4 = 1.3 → 1 (not up to 2), 6.4/4 = 1.6 → 2 (not down to 1)."""
-    res = generator.generate("a cat", preset="pan2-5s", steps=1, duration=duration, fps=10, height=64, width=96)
+    res = generator.generate(
+        "a cat", preset="pan2-5s", steps=1, duration=duration, fps=10, height=64, width=96
+    )
     assert res.frames.shape[0] == frames
 
 

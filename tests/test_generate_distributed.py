@@ -43,10 +43,39 @@ def test_prompt_file_sharded_over_two_nodes(tiny_pan2, tmp_path, rendezvous_port
     out.mkdir()
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{rendezvous_port}", "--rdzv-conf", "is_host=0", "--rdzv-id", "pan2test",
-             "-m", "pan2cli", "generate", "--prompts", str(prompts), "--model", str(tiny_pan2), *SMALL, "-o", str(out)],
-            env=_env(), cwd=tmp_path, stdout=(tmp_path / f"out{rank}").open("w"), stderr=(tmp_path / f"err{rank}").open("w"),
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--node-rank",
+                str(rank),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"localhost:{rendezvous_port}",
+                "--rdzv-conf",
+                "is_host=0",
+                "--rdzv-id",
+                "pan2test",
+                "-m",
+                "pan2cli",
+                "generate",
+                "--prompts",
+                str(prompts),
+                "--model",
+                str(tiny_pan2),
+                *SMALL,
+                "-o",
+                str(out),
+            ],
+            env=_env(),
+            cwd=tmp_path,
+            stdout=(tmp_path / f"out{rank}").open("w"),
+            stderr=(tmp_path / f"err{rank}").open("w"),
         )  # fmt: skip
         for rank in (0, 1)
     ]
@@ -58,11 +87,14 @@ def test_prompt_file_sharded_over_two_nodes(tiny_pan2, tmp_path, rendezvous_port
             if node.poll() is None:
                 node.kill()
     outputs = [((tmp_path / f"out{r}").read_text(), (tmp_path / f"err{r}").read_text()) for r in (0, 1)]
-    for node, (stdout, stderr) in zip(nodes, outputs):
+    for node, (_, stderr) in zip(nodes, outputs):
         assert node.returncode == 0, stderr
     # global rank r takes prompts r and r + 2 (c10d assigns the ranks, not --node-rank): each node two
     written = sorted(sorted(stdout.split()) for stdout, _ in outputs)
-    assert written == [[str(out / "000_a-cat.mp4"), str(out / "002_the-fox.mp4")], [str(out / "001_a-dog.mp4"), str(out / "003_a-red-door.mp4")]]
+    assert written == [
+        [str(out / "000_a-cat.mp4"), str(out / "002_the-fox.mp4")],
+        [str(out / "001_a-dog.mp4"), str(out / "003_a-red-door.mp4")],
+    ]
     assert len(list(out.glob("*.mp4"))) == 4 and len(list(out.glob("*.json"))) == 4
     assert sum("4 video(s) written, 0 skipped, 0 failed." in stderr for _, stderr in outputs) == 1
 
@@ -71,19 +103,43 @@ def test_one_prompt_on_two_processes_matches_one(tiny_pan2, tmp_path):
     """One prompt under `--gpus 2` on the CPU (gloo): the latents and the decoded video of one process (the two
     ranks sample the same latents, then split the decode by rows; rank 0 writes)."""
     common = ["-m", "pan2cli", "generate", "a cat", "--model", str(tiny_pan2), *SMALL, "--save-latents"]
-    one = subprocess.run([sys.executable, *common, "-o", "one.mp4"], env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    one = subprocess.run(
+        [sys.executable, *common, "-o", "one.mp4"],
+        env=_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([sys.executable, *common, "-o", "two.mp4", "--gpus", "2"], env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    two = subprocess.run(
+        [sys.executable, *common, "-o", "two.mp4", "--gpus", "2"],
+        env=_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert two.returncode == 0, two.stderr
     assert two.stdout.strip() == "two.mp4"  # rank 0 alone writes and prints
-    for run in (one, two):  # on the CPU the reference decoder is the only path: nothing to say about the kernel
+    for run in (
+        one,
+        two,
+    ):  # on the CPU the reference decoder is the only path: nothing to say about the kernel
         assert "compiled kernel" not in run.stderr and "another rank" not in run.stderr, run.stderr
     import torch
 
     a = torch.load(tmp_path / "one.latents.pt", weights_only=True)["latents"]
     b = torch.load(tmp_path / "two.latents.pt", weights_only=True)["latents"]
     assert torch.equal(a, b)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.json", "one.latents.pt", "one.mp4", "two.json", "two.latents.pt", "two.mp4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "one.json",
+        "one.latents.pt",
+        "one.mp4",
+        "two.json",
+        "two.latents.pt",
+        "two.mp4",
+    ]
     # The decoded videos, not only the latents: on the CPU the two ranks split the decode by rows (each 3x3 conv
     # reads a halo row from its neighbour), and rank 0 writes the gathered frames. Measured: bit-identical MP4s
     # (fp32 on the CPU). The split's fp32 sums may run in another order than the whole frame's (one uint8 level
@@ -95,9 +151,14 @@ def test_one_prompt_on_two_processes_matches_one(tiny_pan2, tmp_path):
     def mp4_frames(name: str) -> torch.Tensor:
         reader = imageio_ffmpeg.read_frames(str(tmp_path / name))
         width, height = next(reader)["size"]
-        return torch.from_numpy(np.stack([np.frombuffer(f, np.uint8).reshape(height, width, 3) for f in reader])).int()
+        return torch.from_numpy(
+            np.stack([np.frombuffer(f, np.uint8).reshape(height, width, 3) for f in reader])
+        ).int()
 
     frames_one, frames_two = mp4_frames("one.mp4"), mp4_frames("two.mp4")
     assert frames_one.shape == frames_two.shape == (5, 64, 96, 3)
     difference = (frames_one - frames_two).abs()
-    assert difference.float().mean().item() <= 0.1 and difference.max().item() <= 8, (difference.float().mean().item(), difference.max().item())
+    assert difference.float().mean().item() <= 0.1 and difference.max().item() <= 8, (
+        difference.float().mean().item(),
+        difference.max().item(),
+    )

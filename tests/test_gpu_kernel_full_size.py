@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pan2cli.frames import psnr
 from pan2cli.vae.model import WanVAEDecoder
 from pan2cli.vae.random_weights import decoder_from_state
-from pan2cli.frames import psnr
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -103,7 +103,9 @@ def lone_kernel_decoder(full_size_state):
     gc.collect()
     torch.cuda.empty_cache()
     baseline = torch.cuda.memory_allocated()
-    assert baseline <= 64 * 2**20, f"{baseline / GIB:.2f} GiB already allocated before the kernel decoder is built"
+    assert baseline <= 64 * 2**20, (
+        f"{baseline / GIB:.2f} GiB already allocated before the kernel decoder is built"
+    )
     reference = _decoder(full_size_state, torch.bfloat16, "cuda")
     kernel = _kernel_decoder(reference)
     del reference
@@ -159,7 +161,9 @@ ACCURACY_SHAPES = [
 
 class TestFullWidthKernel:
     @pytest.mark.parametrize("t, h, w", ACCURACY_SHAPES, ids=[f"T{t}-{h}x{w}" for t, h, w in ACCURACY_SHAPES])
-    def test_kernel_is_as_accurate_as_the_bf16_reference(self, fp32_reference, bf16_reference, kernel_decoder, t, h, w):
+    def test_kernel_is_as_accurate_as_the_bf16_reference(
+        self, fp32_reference, bf16_reference, kernel_decoder, t, h, w
+    ):
         """Against the fp32 reference (TF32 off), the kernel's uint8 frames have an MSE at most twice the bf16
         reference's (+ 0.05, so that a bf16 error of exactly 0 cannot make this flaky) and a PSNR ≥ 35 dB.
 
@@ -214,7 +218,9 @@ def _load_in_new_process(cache: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PAN2_KERNEL_VERBOSE"}  # compiler output to build.log
     env.update(PAN2_CACHE_DIR=str(cache), PYTHONPATH=str(REPO))
     command = [sys.executable, "-c", _LOAD_AND_REPORT]
-    proc = subprocess.run(command, check=False, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    proc = subprocess.run(
+        command, check=False, capture_output=True, text=True, env=env, cwd=REPO, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -273,7 +279,9 @@ def test_kernels_build_compiles_every_convolution_of_every_video_size(tmp_path):
     of other sizes, frame counts and chunks then compile nothing more (Triton would otherwise compile
     a variant per divisibility of the problem's sizes, inside the first decode of each size)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_THEN_DECODE], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_THEN_DECODE], capture_output=True, text=True, env=env, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["before_build"] is False and report["after_build"] is True

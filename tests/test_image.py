@@ -55,7 +55,9 @@ def test_cover_resize_then_centre_crop_keeps_the_middle_bands_in_rgb(tmp_path, v
     assert pixels.min().item() >= -1.0 and pixels.max().item() <= 1.0
 
 
-@pytest.mark.parametrize(("source", "target"), [((11, 11), (15, 15)), ((3, 7), (16, 61)), ((64, 64), (16, 16))])
+@pytest.mark.parametrize(
+    ("source", "target"), [((11, 11), (15, 15)), ((3, 7), (16, 61)), ((64, 64), (16, 16))]
+)
 def test_a_flat_picture_covers_the_whole_frame(tmp_path, source, target):
     """The resized picture covers H x W: 11 · (15/11) and 7 · (61/7) are 14.999… and 60.999… in floating point: rounded to 15
     and 61 (truncated they would leave a black row or column in the crop); a 4x downscale too. LANCZOS keeps
@@ -93,7 +95,12 @@ def test_crop_offsets_are_rounded_halves_of_the_excess(tmp_path, source, target,
     red = [20 * x for x in columns]
     green = [40 * y + 10 for y in rows]
     expected = torch.tensor(
-        [[[r for r in red] for _ in green], [[g for _ in red] for g in green], [[200 for _ in red] for _ in green]], dtype=torch.float32
+        [
+            [[r for r in red] for _ in green],
+            [[g for _ in red] for g in green],
+            [[200 for _ in red] for _ in green],
+        ],
+        dtype=torch.float32,
     )
     torch.testing.assert_close(pixels, expected / 255.0 * 2.0 - 1.0, rtol=0, atol=1e-6)
 
@@ -105,7 +112,9 @@ def test_load_image_gives_rgb_from_rgba_grey_and_palette_files(tmp_path):
     rgba = np.zeros((2, 2, 4), np.uint8)
     rgba[...] = (255, 0, 0, 128)
     Image.fromarray(rgba, "RGBA").save(tmp_path / "rgba.png")
-    Image.fromarray(np.zeros((2, 2, 3), np.uint8) + np.array(RED, np.uint8)).convert("P").save(tmp_path / "p.png")
+    Image.fromarray(np.zeros((2, 2, 3), np.uint8) + np.array(RED, np.uint8)).convert("P").save(
+        tmp_path / "p.png"
+    )
     Image.fromarray(np.full((2, 2), 51, np.uint8), "L").save(tmp_path / "grey.png")
     for name in ("rgba.png", "p.png"):
         image = load_image(tmp_path / name)

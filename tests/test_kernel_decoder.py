@@ -13,12 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pan2cli.frames import frames_to_uint8
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.kernel_decoder import WanKernelDecoder, phase_weights
 from pan2cli.vae.model import WanVAEDecoder
 from pan2cli.vae.random_weights import random_vae_state_dict
-from pan2cli.frames import frames_to_uint8
-
 
 # TRITON_INTERPRET=1 without CUDA, set for each test of this module only (conftest.py).
 pytestmark = pytest.mark.usefixtures("triton_interpreter_without_cuda")
@@ -66,7 +65,9 @@ def _phase_interleave(phases, bias, shortcut, out, factor_t, frame_offset):
 def _head_to_uint8(y, bias, out):
     v = (y.float() + bias).to(torch.bfloat16).float().clamp(-1, 1)
     n, h, w, _ = y.shape
-    video = v.view(n, h, w, 3, 2, 2).permute(0, 3, 1, 5, 2, 4).reshape(n, 3, 2 * h, 2 * w)  # c r q -> c (h q) (w r)
+    video = (
+        v.view(n, h, w, 3, 2, 2).permute(0, 3, 1, 5, 2, 4).reshape(n, 3, 2 * h, 2 * w)
+    )  # c r q -> c (h q) (w r)
     out.copy_(torch.round((video + 1) * 127.5).clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1))
 
 
@@ -147,7 +148,9 @@ def test_fixed_order_convs_are_as_accurate_as_pytorch_convs(reference, monkeypat
     truth = _uint8(reference, z)
     fixed = WanKernelDecoder(_bf16(reference).to(device), ops, fixed_order_convs=True)
     got = _uint8(fixed, z.to(device), 2)
-    pytorch = _uint8(WanKernelDecoder(_bf16(reference).to(device), ops, fixed_order_convs=False), z.to(device), 2)
+    pytorch = _uint8(
+        WanKernelDecoder(_bf16(reference).to(device), ops, fixed_order_convs=False), z.to(device), 2
+    )
     assert widths and max(widths) == 2 * z.shape[-1]  # latent and 2x-latent convs ran in the kernel, no wider
     fixed_error = (got - truth).abs().float().mean().item()
     pytorch_error = (pytorch - truth).abs().float().mean().item()
@@ -219,7 +222,9 @@ def _kernel_split_decode(rank: int, world: int, init_file: str, shape, out_prefi
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world, shape", [(2, (1, 48, 3, 3, 4)), (3, (1, 48, 2, 5, 3))], ids=["2ranks", "3ranks"])
+@pytest.mark.parametrize(
+    "world, shape", [(2, (1, 48, 3, 3, 4)), (3, (1, 48, 2, 5, 3))], ids=["2ranks", "3ranks"]
+)
 def test_kernel_path_split_across_processes_equals_one_process(tmp_path, reference, world, shape):
     import torch.multiprocessing as mp
 
@@ -227,7 +232,9 @@ def test_kernel_path_split_across_processes_equals_one_process(tmp_path, referen
     expected = _uint8(WanKernelDecoder(_bf16(reference), EMULATED_OPS), z)
     truth = _uint8(reference, z)
     prefix = str(tmp_path / "rank")
-    mp.spawn(_kernel_split_decode, args=(world, str(tmp_path / "init"), shape, prefix), nprocs=world, join=True)
+    mp.spawn(
+        _kernel_split_decode, args=(world, str(tmp_path / "init"), shape, prefix), nprocs=world, join=True
+    )
     expected_error = (expected - truth).abs().float().mean().item()
     for rank in range(world):
         got = torch.load(f"{prefix}{rank}.pt", weights_only=True).int()

@@ -21,7 +21,9 @@ def _recording_extension(calls: list) -> SimpleNamespace:
 
         return op
 
-    return SimpleNamespace(**{name: record(name) for name in ("rms_norm_silu", "phase_interleave", "head_to_uint8")})
+    return SimpleNamespace(
+        **{name: record(name) for name in ("rms_norm_silu", "phase_interleave", "head_to_uint8")}
+    )
 
 
 def test_ops_are_torch_ops_that_call_the_extension():
@@ -49,7 +51,9 @@ def test_fakes_let_torch_trace_the_ops_without_running_them():
         x = torch.empty(1, 3, 2, 2, 8, dtype=torch.bfloat16)
         ops.rms_norm_silu(x, torch.ones(8), None, None, None, torch.empty_like(x), True, None, False)
         phases = torch.empty(2, 3, 3, 32, dtype=torch.bfloat16)
-        ops.phase_interleave(phases, torch.zeros(8), None, torch.empty(1, 2, 4, 4, 8, dtype=torch.bfloat16), 1, 0)
+        ops.phase_interleave(
+            phases, torch.zeros(8), None, torch.empty(1, 2, 4, 4, 8, dtype=torch.bfloat16), 1, 0
+        )
     assert calls == []
 
 
@@ -109,7 +113,9 @@ def test_first_use_note_until_the_kernel_is_built_and_its_convs_compiled(monkeyp
     monkeypatch.setattr(kernel, "triton_available", lambda: True)
     monkeypatch.setattr(kernel, "_triton_cache_dir", lambda: str(tmp_path / "triton"))
     gpu, bf16 = torch.device("cuda"), torch.bfloat16
-    assert "builds the decode kernel and compiles its Triton convolutions" in kernel.first_use_note(gpu, bf16, "auto")
+    assert "builds the decode kernel and compiles its Triton convolutions" in kernel.first_use_note(
+        gpu, bf16, "auto"
+    )
     assert kernel.first_use_note(gpu, bf16, "off") is None
     library = kernel.kernel_spec("sm_90a").library
     library.parent.mkdir(parents=True)
@@ -145,11 +151,14 @@ def test_build_error_names_the_compilers_first_error():
     """Issue 18: a failed build's one-line reason is the first compiler error (warnings and torch's
     'Error building extension' wrapper are not errors of the source)."""
     exception = "Error building extension 'wan22_vae_decode'"
-    assert kernel._first_compiler_error(_NVCC_LOG + "\n" + exception) == 'head.cu(42): error: identifier "blockDimX" is undefined'
-    # torch's wrapper line is skipped also where it comes first (a log appended to by an earlier build)
-    assert kernel._first_compiler_error(f"{exception}\n  ptxas ERROR : Entry function uses too much shared data  \n") == (
-        "ptxas ERROR : Entry function uses too much shared data"
+    assert (
+        kernel._first_compiler_error(_NVCC_LOG + "\n" + exception)
+        == 'head.cu(42): error: identifier "blockDimX" is undefined'
     )
+    # torch's wrapper line is skipped also where it comes first (a log appended to by an earlier build)
+    assert kernel._first_compiler_error(
+        f"{exception}\n  ptxas ERROR : Entry function uses too much shared data  \n"
+    ) == ("ptxas ERROR : Entry function uses too much shared data")
 
 
 def test_build_error_without_an_error_line_is_the_last_line():

@@ -9,8 +9,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from pan2cli.errors import InputError
 from pan2cli.constants import LATENT_CHANNELS
+from pan2cli.errors import InputError
 from pan2cli.latents import LatentInput, load_latents, normalize, unnormalize
 
 C = LATENT_CHANNELS
@@ -233,7 +233,9 @@ def test_bad_fps_in_dict(tmp_path: Path, fps: object) -> None:
 
 @pytest.mark.parametrize("shape", [(C,), (C, 2, 2), (1, 1, C, 2, 2, 2)])
 def test_wrong_rank(tmp_path: Path, shape: tuple[int, ...]) -> None:
-    _raises(_save(tmp_path, _latents(*shape)), str(list(shape)), f"expected [{C}, T, H, W] or [B, {C}, T, H, W]")
+    _raises(
+        _save(tmp_path, _latents(*shape)), str(list(shape)), f"expected [{C}, T, H, W] or [B, {C}, T, H, W]"
+    )
 
 
 @pytest.mark.parametrize("shape", [(16, 2, 2, 2), (1, 47, 2, 2, 2)])

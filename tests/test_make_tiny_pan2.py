@@ -24,7 +24,9 @@ COMPONENTS = {
 
 def _run(*args):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, env=env, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, env=env, cwd=REPO
+    )
 
 
 def test_help():
@@ -54,7 +56,13 @@ def test_command_writes_the_release_layout(tmp_path):
             continue
         library, class_name, spec = entry
         assert COMPONENTS.get(name, (library, class_name)) == (library, class_name)
-        assert spec == {"type_hint": [library, class_name], "pretrained_model_name_or_path": None, "subfolder": name, "variant": None, "revision": None}
+        assert spec == {
+            "type_hint": [library, class_name],
+            "pretrained_model_name_or_path": None,
+            "subfolder": name,
+            "variant": None,
+            "revision": None,
+        }
     scheduler = json.loads((out / "scheduler" / "scheduler_config.json").read_text())
     assert scheduler["_class_name"] == "FlowMatchEulerDiscreteScheduler" and scheduler["shift"] == 9.0
     assert json.loads((out / "text_encoder" / "config.json").read_text())["model_type"] == "qwen3_5_text"
@@ -62,7 +70,11 @@ def test_command_writes_the_release_layout(tmp_path):
     shards = sorted((out / "transformer").glob("diffusion_pytorch_model-*.safetensors"))
     assert len(shards) >= 2
     model = PAN2Transformer3DModel.from_pretrained(str(out), subfolder="transformer", torch_dtype=None)
-    assert model.config.text_embed_dim == 32 and model.config.in_channels == 97 and model.config.out_channels == 48
+    assert (
+        model.config.text_embed_dim == 32
+        and model.config.in_channels == 97
+        and model.config.out_channels == 48
+    )
     for key, value in model.state_dict().items():
         fp32 = ".norm1.linear." in f".{key}" or key.startswith("norm_out.linear.")
         assert value.dtype == (torch.float32 if fp32 else torch.bfloat16), key

@@ -63,8 +63,18 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
     _run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-         "-w", str(out), str(REPO)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(out),
+            str(REPO),
+        ],
         cwd=out,
         env=env,
     )
@@ -92,7 +102,17 @@ def test_wheel_ships_data_inside_the_package(wheel: Path) -> None:
 def test_installed_wheel_finds_its_own_data(wheel: Path, tmp_path: Path) -> None:
     target = tmp_path / "site"
     _run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
         cwd=tmp_path,
         env=_env(tmp_path / "nothing"),
     )

@@ -243,7 +243,9 @@ def test_invalid_value_names_field_value_and_file(tmp_path: Path, key: str, valu
 
 
 def test_every_problem_of_a_file_is_reported_at_once(tmp_path: Path) -> None:
-    path = write_preset(tmp_path, drop=("description", "seed"), latent_frames=31, frames=120, fps=23.976, sampler="ddim")
+    path = write_preset(
+        tmp_path, drop=("description", "seed"), latent_frames=31, frames=120, fps=23.976, sampler="ddim"
+    )
     with pytest.raises(InputError) as info:
         load_preset(path)
     message = str(info.value)
@@ -263,7 +265,11 @@ def test_every_invalid_value_is_reported_at_once() -> None:
     with pytest.raises(InputError) as info:
         Preset(**{**data, "height": 700, "steps": 0, "description": 5})
     message = str(info.value)
-    assert "'height' = 700" in message and "'steps' = 0" in message and "'description' must be a string" in message
+    assert (
+        "'height' = 700" in message
+        and "'steps' = 0" in message
+        and "'description' must be a string" in message
+    )
 
 
 def test_seed_upper_bound() -> None:

@@ -102,7 +102,9 @@ def test_decoder_original_names_map_one_to_one_onto_the_decoder(config: WanVAECo
     with torch.device("meta"):
         expected = _shapes(WanVAEDecoder(config).state_dict())
     assert mapped == expected
-    assert decoder_key_map(config) == {original_to_diffusers_key(k, config.num_res_blocks): k for k in originals}
+    assert decoder_key_map(config) == {
+        original_to_diffusers_key(k, config.num_res_blocks): k for k in originals
+    }
 
 
 def _convert_vae_22_key(key: str) -> str:
@@ -168,7 +170,10 @@ def test_encoder_original_names_follow_the_conversion_rules(config: WanVAEConfig
 def test_original_names_carry_comfyui_markers() -> None:
     # ComfyUI recognises the original layout by these keys (docs/wan22_vae.md §7.1).
     originals = set(vae_key_map(SMALL).values())
-    assert {"decoder.middle.0.residual.0.gamma", "decoder.upsamples.0.upsamples.0.residual.2.weight"} <= originals
+    assert {
+        "decoder.middle.0.residual.0.gamma",
+        "decoder.upsamples.0.upsamples.0.residual.2.weight",
+    } <= originals
 
 
 # ---------------------------------------------------------------- random values
@@ -300,9 +305,18 @@ def test_script_defaults_and_usage_errors(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, [str(tmp_path), "--decoder-base-dim", "16", "--base-dim", "16"])
     assert result.exit_code == 0, result.output
     paths = [Path(p) for p in result.stdout.splitlines()]
-    assert paths == [tmp_path / "Wan2.2_VAE.pth", tmp_path / "wan2.2_vae.safetensors", tmp_path / "diffusers" / "vae"]
+    assert paths == [
+        tmp_path / "Wan2.2_VAE.pth",
+        tmp_path / "wan2.2_vae.safetensors",
+        tmp_path / "diffusers" / "vae",
+    ]
     _assert_same_tensors(load_file(paths[1]), random_vae_state_dict(SMALL, key_names="original"))
-    for bad in (["--formats", "pth,gguf"], ["--formats", ","], ["--dtype", "fp16"], ["--decoder-base-dim", "0"]):
+    for bad in (
+        ["--formats", "pth,gguf"],
+        ["--formats", ","],
+        ["--dtype", "fp16"],
+        ["--decoder-base-dim", "0"],
+    ):
         result = CliRunner().invoke(main, [str(tmp_path / "bad"), *bad])
         assert result.exit_code == 2, bad
         assert not (tmp_path / "bad").exists()

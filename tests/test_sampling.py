@@ -24,7 +24,14 @@ from make_tiny_pan2 import TEXT_HIDDEN, tiny_transformer  # noqa: E402  (the rel
 SHAPE = (1, 48, 3, 4, 6)  # latent [1, 48, T, h, w]: 3 x 2 x 3 = 18 video tokens, uneven over 4 ranks
 STEPS, GUIDANCE, SHIFT = 2, 2.5, 9.0
 # 12 heads: they divide over 2, 3 and 4 ranks (the release's 32 over 2, 4 and 8)
-TWELVE_HEADS = dict(num_attention_heads=12, attention_head_dim=16, num_layers=2, num_refiner_layers=1, text_embed_dim=TEXT_HIDDEN, rope_axes_dim=(4, 6, 6))
+TWELVE_HEADS = dict(
+    num_attention_heads=12,
+    attention_head_dim=16,
+    num_layers=2,
+    num_refiner_layers=1,
+    text_embed_dim=TEXT_HIDDEN,
+    rope_axes_dim=(4, 6, 6),
+)
 
 
 def _model(heads: int) -> PAN2Transformer3DModel:
@@ -36,7 +43,10 @@ def _model(heads: int) -> PAN2Transformer3DModel:
         model = PAN2Transformer3DModel(**TWELVE_HEADS).double().eval()
         with torch.no_grad():
             for param in model.parameters():
-                param.copy_(torch.randn_like(param) * (0.3 if param.dim() >= 2 else 0.1) + (1.0 if param.dim() == 1 else 0.0))
+                param.copy_(
+                    torch.randn_like(param) * (0.3 if param.dim() >= 2 else 0.1)
+                    + (1.0 if param.dim() == 1 else 0.0)
+                )
     model.calls = 0
     real = model.forward
 
@@ -52,7 +62,9 @@ def _inputs():
     gen = torch.Generator().manual_seed(5)
     latents = torch.randn(SHAPE, generator=gen, dtype=torch.float32)
     cond = torch.randn(1, 7, TEXT_HIDDEN, generator=gen, dtype=torch.float64)
-    uncond = torch.randn(1, 3, TEXT_HIDDEN, generator=gen, dtype=torch.float64)  # another length, as a negative prompt has
+    uncond = torch.randn(
+        1, 3, TEXT_HIDDEN, generator=gen, dtype=torch.float64
+    )  # another length, as a negative prompt has
     return latents, condition_latents(SHAPE).to(torch.float64), cond, uncond
 
 
@@ -60,7 +72,17 @@ def _run(heads: int, guidance: float, split: bool) -> tuple[torch.Tensor, int]:
     model = _model(heads)
     latents, condition, cond, uncond = _inputs()
     with torch.inference_mode():
-        out = denoise(model, latents, condition, cond, uncond, flow_sigmas(STEPS, SHIFT).tolist(), guidance, 1000, split=split)
+        out = denoise(
+            model,
+            latents,
+            condition,
+            cond,
+            uncond,
+            flow_sigmas(STEPS, SHIFT).tolist(),
+            guidance,
+            1000,
+            split=split,
+        )
     return out, model.calls
 
 

@@ -101,13 +101,24 @@ def _generator() -> VideoGenerator:
 def _settings(steps: int, guidance: float, shift: float, seed: int = 5) -> GenerationSettings:
     # 5 frames of 32x32: latents (1, 48, 2, 2, 2)
     return GenerationSettings(
-        prompt="p", negative_prompt="n", seed=seed, frames=5, height=32, width=32, fps=24.0, steps=steps, guidance=guidance, shift=shift
+        prompt="p",
+        negative_prompt="n",
+        seed=seed,
+        frames=5,
+        height=32,
+        width=32,
+        fps=24.0,
+        steps=steps,
+        guidance=guidance,
+        shift=shift,
     )
 
 
 def _noise(seed: int) -> torch.Tensor:
     """The seed contract of `VideoGenerator.sample`: float32 CPU randn of the latent shape."""
-    return torch.randn((1, 48, 2, 2, 2), generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32)
+    return torch.randn(
+        (1, 48, 2, 2, 2), generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32
+    )
 
 
 def test_sample_applies_guidance_with_the_prompt_as_cond():

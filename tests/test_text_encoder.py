@@ -43,7 +43,9 @@ def _reference_features(root, prompt: str, system: str = text.SYSTEM_MESSAGE) ->
     ids = tok(rendered, add_special_tokens=False)["input_ids"]
     start = len(tok(head, add_special_tokens=False)["input_ids"])
     assert tok.decode(ids[start:]) == rendered[len(head) :]  # the crop is exactly the text after the header
-    model = Qwen3_5TextModel.from_pretrained(str(root / "text_encoder"), dtype=torch.float32, local_files_only=True)
+    model = Qwen3_5TextModel.from_pretrained(
+        str(root / "text_encoder"), dtype=torch.float32, local_files_only=True
+    )
     with torch.no_grad():
         hidden = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
     assert not torch.equal(hidden[-3], hidden[-1]) and not torch.equal(hidden[-3], hidden[-2])
@@ -52,7 +54,10 @@ def _reference_features(root, prompt: str, system: str = text.SYSTEM_MESSAGE) ->
 
 def test_constants_are_the_release_recipe():
     assert text.HIDDEN_LAYER == -3 and text.MAX_PROMPT_TOKENS == 1536
-    assert text.SYSTEM_MESSAGE == "You are a helpful assistant. Generate the video with the following instructions."
+    assert (
+        text.SYSTEM_MESSAGE
+        == "You are a helpful assistant. Generate the video with the following instructions."
+    )
     assert PAN2TextEncoder.__init__.__defaults__ == (1536,)
 
 
@@ -120,7 +125,9 @@ def test_tokenizer_without_chat_template_is_a_checkpoint_error(tiny_text, tmp_pa
 def test_template_without_user_header_is_a_checkpoint_error(tiny_text, encoder, tmp_path):
     root, _ = tiny_text
     folder = shutil.copytree(root / "tokenizer", tmp_path / "tokenizer")
-    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
     plain = PAN2TextEncoder(load_tokenizer(folder), encoder.model)
     with pytest.raises(CheckpointError, match="header"):
         plain.encode(PROMPT)
@@ -144,7 +151,9 @@ def _multimodal_folder(tmp_path, model, layout: str):
 
         from scripts.make_tiny_pan2 import TINY_VISION
 
-        full = Qwen3_5Model(Qwen3_5Config(text_config=model.config.to_dict(), vision_config=TINY_VISION)).to(torch.bfloat16)
+        full = Qwen3_5Model(Qwen3_5Config(text_config=model.config.to_dict(), vision_config=TINY_VISION)).to(
+            torch.bfloat16
+        )
         full.language_model.load_state_dict(model.state_dict(), strict=True)
         full.save_pretrained(str(folder))
     return folder
@@ -157,8 +166,13 @@ def _keys(folder):
         return list(handle.keys())
 
 
-@pytest.mark.parametrize(("layout", "prefix"), [("ForConditionalGeneration", "model.language_model."), ("Model", "language_model.")])
-def test_multimodal_text_encoder_loads_the_language_model_only(tiny_text, encoder, tmp_path, monkeypatch, layout, prefix):
+@pytest.mark.parametrize(
+    ("layout", "prefix"),
+    [("ForConditionalGeneration", "model.language_model."), ("Model", "language_model.")],
+)
+def test_multimodal_text_encoder_loads_the_language_model_only(
+    tiny_text, encoder, tmp_path, monkeypatch, layout, prefix
+):
     import transformers
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
@@ -197,7 +211,9 @@ def test_multimodal_language_model_keys_are_checked_strictly(tiny_text, tmp_path
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.(up_proj|extra)\.weight") as err:
         load_text_model(folder, dtype=torch.float32)
-    assert {"missing": "missing keys", "unexpected": "unexpected keys", "shape": "wrong shapes"}[change] in str(err.value)
+    assert {"missing": "missing keys", "unexpected": "unexpected keys", "shape": "wrong shapes"}[
+        change
+    ] in str(err.value)
 
 
 def test_unknown_model_type_is_a_checkpoint_error_naming_it(tiny_text, tmp_path):

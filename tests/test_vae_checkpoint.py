@@ -24,9 +24,15 @@ from pan2cli.vae.checkpoint import load_vae_decoder, original_to_diffusers_key, 
         ("decoder.middle.1.to_qkv.weight", "decoder.mid_block.attentions.0.to_qkv.weight"),
         ("decoder.middle.2.residual.3.gamma", "decoder.mid_block.resnets.1.norm2.gamma"),
         ("decoder.upsamples.1.upsamples.2.residual.2.weight", "decoder.up_blocks.1.resnets.2.conv1.weight"),
-        ("decoder.upsamples.2.upsamples.0.shortcut.weight", "decoder.up_blocks.2.resnets.0.conv_shortcut.weight"),
+        (
+            "decoder.upsamples.2.upsamples.0.shortcut.weight",
+            "decoder.up_blocks.2.resnets.0.conv_shortcut.weight",
+        ),
         ("decoder.upsamples.0.upsamples.3.time_conv.bias", "decoder.up_blocks.0.upsampler.time_conv.bias"),
-        ("decoder.upsamples.2.upsamples.3.resample.1.weight", "decoder.up_blocks.2.upsampler.resample.1.weight"),
+        (
+            "decoder.upsamples.2.upsamples.3.resample.1.weight",
+            "decoder.up_blocks.2.upsampler.resample.1.weight",
+        ),
         ("decoder.head.0.gamma", "decoder.norm_out.gamma"),
         ("decoder.head.2.weight", "decoder.conv_out.weight"),
     ],
@@ -44,7 +50,10 @@ def test_all_layouts_give_the_same_decoder(tiny_checkpoints):
 
 def test_repo_root_with_vae_subfolder(tiny_checkpoints):
     root = tiny_checkpoints["diffusers"].parent
-    assert resolve_vae_checkpoint(root).weights == tiny_checkpoints["diffusers"] / "diffusion_pytorch_model.safetensors"
+    assert (
+        resolve_vae_checkpoint(root).weights
+        == tiny_checkpoints["diffusers"] / "diffusion_pytorch_model.safetensors"
+    )
 
 
 def test_diffusers_config_widths_are_read(tiny_vae):
@@ -62,14 +71,18 @@ def _edited_copy(tmp_path, source_dir, edit):
 
 
 def test_missing_key_is_named(tmp_path, tiny_vae):
-    folder = _edited_copy(tmp_path, tiny_vae, lambda s: {k: v for k, v in s.items() if k != "decoder.conv_out.bias"})
+    folder = _edited_copy(
+        tmp_path, tiny_vae, lambda s: {k: v for k, v in s.items() if k != "decoder.conv_out.bias"}
+    )
     with pytest.raises(CheckpointError, match=r"missing keys: decoder\.conv_out\.bias"):
         load_vae_decoder(folder)
 
 
 def test_unexpected_keys_are_named_but_encoder_keys_accepted(tmp_path, tiny_vae):
     def add(state):
-        assert any(k.startswith("encoder.") for k in state) and "quant_conv.weight" in state  # real files hold them
+        assert (
+            any(k.startswith("encoder.") for k in state) and "quant_conv.weight" in state
+        )  # real files hold them
         return {**state, "decoder.extra.weight": torch.zeros(1), "text_encoder.x": torch.zeros(1)}
 
     folder = _edited_copy(tmp_path, tiny_vae, add)
@@ -78,13 +91,20 @@ def test_unexpected_keys_are_named_but_encoder_keys_accepted(tmp_path, tiny_vae)
 
 
 def test_misshaped_key_is_named_with_both_shapes(tmp_path, tiny_vae):
-    folder = _edited_copy(tmp_path, tiny_vae, lambda s: {**s, "decoder.conv_out.weight": torch.zeros(12, 16, 3, 3, 1)})
-    with pytest.raises(CheckpointError, match=r"decoder\.conv_out\.weight \[12, 16, 3, 3, 1\] \(expected \[12, 16, 3, 3, 3\]\)"):
+    folder = _edited_copy(
+        tmp_path, tiny_vae, lambda s: {**s, "decoder.conv_out.weight": torch.zeros(12, 16, 3, 3, 1)}
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"decoder\.conv_out\.weight \[12, 16, 3, 3, 1\] \(expected \[12, 16, 3, 3, 3\]\)",
+    ):
         load_vae_decoder(folder)
 
 
 def test_integer_tensor_is_refused(tmp_path, tiny_vae):
-    folder = _edited_copy(tmp_path, tiny_vae, lambda s: {**s, "decoder.conv_out.bias": torch.zeros(12, dtype=torch.int32)})
+    folder = _edited_copy(
+        tmp_path, tiny_vae, lambda s: {**s, "decoder.conv_out.bias": torch.zeros(12, dtype=torch.int32)}
+    )
     with pytest.raises(CheckpointError, match="expected a float"):
         load_vae_decoder(folder)
 

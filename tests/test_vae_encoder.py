@@ -13,7 +13,9 @@ from tests.conftest import SMALL_VAE
 
 def test_original_encoder_keys_map_one_to_one():
     mapping = encoder_key_map(SMALL_VAE)
-    assert {original_to_diffusers_key(o, SMALL_VAE.num_res_blocks): d for d, o in mapping.items()} == {d: d for d in mapping}
+    assert {original_to_diffusers_key(o, SMALL_VAE.num_res_blocks): d for d, o in mapping.items()} == {
+        d: d for d in mapping
+    }
 
 
 def test_encoder_equals_diffusers_in_float64():
@@ -24,8 +26,12 @@ def test_encoder_equals_diffusers_in_float64():
     oracle = diffusers.AutoencoderKLWan(**kwargs).double().eval()
     oracle.load_state_dict(state)
     ours = WanVAEEncoder(SMALL_VAE).double()
-    ours.load_state_dict({k: v for k, v in state.items() if k.startswith(("encoder.", "quant_conv."))}, strict=True)
-    video = torch.rand(1, 3, 9, 64, 96, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    ours.load_state_dict(
+        {k: v for k, v in state.items() if k.startswith(("encoder.", "quant_conv."))}, strict=True
+    )
+    video = (
+        torch.rand(1, 3, 9, 64, 96, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    )
     with torch.no_grad():
         expected = oracle.encode(video).latent_dist.mean
     got = ours.encode(video)

@@ -26,7 +26,9 @@ def models():
             elif name.endswith("bias"):
                 tensor.copy_(0.1 * torch.randn_like(tensor))
     ours = WanVAEDecoder(SMALL).double()
-    decoder_state = {k: v for k, v in oracle.state_dict().items() if k.startswith(("decoder.", "post_quant_conv."))}
+    decoder_state = {
+        k: v for k, v in oracle.state_dict().items() if k.startswith(("decoder.", "post_quant_conv."))
+    }
     ours.load_state_dict(decoder_state, strict=True)
     return oracle, ours
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from pan2cli.errors import InputError, Pan2Error
-from pan2cli.outputs import DEFAULT_CRF, OUTPUT_FORMATS, check_output_path, default_output_path
 from pan2cli.frames import copy_to_host, frames_to_uint8, psnr
+from pan2cli.outputs import DEFAULT_CRF, OUTPUT_FORMATS, check_output_path, default_output_path
 from pan2cli.video import VideoWriter, open_video_writer, write_video
 
 
@@ -190,7 +190,9 @@ def test_mp4_round_trip(tmp_path: Path) -> None:
     assert back.shape == (9, 64, 96, 3)
     assert fps == pytest.approx(12.0)
     err = np.abs(back.astype(np.float32) - frames.numpy().astype(np.float32)).mean()
-    assert err < 2.0, err  # measured 1.53 (x264, crf 17, preset faster); frames shifted by one way or the other: 2.63, 3.21
+    assert err < 2.0, (
+        err
+    )  # measured 1.53 (x264, crf 17, preset faster); frames shifted by one way or the other: 2.63, 3.21
 
 
 @pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::pytest.PytestUnraisableExceptionWarning")
@@ -359,7 +361,9 @@ def test_mp4_writes_return_while_the_encoder_is_busy(tmp_path, monkeypatch):
     fake.chmod(0o755)
     monkeypatch.setattr(imageio_ffmpeg, "get_ffmpeg_exe", lambda: str(fake))
     gen = torch.Generator().manual_seed(0)
-    chunks = [torch.randint(0, 256, (4, 64, 96, 3), dtype=torch.uint8, generator=gen) for _ in range(8)]  # 8 x 72 KiB: more than a pipe holds
+    chunks = [
+        torch.randint(0, 256, (4, 64, 96, 3), dtype=torch.uint8, generator=gen) for _ in range(8)
+    ]  # 8 x 72 KiB: more than a pipe holds
     writer = open_video_writer(tmp_path / "out.mp4", "mp4", 24.0)
     writing = threading.Thread(target=lambda: [writer.write(c) for c in chunks], daemon=True)
     writing.start()

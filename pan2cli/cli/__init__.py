@@ -33,7 +33,14 @@ def _set_debug(ctx, param, value):
 
 @click.group(cls=Pan2Group, epilog=_EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(pan2cli.__version__, "--version", prog_name="pan2", message="%(prog)s %(version)s")
-@click.option("--debug", is_flag=True, expose_value=False, callback=_set_debug, is_eager=True, help="Show tracebacks for known errors too.")
+@click.option(
+    "--debug",
+    is_flag=True,
+    expose_value=False,
+    callback=_set_debug,
+    is_eager=True,
+    help="Show tracebacks for known errors too.",
+)
 def cli():
     """pan2: run PAN 2 and decode its Wan2.2 VAE latents into video, fast.
 

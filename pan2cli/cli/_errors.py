@@ -16,7 +16,14 @@ from typing import Iterator
 
 import click
 
-from pan2cli.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, OutOfMemoryError, Pan2Error, Terminated, out_of_memory
+from pan2cli.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    OutOfMemoryError,
+    Pan2Error,
+    Terminated,
+    out_of_memory,
+)
 
 
 def debug_enabled() -> bool:
@@ -47,7 +54,9 @@ def _rank_failure(error: Exception):
     distributed = sys.modules.get("pan2cli.distributed")  # every command that runs on ranks imported it
     if distributed is None or not _launch().under_torchrun():
         return None
-    known = isinstance(error, (distributed.WorkerExit, Pan2Error, _TerminatedCommand, click.exceptions.Abort)) or _is_out_of_memory(error)
+    known = isinstance(
+        error, (distributed.WorkerExit, Pan2Error, _TerminatedCommand, click.exceptions.Abort)
+    ) or _is_out_of_memory(error)
     return distributed if known else None
 
 

@@ -9,7 +9,14 @@ from typing import Iterator
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 # Rich writes to stderr only; stdout stays clean for paths and --json.
 stderr = Console(stderr=True, highlight=False)
@@ -31,7 +38,9 @@ def warn(line: str) -> None:
 
 
 @contextmanager
-def progress_bar(description: str, total: int, unit: str, quiet: bool = False, first: str | None = None) -> Iterator:
+def progress_bar(
+    description: str, total: int, unit: str, quiet: bool = False, first: str | None = None
+) -> Iterator:
     """A rich progress bar on stderr with the rate in `unit`/s; off under --quiet or when stderr is not a terminal.
 
     Yields a callable `advance(n)`. With `first` (say "first frame"), the bar also shows how long the

@@ -10,10 +10,10 @@ load them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from contextlib import nullcontext
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,7 +25,14 @@ from pan2cli.cli._options import device_option, dtype_option, gpus_option, quiet
 from pan2cli.cli._output import gib, info, progress_bar, result, status, warn
 from pan2cli.devices import resolve_device, resolve_dtype
 from pan2cli.errors import InputError, out_of_memory
-from pan2cli.outputs import DEFAULT_CRF, DEFAULT_X264_PRESET, OUTPUT_FORMATS, X264_PRESETS, check_output_path, default_output_path
+from pan2cli.outputs import (
+    DEFAULT_CRF,
+    DEFAULT_X264_PRESET,
+    OUTPUT_FORMATS,
+    X264_PRESETS,
+    check_output_path,
+    default_output_path,
+)
 from pan2cli.vae.config import DECODE_KERNEL_MODES, DEFAULT_VAE_REPO
 
 if TYPE_CHECKING:
@@ -85,7 +92,9 @@ def _missing_folder(output: str, folder: Path, n_inputs: int) -> InputError:
         )
     if folder.exists():
         return InputError(f"-o {output}: {folder} is a file, not a folder")
-    return InputError(f"-o {output}: folder {folder} does not exist", hint=f"create it first (mkdir -p {folder})")
+    return InputError(
+        f"-o {output}: folder {folder} does not exist", hint=f"create it first (mkdir -p {folder})"
+    )
 
 
 def _output_format(output: str, fmt: str | None) -> str:
@@ -99,7 +108,8 @@ def _output_format(output: str, fmt: str | None) -> str:
         return named or fmt
     if suffix == ".png":
         raise InputError(
-            f"-o {output}: PNG frames go to a folder, not a .png file", hint=f"pass --format png -o {path.with_suffix('')}/"
+            f"-o {output}: PNG frames go to a folder, not a .png file",
+            hint=f"pass --format png -o {path.with_suffix('')}/",
         )
     stem = path.with_suffix("") if suffix else path
     what = "has no suffix" if not suffix else f"ends in {path.suffix}, a format pan2 decode does not write"
@@ -109,7 +119,9 @@ def _output_format(output: str, fmt: str | None) -> str:
     )
 
 
-def plan_outputs(sources: list[LatentInput], output: str | None, fmt: str | None) -> tuple[str, list[DecodeJob]]:
+def plan_outputs(
+    sources: list[LatentInput], output: str | None, fmt: str | None
+) -> tuple[str, list[DecodeJob]]:
     """The output format and one job per video (batch item) with its path, from `-o` as typed and --format.
 
     - no `-o`: next to each input, same stem (`default_output_path`), in --format (default mp4);
@@ -137,7 +149,9 @@ def plan_outputs(sources: list[LatentInput], output: str | None, fmt: str | None
     jobs = []
     for source in sources:
         batch = source.latents.shape[0]
-        path = single or (_in_folder(folder, source.path, fmt) if folder else default_output_path(source.path, fmt))
+        path = single or (
+            _in_folder(folder, source.path, fmt) if folder else default_output_path(source.path, fmt)
+        )
         jobs.extend(DecodeJob(source, i, _numbered(path, i) if batch > 1 else path) for i in range(batch))
     seen: dict[Path, DecodeJob] = {}
     for job in jobs:
@@ -156,9 +170,15 @@ def _check_not_an_input(output: Path, inputs: list[Path]) -> None:
     """An output must not replace an input: the same file (links included), or a folder holding one."""
     for path in inputs:
         if output.exists() and os.path.samefile(output, path):
-            raise InputError(f"output {output} is the input {path}: writing it would destroy the latents", hint="choose another output name")
+            raise InputError(
+                f"output {output} is the input {path}: writing it would destroy the latents",
+                hint="choose another output name",
+            )
         if output.is_dir() and path.resolve().is_relative_to(output.resolve()):
-            raise InputError(f"output {output} holds the input {path}: replacing it would destroy the latents", hint="choose another output name")
+            raise InputError(
+                f"output {output} holds the input {path}: replacing it would destroy the latents",
+                hint="choose another output name",
+            )
 
 
 @click.command("decode")
@@ -181,7 +201,9 @@ def _check_not_an_input(output: Path, inputs: list[Path]) -> None:
     "(read from the local cache when the hub is unreachable).  "
     f"[default: {DEFAULT_VAE_REPO}]",
 )
-@click.option("--revision", default=None, help="Branch, tag or commit of the Hugging Face repo given by --vae.")
+@click.option(
+    "--revision", default=None, help="Branch, tag or commit of the Hugging Face repo given by --vae."
+)
 @dtype_option
 @device_option
 @click.option(
@@ -239,7 +261,25 @@ def _check_not_an_input(output: Path, inputs: list[Path]) -> None:
 @gpus_option
 @quiet_option
 @click.pass_context
-def decode_command(ctx, latents, output, vae, revision, dtype, device, decode_kernel, chunk_latent_frames, fps, crf, x264_preset, fmt, raw_latents, overwrite, gpus, quiet):
+def decode_command(
+    ctx,
+    latents,
+    output,
+    vae,
+    revision,
+    dtype,
+    device,
+    decode_kernel,
+    chunk_latent_frames,
+    fps,
+    crf,
+    x264_preset,
+    fmt,
+    raw_latents,
+    overwrite,
+    gpus,
+    quiet,
+):
     """Decode Wan2.2 VAE latents (PAN 2 DiT output) into video.
 
     LATENTS are `.pt` files holding a tensor [48,T,H,W] or [B,48,T,H,W] (or a dict with `latents`
@@ -260,8 +300,6 @@ def decode_command(ctx, latents, output, vae, revision, dtype, device, decode_ke
         overwrite=overwrite, quiet=quiet,
     )  # fmt: skip
     run_on_ranks(ctx, gpus, device, lambda d: _decode(dataclasses.replace(options, device=d)))
-
-
 
 
 def _decode(options: DecodeOptions):
@@ -289,7 +327,9 @@ def _decode(options: DecodeOptions):
         fmt, jobs = plan_outputs(sources, options.output, options.fmt)
         for job in jobs:
             check_output_path(job.output, options.overwrite)
-        device = options.device if isinstance(options.device, torch.device) else resolve_device(options.device)
+        device = (
+            options.device if isinstance(options.device, torch.device) else resolve_device(options.device)
+        )
         torch_dtype = resolve_dtype(options.dtype, device)
         if world > 1:
             for source in sources:
@@ -299,11 +339,15 @@ def _decode(options: DecodeOptions):
     distributed.raise_if_any_failed(error)
     if main and device.type == "cpu" and torch_dtype == torch.bfloat16:
         # Issue 12: a decode took 40 s in bf16 and 1 s in fp32 on a 2-core x86 CPU (PyTorch's CPU convs are slow in bf16).
-        warn("--dtype bf16 on the CPU is about 40x slower than fp32 (PyTorch has no fast bf16 convolutions there); use --dtype fp32")
+        warn(
+            "--dtype bf16 on the CPU is about 40x slower than fp32 (PyTorch has no fast bf16 convolutions there); use --dtype fp32"
+        )
 
     # 2. Load the decoder once; no rank goes on to the decode's collectives if one failed here.
     start = time.perf_counter()
-    triton_loading = start_loading_triton(device, torch_dtype, options.decode_kernel)  # beside the weights' loading
+    triton_loading = start_loading_triton(
+        device, torch_dtype, options.decode_kernel
+    )  # beside the weights' loading
     try:
         with status("Loading the VAE decoder…", quiet):
             reference = load_vae_decoder(
@@ -334,18 +378,40 @@ def _decode(options: DecodeOptions):
     del reference  # the kernel path holds its own copy of the weights
     if note:
         info(note, quiet)
-    info(f"Loaded the VAE decoder in {time.perf_counter() - start:.1f} s ({device}, {str(torch_dtype).removeprefix('torch.')}).", quiet)
+    info(
+        f"Loaded the VAE decoder in {time.perf_counter() - start:.1f} s ({device}, {str(torch_dtype).removeprefix('torch.')}).",
+        quiet,
+    )
 
     # 3. Decode each video, writing it chunk by chunk (rank 0 writes; the others decode their rows).
     for job in jobs:
         z = job.source.latents[job.index]
         frame_rate = options.fps or job.source.fps or DEFAULT_FPS
         started = time.perf_counter()
-        writing = open_video_writer(job.output, fmt, frame_rate, crf=options.crf, overwrite=options.overwrite, preset=options.x264_preset) if main else nullcontext()
+        writing = (
+            open_video_writer(
+                job.output,
+                fmt,
+                frame_rate,
+                crf=options.crf,
+                overwrite=options.overwrite,
+                preset=options.x264_preset,
+            )
+            if main
+            else nullcontext()
+        )
         with writing as writer, launch.partial_output(writer.tmp_path if writer is not None else None):
             total = decoder.config.frames_out(z.shape[1])
-            with progress_bar(f"Decoding {job.source.path.name}", total=total, unit="frames", quiet=quiet, first="first frame") as advance:
-                stats = decode_latents(decoder, z, writer, normalized=not options.raw_latents, on_chunk=advance)
+            with progress_bar(
+                f"Decoding {job.source.path.name}",
+                total=total,
+                unit="frames",
+                quiet=quiet,
+                first="first frame",
+            ) as advance:
+                stats = decode_latents(
+                    decoder, z, writer, normalized=not options.raw_latents, on_chunk=advance
+                )
         if not main:
             continue
         # total: until the file is in place (an MP4's encode runs beside the decode and ends after it)

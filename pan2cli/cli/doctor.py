@@ -75,7 +75,9 @@ def _attention(device) -> str:
     release = release_defaults()
     try:
         order = attention_order()
-        chosen = attention_backend(device, torch.bfloat16, release["num_attention_heads"], release["attention_head_dim"])
+        chosen = attention_backend(
+            device, torch.bfloat16, release["num_attention_heads"], release["attention_head_dim"]
+        )
     except InputError as exc:  # a bad PAN2_ATTENTION: doctor reports it rather than failing
         return str(exc)
     return f"{chosen} (priority {' > '.join(order)}; PAN2_ATTENTION puts one first)"
@@ -97,5 +99,11 @@ def doctor_command(as_json):
         return
     for key, value in report.items():
         if key == "gpus":
-            value = "; ".join(f"{g['index']}: {g['name']} (sm {g['compute_capability']}, {g['memory_gib']} GiB)" for g in value) or "none"
+            value = (
+                "; ".join(
+                    f"{g['index']}: {g['name']} (sm {g['compute_capability']}, {g['memory_gib']} GiB)"
+                    for g in value
+                )
+                or "none"
+            )
         result(f"{key:<15} {value}")

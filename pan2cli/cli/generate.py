@@ -24,10 +24,10 @@ from pan2cli.cli._options import device_option, dtype_option, gpus_option, quiet
 from pan2cli.cli._output import info, progress_bar, result, warn
 from pan2cli.constants import MAX_SEED
 from pan2cli.errors import InputError
+from pan2cli.outputs import DEFAULT_CRF
 from pan2cli.pipeline.components import DEFAULT_MODEL_REPO
 from pan2cli.presets import DEFAULT_PRESET, load_preset
 from pan2cli.vae.config import DECODE_KERNEL_MODES
-from pan2cli.outputs import DEFAULT_CRF
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,9 @@ def _latents_path(output: Path) -> Path:
     return output.with_name(f"{output.stem}.latents.pt")
 
 
-def _jobs(prompt, prompts_file, output, preset, overrides, save_latents, overwrite, skip_existing, crf, world, rank):
+def _jobs(
+    prompt, prompts_file, output, preset, overrides, save_latents, overwrite, skip_existing, crf, world, rank
+):
     """(jobs of this rank, skipped outputs, warnings, is_batch); everything checked, nothing loaded."""
     from pan2cli.pipeline.prompts import read_prompt_file, shard, slugify
     from pan2cli.pipeline.settings import GenerationJob, resolve_settings
@@ -89,10 +91,15 @@ def _jobs(prompt, prompts_file, output, preset, overrides, save_latents, overwri
         entries = [(r, folder / f"{r.stem}.mp4") for r in shard(records, rank, world)]
     else:
         if prompt is None:
-            raise InputError("no prompt", hint='pass the text, e.g. pan2 generate "a red fox in the snow", or --prompts FILE')
+            raise InputError(
+                "no prompt",
+                hint='pass the text, e.g. pan2 generate "a red fox in the snow", or --prompts FILE',
+            )
         if output is not None and (output.endswith(("/", os.sep)) or Path(output).is_dir()):
             if not Path(output).is_dir():  # a trailing slash names a folder, never a file
-                raise InputError(f"-o {output}: the folder does not exist", hint=f"create it first (mkdir -p {output})")
+                raise InputError(
+                    f"-o {output}: the folder does not exist", hint=f"create it first (mkdir -p {output})"
+                )
             output = Path(output) / f"{slugify(prompt)}.mp4"
         entries = [(None, Path(output) if output is not None else Path.cwd() / f"{slugify(prompt)}.mp4")]
     jobs, skipped = [], []
@@ -116,7 +123,10 @@ def _jobs(prompt, prompts_file, output, preset, overrides, save_latents, overwri
             settings = resolve_settings(text, preset, **fields)
         except InputError as exc:
             raise InputError(where + str(exc), hint=exc.hint) from exc
-        metadata = {"preset": preset.name, "overrides": {k: (str(v) if isinstance(v, Path) else v) for k, v in overrides.items()}}
+        metadata = {
+            "preset": preset.name,
+            "overrides": {k: (str(v) if isinstance(v, Path) else v) for k, v in overrides.items()},
+        }
         if record is not None:
             metadata.update(index=record.index, name=record.name)
         job = GenerationJob(
@@ -129,36 +139,173 @@ def _jobs(prompt, prompts_file, output, preset, overrides, save_latents, overwri
 
 @click.command("generate")
 @click.argument("prompt", required=False)
-@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False, path_type=Path), default=None, help="A prompt file: JSON records (prompt, negative_prompt, duration, image, seed, name) or plain text, one prompt per line.")
-@click.option("-o", "--output", type=click.Path(), default=None, help="Output MP4 (one prompt) or an existing folder (--prompts).  [default: <slug>.mp4 / <index>_<slug>.mp4 in the current folder]")
-@click.option("--model", default=None, metavar="PATH|REPO", help=f"PAN 2 checkpoint: a folder with transformer/, text_encoder/, tokenizer/, vae/, or a Hugging Face repo id (read from the local cache when the hub is unreachable).  [default: {DEFAULT_MODEL_REPO}]")
-@click.option("--revision", default=None, help="Branch, tag or commit of the Hugging Face repo given by --model.")
-@click.option("--preset", default=DEFAULT_PRESET, show_default=True, help="Generation preset (name or .toml path); the options below override it.")
-@click.option("--steps", type=click.IntRange(min=1), default=None, help="Denoising steps.  [default: the preset's, 50]")
-@click.option("--guidance", type=click.FloatRange(min=0, min_open=True), default=None, help="Classifier-free guidance scale; 1 skips the negative prompt.  [default: the preset's, 2.5]")
-@click.option("--shift", type=click.FloatRange(min=0, min_open=True), default=None, help="Flow shift s of the schedule σ' = s·σ/(1+(s−1)·σ).  [default: the preset's, 9]")
-@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None, help="Random seed.  [default: the preset's, 123]")
-@click.option("--frames", type=int, default=None, help="Video frames, 1 + 4·k (121 = 5 s at 24 fps).  [default: the preset's]")
-@click.option("--duration", type=float, default=None, help="Video length in seconds: frames = 4·round(duration·fps/4) + 1.")
-@click.option("--size", callback=_parse_size, default=None, metavar="HxW", help="Height x width in pixels, multiples of 32.  [default: the preset's, 704x1248]")
-@click.option("--fps", type=click.FloatRange(min=0, min_open=True), default=None, help="Frame rate.  [default: the preset's, 24]")
-@click.option("--negative-prompt", default=None, help="Negative prompt for classifier-free guidance.  [default: the preset's, empty]")
-@click.option("--image", type=click.Path(path_type=Path), default=None, help="Start image (image-to-video): resized and centre-cropped to the size, it becomes the first frame.")
-@click.option("--save-latents", is_flag=True, help="Also write <output>.latents.pt (normalised latents and fps), readable by `pan2 decode`.")
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="A prompt file: JSON records (prompt, negative_prompt, duration, image, seed, name) or plain text, one prompt per line.",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(),
+    default=None,
+    help="Output MP4 (one prompt) or an existing folder (--prompts).  [default: <slug>.mp4 / <index>_<slug>.mp4 in the current folder]",
+)
+@click.option(
+    "--model",
+    default=None,
+    metavar="PATH|REPO",
+    help=f"PAN 2 checkpoint: a folder with transformer/, text_encoder/, tokenizer/, vae/, or a Hugging Face repo id (read from the local cache when the hub is unreachable).  [default: {DEFAULT_MODEL_REPO}]",
+)
+@click.option(
+    "--revision", default=None, help="Branch, tag or commit of the Hugging Face repo given by --model."
+)
+@click.option(
+    "--preset",
+    default=DEFAULT_PRESET,
+    show_default=True,
+    help="Generation preset (name or .toml path); the options below override it.",
+)
+@click.option(
+    "--steps", type=click.IntRange(min=1), default=None, help="Denoising steps.  [default: the preset's, 50]"
+)
+@click.option(
+    "--guidance",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Classifier-free guidance scale; 1 skips the negative prompt.  [default: the preset's, 2.5]",
+)
+@click.option(
+    "--shift",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Flow shift s of the schedule σ' = s·σ/(1+(s−1)·σ).  [default: the preset's, 9]",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(0, MAX_SEED),
+    default=None,
+    help="Random seed.  [default: the preset's, 123]",
+)
+@click.option(
+    "--frames",
+    type=int,
+    default=None,
+    help="Video frames, 1 + 4·k (121 = 5 s at 24 fps).  [default: the preset's]",
+)
+@click.option(
+    "--duration",
+    type=float,
+    default=None,
+    help="Video length in seconds: frames = 4·round(duration·fps/4) + 1.",
+)
+@click.option(
+    "--size",
+    callback=_parse_size,
+    default=None,
+    metavar="HxW",
+    help="Height x width in pixels, multiples of 32.  [default: the preset's, 704x1248]",
+)
+@click.option(
+    "--fps",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Frame rate.  [default: the preset's, 24]",
+)
+@click.option(
+    "--negative-prompt",
+    default=None,
+    help="Negative prompt for classifier-free guidance.  [default: the preset's, empty]",
+)
+@click.option(
+    "--image",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Start image (image-to-video): resized and centre-cropped to the size, it becomes the first frame.",
+)
+@click.option(
+    "--save-latents",
+    is_flag=True,
+    help="Also write <output>.latents.pt (normalised latents and fps), readable by `pan2 decode`.",
+)
 @click.option("--skip-existing", is_flag=True, help="Skip prompts whose output MP4 exists (resume a batch).")
 @click.option("--overwrite", is_flag=True, help="Replace existing outputs (otherwise they are an error).")
-@click.option("--offload", is_flag=True, help="Keep the DiT's blocks in pinned host memory and stream them to the GPU one by one (PAN 2 on an 80 GB GPU); same frames, slower.")
-@click.option("--dit-fused-kernels/--no-dit-fused-kernels", default=True, show_default=True, help="Triton fusions in the DiT where they apply (CUDA with Triton).")
-@click.option("--decode-kernel", type=click.Choice(DECODE_KERNEL_MODES), default="auto", show_default=True, help="The compiled CUDA VAE decoder: auto where it applies, off, or require.")
-@click.option("--decode-kernel-parallel/--no-decode-kernel-parallel", default=True, show_default=True, help="With --gpus and one prompt, split the decode by rows across the GPUs of a machine.")
-@click.option("--chunk-latent-frames", type=click.IntRange(min=1), default=None, help="Latent frames per VAE decoder pass after the first; smaller uses less memory.  [default: the preset's, 4]")
-@click.option("--crf", type=click.IntRange(0, 51), default=DEFAULT_CRF, show_default=True, help="H.264 quality (0 lossless, 17 visually lossless).")
+@click.option(
+    "--offload",
+    is_flag=True,
+    help="Keep the DiT's blocks in pinned host memory and stream them to the GPU one by one (PAN 2 on an 80 GB GPU); same frames, slower.",
+)
+@click.option(
+    "--dit-fused-kernels/--no-dit-fused-kernels",
+    default=True,
+    show_default=True,
+    help="Triton fusions in the DiT where they apply (CUDA with Triton).",
+)
+@click.option(
+    "--decode-kernel",
+    type=click.Choice(DECODE_KERNEL_MODES),
+    default="auto",
+    show_default=True,
+    help="The compiled CUDA VAE decoder: auto where it applies, off, or require.",
+)
+@click.option(
+    "--decode-kernel-parallel/--no-decode-kernel-parallel",
+    default=True,
+    show_default=True,
+    help="With --gpus and one prompt, split the decode by rows across the GPUs of a machine.",
+)
+@click.option(
+    "--chunk-latent-frames",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Latent frames per VAE decoder pass after the first; smaller uses less memory.  [default: the preset's, 4]",
+)
+@click.option(
+    "--crf",
+    type=click.IntRange(0, 51),
+    default=DEFAULT_CRF,
+    show_default=True,
+    help="H.264 quality (0 lossless, 17 visually lossless).",
+)
 @dtype_option
 @device_option
 @gpus_option
 @quiet_option
 @click.pass_context
-def generate_command(ctx, prompt, prompts_file, output, model, revision, preset, steps, guidance, shift, seed, frames, duration, size, fps, negative_prompt, image, save_latents, skip_existing, overwrite, offload, dit_fused_kernels, decode_kernel, decode_kernel_parallel, chunk_latent_frames, crf, dtype, device, gpus, quiet):
+def generate_command(
+    ctx,
+    prompt,
+    prompts_file,
+    output,
+    model,
+    revision,
+    preset,
+    steps,
+    guidance,
+    shift,
+    seed,
+    frames,
+    duration,
+    size,
+    fps,
+    negative_prompt,
+    image,
+    save_latents,
+    skip_existing,
+    overwrite,
+    offload,
+    dit_fused_kernels,
+    decode_kernel,
+    decode_kernel_parallel,
+    chunk_latent_frames,
+    crf,
+    dtype,
+    device,
+    gpus,
+    quiet,
+):
     """Generate video from a prompt (text-to-video) or a prompt and a start image (image-to-video).
 
     The PAN 2 pipeline: the text encoder, flow-matching Euler sampling with the MMDiT and classifier-free
@@ -180,7 +327,12 @@ def generate_command(ctx, prompt, prompts_file, output, model, revision, preset,
         dit_fused_kernels=dit_fused_kernels, decode_kernel=decode_kernel, decode_kernel_parallel=decode_kernel_parallel,
         chunk_latent_frames=chunk_latent_frames, crf=crf, dtype=dtype, device=device, quiet=quiet,
     )  # fmt: skip
-    return run_on_ranks(ctx, gpus, device, lambda d: _generate(dataclasses.replace(options, device=None if d is None else str(d))))
+    return run_on_ranks(
+        ctx,
+        gpus,
+        device,
+        lambda d: _generate(dataclasses.replace(options, device=None if d is None else str(d))),
+    )
 
 
 def _progress(quiet: bool):
@@ -233,7 +385,14 @@ def _generate(options: GenerateOptions) -> int:
             from huggingface_hub.utils import disable_progress_bars
 
             disable_progress_bars()
-        generator = VideoGenerator.from_pretrained(options.model, config=config, revision=options.revision, progress=_progress(quiet_here), info=lambda line: info(line, quiet_here), warn=warn)
+        generator = VideoGenerator.from_pretrained(
+            options.model,
+            config=config,
+            revision=options.revision,
+            progress=_progress(quiet_here),
+            info=lambda line: info(line, quiet_here),
+            warn=warn,
+        )
         for job in jobs:
             generator.check_job(job)
             jobs_checked.append(job)
@@ -249,7 +408,10 @@ def _generate(options: GenerateOptions) -> int:
             if res.output is not None:
                 result(str(res.output))
                 seconds = ", ".join(f"{k} {v:.1f} s" for k, v in res.seconds.items())
-                info(f"{res.output}: {res.job.settings.frames} frames, {res.job.settings.width}x{res.job.settings.height}; {seconds}", quiet_here)
+                info(
+                    f"{res.output}: {res.job.settings.frames} frames, {res.job.settings.width}x{res.job.settings.height}; {seconds}",
+                    quiet_here,
+                )
             return
         label = res.job.output.stem if res.job.output is not None else res.job.settings.prompt
         failed.append((label, res.error))

@@ -48,7 +48,8 @@ def build_command():
     if current_arch() is None:
         why = kernel_status().decode_path.split(": ", 1)[-1]
         raise KernelBuildError(
-            f"nothing to build: {why}", hint="the kernel targets H100/H200 (sm_90a) and B200/B300 (sm_100a, sm_103a)"
+            f"nothing to build: {why}",
+            hint="the kernel targets H100/H200 (sm_90a) and B200/B300 (sm_100a, sm_103a)",
         )
     start = time.perf_counter()
     with status("Building the decode kernel (about a minute the first time)…"):
@@ -95,7 +96,9 @@ def status_command(as_json):
             "convs": report.convs,
         }
     else:  # the key reads as a question there: say the answer in words
-        values["convs_compiled"] = "yes" if report.convs_compiled else "no: the first decode compiles them (or `pan2 kernels build`)"
+        values["convs_compiled"] = (
+            "yes" if report.convs_compiled else "no: the first decode compiles them (or `pan2 kernels build`)"
+        )
     for key, value in values.items():
         result(f"{key:<12} {value}")
 

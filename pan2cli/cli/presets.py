@@ -43,7 +43,12 @@ def list_command():
 
 @presets_group.command("show")
 @click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help="Print the preset as JSON (with its name, source and derived values) instead of TOML.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the preset as JSON (with its name, source and derived values) instead of TOML.",
+)
 def show_command(name, as_json):
     """Show every setting of preset NAME (a shipped name or a .toml path).
 

@@ -40,7 +40,9 @@ def attention_order() -> tuple[str, ...]:
     if not first:
         return DEFAULT_ORDER
     if first not in BACKENDS:
-        raise InputError(f"{ENV_ATTENTION}={first!r} is not an attention backend", hint=f"use one of {', '.join(BACKENDS)}")
+        raise InputError(
+            f"{ENV_ATTENTION}={first!r} is not an attention backend", hint=f"use one of {', '.join(BACKENDS)}"
+        )
     return (first, *(name for name in DEFAULT_ORDER if name != first))
 
 
@@ -61,7 +63,9 @@ def _accepts(name: str, params, debug: bool = False) -> bool:
     return name == "math" or checks[name](params, debug)
 
 
-def attention_backend(device: torch.device, dtype: torch.dtype, heads: int, head_dim: int, tokens: int = 1024) -> str:
+def attention_backend(
+    device: torch.device, dtype: torch.dtype, heads: int, head_dim: int, tokens: int = 1024
+) -> str:
     """The backend the transformer's attention takes for `heads` x `head_dim` in `dtype` on `device`.
 
     On a GPU: the first of `attention_order()` whose own check accepts such inputs (cuDNN also needs a

@@ -132,7 +132,9 @@ def _local_root(path_or_repo: str | Path, subfolder: str | None, revision: str |
         return hub_snapshot(spec, revision, [f"{folder}/*.json", f"{folder}/*.safetensors"])
 
 
-def resolve_pan2_checkpoint(path_or_repo: str | Path, subfolder: str | None = None, revision: str | None = None) -> PAN2Checkpoint:
+def resolve_pan2_checkpoint(
+    path_or_repo: str | Path, subfolder: str | None = None, revision: str | None = None
+) -> PAN2Checkpoint:
     """Locate config and weights (a folder, a repo root with `transformer/`, or a hub repo id).
 
     Raises:
@@ -148,13 +150,17 @@ def _reader(files: dict[str, Path]) -> tuple[Callable[[str], torch.Tensor], list
     """A reader of one tensor at a time that memory-maps each file once (and the open handles)."""
     from safetensors import safe_open
 
-    handles = {path: safe_open(str(path), framework="pt", device="cpu") for path in sorted(set(files.values()))}
+    handles = {
+        path: safe_open(str(path), framework="pt", device="cpu") for path in sorted(set(files.values()))
+    }
 
     def read(key: str) -> torch.Tensor:
         try:
             return handles[files[key]].get_tensor(key)
         except Exception as exc:
-            raise CheckpointError(f"{files[key]}: tensor {key} could not be read (truncated file?): {exc}") from exc
+            raise CheckpointError(
+                f"{files[key]}: tensor {key} could not be read (truncated file?): {exc}"
+            ) from exc
 
     return read, list(handles.values())
 
@@ -195,7 +201,9 @@ def load_pan2_transformer(
     for key in model.state_dict():
         tensor = read(key)
         if not tensor.is_floating_point():
-            raise CheckpointError(f"{ckpt.files[key]}: tensor {key} has dtype {tensor.dtype}, expected a float")
+            raise CheckpointError(
+                f"{ckpt.files[key]}: tensor {key} has dtype {tensor.dtype}, expected a float"
+            )
         target = dtype or tensor.dtype
         if keep_fp32_modules and keeps_fp32(key) and target != torch.float64:
             target = torch.float32

@@ -16,7 +16,9 @@ from pan2cli.errors import CheckpointError
 
 CLASS_NAME = "PAN2Transformer3DModel"
 # Keys a diffusers config.json carries that describe no hyper-parameter.
-BOOKKEEPING_KEYS = frozenset({"_class_name", "_diffusers_version", "_name_or_path", "_commit_hash", "_use_default_values"})
+BOOKKEEPING_KEYS = frozenset(
+    {"_class_name", "_diffusers_version", "_name_or_path", "_commit_hash", "_use_default_values"}
+)
 
 
 @dataclass(frozen=True)
@@ -48,23 +50,50 @@ class PAN2TransformerConfig:
                 raise CheckpointError(f"{name} must be a list of three whole numbers, got {value!r}")
             object.__setattr__(self, name, tuple(value))
         problems = []
-        for name in ("in_channels", "out_channels", "num_attention_heads", "attention_head_dim", "num_layers", "text_embed_dim"):
+        for name in (
+            "in_channels",
+            "out_channels",
+            "num_attention_heads",
+            "attention_head_dim",
+            "num_layers",
+            "text_embed_dim",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name} must be a positive whole number, got {value!r}")
-        if isinstance(self.num_refiner_layers, bool) or not isinstance(self.num_refiner_layers, int) or self.num_refiner_layers < 0:
+        if (
+            isinstance(self.num_refiner_layers, bool)
+            or not isinstance(self.num_refiner_layers, int)
+            or self.num_refiner_layers < 0
+        ):
             problems.append(f"num_refiner_layers must be a whole number ≥ 0, got {self.num_refiner_layers!r}")
-        for name in ("mlp_ratio", "context_mlp_ratio", "refiner_mlp_ratio", "rope_theta", "rope_temporal_scale", "norm_eps", "text_norm_eps"):
+        for name in (
+            "mlp_ratio",
+            "context_mlp_ratio",
+            "refiner_mlp_ratio",
+            "rope_theta",
+            "rope_temporal_scale",
+            "norm_eps",
+            "text_norm_eps",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 problems.append(f"{name} must be a positive number, got {value!r}")
-        if len(self.patch_size) != 3 or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in self.patch_size):
-            problems.append(f"patch_size must be three positive whole numbers (t, h, w), got {list(self.patch_size)}")
+        if len(self.patch_size) != 3 or any(
+            isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in self.patch_size
+        ):
+            problems.append(
+                f"patch_size must be three positive whole numbers (t, h, w), got {list(self.patch_size)}"
+            )
         axes = self.rope_axes_dim
-        if len(axes) != 3 or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 or d % 2 for d in axes):
+        if len(axes) != 3 or any(
+            isinstance(d, bool) or not isinstance(d, int) or d < 0 or d % 2 for d in axes
+        ):
             problems.append(f"rope_axes_dim must be three even whole numbers (t, h, w), got {list(axes)}")
         elif isinstance(self.attention_head_dim, int) and sum(axes) != self.attention_head_dim:
-            problems.append(f"rope_axes_dim {list(axes)} sums to {sum(axes)}, but attention_head_dim is {self.attention_head_dim}")
+            problems.append(
+                f"rope_axes_dim {list(axes)} sums to {sum(axes)}, but attention_head_dim is {self.attention_head_dim}"
+            )
         if problems:
             raise CheckpointError("; ".join(problems))
 

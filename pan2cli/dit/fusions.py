@@ -105,7 +105,18 @@ def _qk_norm_rope_op(
     q_out, k_out = _joint_qk(q, q_text)
     launch(q, k, q_weight, k_weight, cos, sin, q_out, k_out, eps=eps, interleaved=interleaved)
     if q_text is not None:
-        launch(q_text, k_text, q_text_weight, k_text_weight, None, None, q_out, k_out, eps=eps, out_token_offset=q.shape[1])
+        launch(
+            q_text,
+            k_text,
+            q_text_weight,
+            k_text_weight,
+            None,
+            None,
+            q_out,
+            k_out,
+            eps=eps,
+            out_token_offset=q.shape[1],
+        )
     return q_out, k_out
 
 
@@ -123,7 +134,9 @@ def _joint_qk(q: torch.Tensor, q_text: Optional[torch.Tensor]) -> tuple[torch.Te
 
 
 @torch.library.custom_op("pan2_fusions::layer_norm_modulate", mutates_args=())
-def _layer_norm_modulate_op(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
+def _layer_norm_modulate_op(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float
+) -> torch.Tensor:
     from pan2cli.dit.layer_norm_modulate_kernel import layer_norm_modulate as launch
 
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -168,7 +181,9 @@ def qk_norm_rope(
         (q, k), each `[B, N + L, H, head_dim]` contiguous in the dtype of q: video tokens, then text.
     """
     op = _qk_norm_rope_op if fused else qk_norm_rope_reference
-    return op(q, k, q_weight, k_weight, cos, sin, q_text, k_text, q_text_weight, k_text_weight, eps, interleaved)
+    return op(
+        q, k, q_weight, k_weight, cos, sin, q_text, k_text, q_text_weight, k_text_weight, eps, interleaved
+    )
 
 
 def layer_norm_modulate(

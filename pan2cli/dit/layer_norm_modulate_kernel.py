@@ -71,16 +71,22 @@ def layer_norm_modulate(
         block_rows, num_warps: launch shape; default rows so that a program holds ~8192 elements
             (1 row at D = 5120), and `elements / 1024` warps clamped to [1, 8].
     """
-    assert x.dim() == 3 and scale.dim() == 3 and shift.dim() == 3, "x, scale, shift must be [B, N, D], [B, G, D]"
+    assert x.dim() == 3 and scale.dim() == 3 and shift.dim() == 3, (
+        "x, scale, shift must be [B, N, D], [B, G, D]"
+    )
     batch, n_tokens, dim = x.shape
     groups = scale.shape[1]
     assert scale.shape == shift.shape == (batch, groups, dim), (
         f"scale {tuple(scale.shape)} and shift {tuple(shift.shape)} must be [{batch}, G, {dim}]"
     )
-    assert groups >= 1 and n_tokens % groups == 0, f"{groups} modulation groups do not divide {n_tokens} tokens"
+    assert groups >= 1 and n_tokens % groups == 0, (
+        f"{groups} modulation groups do not divide {n_tokens} tokens"
+    )
     assert out.shape == x.shape and out.dtype == x.dtype, "out must match x in shape and dtype"
     for name, t in (("x", x), ("out", out)):
-        assert t.stride(2) == 1 and (batch == 1 or t.stride(0) == n_tokens * t.stride(1)), f"{name} must be [B·N, D] rows"
+        assert t.stride(2) == 1 and (batch == 1 or t.stride(0) == n_tokens * t.stride(1)), (
+            f"{name} must be [B·N, D] rows"
+        )
         assert t.is_cuda or triton_interpreting(), f"{name} must be a CUDA tensor (or set TRITON_INTERPRET=1)"
     assert scale.stride(2) == 1 and shift.stride(2) == 1, "scale and shift must be contiguous along D"
     n_rows = batch * n_tokens

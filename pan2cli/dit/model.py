@@ -37,7 +37,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pan2cli.dit.config import PAN2TransformerConfig
-from pan2cli.dit.fusions import compute_dtype, layer_norm_modulate, qk_norm_rope, rms_norm_reference, use_fused
+from pan2cli.dit.fusions import (
+    compute_dtype,
+    layer_norm_modulate,
+    qk_norm_rope,
+    rms_norm_reference,
+    use_fused,
+)
 from pan2cli.dit.rope import rope_table
 from pan2cli.errors import InputError
 
@@ -47,7 +53,9 @@ if TYPE_CHECKING:
 TIMESTEP_CHANNELS = 256  # width of the timestep sinusoid (diffusers `Timesteps(256, flip_sin_to_cos=True)`)
 
 
-def timestep_embedding(timestep: torch.Tensor, dim: int, dtype: torch.dtype, max_period: float = 10000.0) -> torch.Tensor:
+def timestep_embedding(
+    timestep: torch.Tensor, dim: int, dtype: torch.dtype, max_period: float = 10000.0
+) -> torch.Tensor:
     """Sinusoidal embedding `[cos(t·f_i) | sin(t·f_i)]`, f_i = exp(−ln(max_period)·i/(dim/2)), computed in `dtype`.
 
     Args:
@@ -123,7 +131,13 @@ class PAN2FeedForward(nn.Module):
     def __init__(self, dim: int, inner_dim: int, activation: str = "gelu-tanh", bias: bool = True):
         super().__init__()
         proj_out = 2 * inner_dim if activation == "swiglu" else inner_dim
-        self.net = nn.ModuleList([_Projection(dim, proj_out, activation, bias), nn.Identity(), nn.Linear(inner_dim, dim, bias=bias)])
+        self.net = nn.ModuleList(
+            [
+                _Projection(dim, proj_out, activation, bias),
+                nn.Identity(),
+                nn.Linear(inner_dim, dim, bias=bias),
+            ]
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for module in self.net:
@@ -208,7 +222,11 @@ class PAN2Attention(nn.Module):
         self.to_q, self.to_k, self.to_v = nn.Linear(dim, inner), nn.Linear(dim, inner), nn.Linear(dim, inner)
         self.norm_q, self.norm_k = PAN2RMSNorm(head_dim, eps), PAN2RMSNorm(head_dim, eps)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Identity()])
-        self.add_q_proj, self.add_k_proj, self.add_v_proj = nn.Linear(dim, inner), nn.Linear(dim, inner), nn.Linear(dim, inner)
+        self.add_q_proj, self.add_k_proj, self.add_v_proj = (
+            nn.Linear(dim, inner),
+            nn.Linear(dim, inner),
+            nn.Linear(dim, inner),
+        )
         self.norm_added_q, self.norm_added_k = PAN2RMSNorm(head_dim, eps), PAN2RMSNorm(head_dim, eps)
         self.to_add_out = nn.Linear(inner, dim)
 
@@ -265,7 +283,9 @@ class PAN2Attention(nn.Module):
 class PAN2TransformerBlock(nn.Module):
     """Dual-stream block: modulated joint attention, then modulated MLPs, gated residuals (video AdaLN-Zero, text static table)."""
 
-    def __init__(self, dim: int, heads: int, head_dim: int, mlp_ratio: float, context_mlp_ratio: float, eps: float):
+    def __init__(
+        self, dim: int, heads: int, head_dim: int, mlp_ratio: float, context_mlp_ratio: float, eps: float
+    ):
         super().__init__()
         self.eps = eps
         self.head_dim = head_dim
@@ -301,8 +321,14 @@ class PAN2TransformerBlock(nn.Module):
         x = gated_residual(x, attn, gate1)
         ctx = gated_residual(ctx, attn_ctx, c_gate1)
 
-        x = gated_residual(x, self.ff(layer_norm_modulate(x, scale2, shift2, eps=self.eps, fused=fused)), gate2)
-        ctx = gated_residual(ctx, self.ff_context(layer_norm_modulate(ctx, c_scale2, c_shift2, eps=self.eps, fused=fused)), c_gate2)
+        x = gated_residual(
+            x, self.ff(layer_norm_modulate(x, scale2, shift2, eps=self.eps, fused=fused)), gate2
+        )
+        ctx = gated_residual(
+            ctx,
+            self.ff_context(layer_norm_modulate(ctx, c_scale2, c_shift2, eps=self.eps, fused=fused)),
+            c_gate2,
+        )
         return x, ctx
 
 
@@ -360,13 +386,17 @@ class PAN2Transformer3DModel(nn.Module):
         dim, heads, head_dim = config.inner_dim, num_attention_heads, attention_head_dim
         self.x_embedder = nn.Conv3d(in_channels, dim, kernel_size=config.patch_size, stride=config.patch_size)
         self.time_embedder = PAN2TimestepEmbedding(TIMESTEP_CHANNELS, dim)
-        self.context_embedder = nn.Sequential(PAN2RMSNorm(text_embed_dim, text_norm_eps), nn.Linear(text_embed_dim, dim))
+        self.context_embedder = nn.Sequential(
+            PAN2RMSNorm(text_embed_dim, text_norm_eps), nn.Linear(text_embed_dim, dim)
+        )
         self.context_refiner = nn.ModuleList(
-            PAN2TokenRefinerBlock(dim, heads, head_dim, refiner_mlp_ratio, text_norm_eps) for _ in range(num_refiner_layers)
+            PAN2TokenRefinerBlock(dim, heads, head_dim, refiner_mlp_ratio, text_norm_eps)
+            for _ in range(num_refiner_layers)
         )
         self.context_type_embedding = nn.Parameter(torch.zeros(dim))
         self.transformer_blocks = nn.ModuleList(
-            PAN2TransformerBlock(dim, heads, head_dim, mlp_ratio, context_mlp_ratio, norm_eps) for _ in range(num_layers)
+            PAN2TransformerBlock(dim, heads, head_dim, mlp_ratio, context_mlp_ratio, norm_eps)
+            for _ in range(num_layers)
         )
         self.norm_out = PAN2AdaLayerNormZero(dim, chunks=2)  # (scale, shift) on SiLU(temb)
         self.proj_out = nn.Linear(dim, config.patch_volume * out_channels)
@@ -403,37 +433,62 @@ class PAN2Transformer3DModel(nn.Module):
         from pan2cli.dit.checkpoint import load_pan2_transformer
 
         return load_pan2_transformer(
-            path_or_repo, subfolder=subfolder, dtype=torch_dtype, revision=revision, device=device, keep_fp32_modules=keep_fp32_modules
+            path_or_repo,
+            subfolder=subfolder,
+            dtype=torch_dtype,
+            revision=revision,
+            device=device,
+            keep_fp32_modules=keep_fp32_modules,
         )
 
     # -- forward ---------------------------------------------------------------------------------
-    def rope(self, grid: tuple[int, int, int], device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(
+        self, grid: tuple[int, int, int], device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The cos/sin table for a token grid, computed once per (grid, device, dtype) and kept (not in the state dict)."""
         key = (grid, str(device), dtype)
         if key not in self._rope_cache:
             cfg = self.config
-            self._rope_cache[key] = rope_table(grid, cfg.rope_axes_dim, cfg.rope_theta, cfg.rope_temporal_scale, dtype=dtype, device=device)
+            self._rope_cache[key] = rope_table(
+                grid, cfg.rope_axes_dim, cfg.rope_theta, cfg.rope_temporal_scale, dtype=dtype, device=device
+            )
         return self._rope_cache[key]
 
-    def _check_inputs(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+    def _check_inputs(
+        self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor
+    ) -> torch.Tensor:
         cfg = self.config
         if hidden_states.dim() != 5 or hidden_states.shape[1] != cfg.in_channels:
-            raise InputError(f"hidden_states must be [B, {cfg.in_channels}, T, H, W], got {list(hidden_states.shape)}")
+            raise InputError(
+                f"hidden_states must be [B, {cfg.in_channels}, T, H, W], got {list(hidden_states.shape)}"
+            )
         batch, _, frames, height, width = hidden_states.shape
         if any(size % patch for size, patch in zip((frames, height, width), cfg.patch_size)):
-            raise InputError(f"latent T, H, W {frames, height, width} must be multiples of the patch size {cfg.patch_size}")
-        if encoder_hidden_states.dim() != 3 or encoder_hidden_states.shape[0] != batch or encoder_hidden_states.shape[2] != cfg.text_embed_dim:
-            raise InputError(f"encoder_hidden_states must be [{batch}, L, {cfg.text_embed_dim}], got {list(encoder_hidden_states.shape)}")
+            raise InputError(
+                f"latent T, H, W {frames, height, width} must be multiples of the patch size {cfg.patch_size}"
+            )
+        if (
+            encoder_hidden_states.dim() != 3
+            or encoder_hidden_states.shape[0] != batch
+            or encoder_hidden_states.shape[2] != cfg.text_embed_dim
+        ):
+            raise InputError(
+                f"encoder_hidden_states must be [{batch}, L, {cfg.text_embed_dim}], got {list(encoder_hidden_states.shape)}"
+            )
         if encoder_hidden_states.shape[1] < 1:
             raise InputError("encoder_hidden_states has no tokens (an empty prompt is encoded as a space)")
         timestep = torch.as_tensor(timestep, device=hidden_states.device)
         if timestep.dim() == 0:
             timestep = timestep.expand(batch)
         if timestep.shape != (batch,):
-            raise InputError(f"timestep must be [{batch}] (one σ·1000 per sample), got {list(timestep.shape)}")
+            raise InputError(
+                f"timestep must be [{batch}] (one σ·1000 per sample), got {list(timestep.shape)}"
+            )
         return timestep
 
-    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor
+    ) -> torch.Tensor:
         """The flow velocity for noisy latents with their condition.
 
         Args:

@@ -48,7 +48,9 @@ class SequenceParallel:
 
     def check_heads(self, heads: int) -> None:
         if heads % self.world:
-            raise InputError(f"sequence parallelism over {self.world} processes needs a multiple of {self.world} heads, the model has {heads}")
+            raise InputError(
+                f"sequence parallelism over {self.world} processes needs a multiple of {self.world} heads, the model has {heads}"
+            )
 
     def band(self, tokens: int) -> tuple[int, int]:
         """[start, stop) of this rank's tokens."""
@@ -63,7 +65,11 @@ class SequenceParallel:
         sizes = [math.prod(shape) for shape in shapes]
         received = torch.empty(sum(sizes), dtype=sent.dtype, device=sent.device)
         dist.all_to_all_single(
-            received, sent, output_split_sizes=sizes, input_split_sizes=[p.numel() for p in pieces], group=self.group
+            received,
+            sent,
+            output_split_sizes=sizes,
+            input_split_sizes=[p.numel() for p in pieces],
+            group=self.group,
         )
         return [flat.view(shape) for flat, shape in zip(received.split(sizes), shapes)]
 

@@ -22,7 +22,9 @@ from pan2cli.triton_support import triton_interpreting
 
 
 @triton.jit
-def _norm_rope_tile(X, OUT, W, x_row, out_row, mask, first, second, c, s, eps, HALF: tl.constexpr, ROTATE: tl.constexpr):
+def _norm_rope_tile(
+    X, OUT, W, x_row, out_row, mask, first, second, c, s, eps, HALF: tl.constexpr, ROTATE: tl.constexpr
+):
     """Normalise (and rotate) one `[BLOCK_ROWS, head_dim]` tile of X into OUT; `first`/`second`: the pairs' channels."""
     x1 = tl.load(X + x_row[:, None] + first[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(X + x_row[:, None] + second[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -115,16 +117,24 @@ def qk_norm_rope(
         out_token_offset: first output token of this stream.
         block_rows, num_warps: launch shape; default `4096 // head_dim` rows (≥ 1, ≤ 64) and 4 warps.
     """
-    assert q.dim() == 4 and q.shape == k.shape, f"q {tuple(q.shape)} and k {tuple(k.shape)} must be equal [B, N, H, D]"
+    assert q.dim() == 4 and q.shape == k.shape, (
+        f"q {tuple(q.shape)} and k {tuple(k.shape)} must be equal [B, N, H, D]"
+    )
     batch, n_tokens, n_heads, head_dim = q.shape
     half = head_dim // 2
     assert head_dim >= 2 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} must be a power of two"
     assert q.dtype == k.dtype == q_out.dtype == k_out.dtype, "q, k, q_out, k_out must share a dtype"
     for name, t in (("q", q), ("k", k), ("q_out", q_out), ("k_out", k_out)):
-        assert t.stride(3) == 1 and t.stride(2) == head_dim, f"{name}: each token's [H, head_dim] block must be contiguous"
+        assert t.stride(3) == 1 and t.stride(2) == head_dim, (
+            f"{name}: each token's [H, head_dim] block must be contiguous"
+        )
         assert t.is_cuda or triton_interpreting(), f"{name} must be a CUDA tensor (or set TRITON_INTERPRET=1)"
-    assert q_out.shape == k_out.shape and q_out.stride() == k_out.stride(), "q_out and k_out must share shape and strides"
-    assert q_out.shape[0] == batch and q_out.shape[2:] == q.shape[2:], f"q_out {tuple(q_out.shape)} does not fit q"
+    assert q_out.shape == k_out.shape and q_out.stride() == k_out.stride(), (
+        "q_out and k_out must share shape and strides"
+    )
+    assert q_out.shape[0] == batch and q_out.shape[2:] == q.shape[2:], (
+        f"q_out {tuple(q_out.shape)} does not fit q"
+    )
     assert 0 <= out_token_offset and out_token_offset + n_tokens <= q_out.shape[1], "output rows out of range"
     assert q_weight.shape == k_weight.shape == (head_dim,), f"norm weights must be [{head_dim}]"
     rotate = cos is not None

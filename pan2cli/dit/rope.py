@@ -58,7 +58,9 @@ def rope_table(
     return cos, sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True
+) -> torch.Tensor:
     """Rotate each head's channel pairs (the reference path; math in the promoted dtype of x and the table).
 
     Args:

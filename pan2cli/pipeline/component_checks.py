@@ -20,7 +20,11 @@ from pan2cli.weights import LOCAL_FILES, FileView, weight_files, weight_shapes
 CONFIG = "config.json"
 SCHEDULER_CONFIG = "scheduler_config.json"
 # Weight file stems (`<stem>.safetensors`, or shards listed by `<stem>.safetensors.index.json`), first match wins.
-WEIGHT_STEMS = {"transformer": ("diffusion_pytorch_model", "model"), "text_encoder": ("model",), "vae": ("diffusion_pytorch_model",)}
+WEIGHT_STEMS = {
+    "transformer": ("diffusion_pytorch_model", "model"),
+    "text_encoder": ("model",),
+    "vae": ("diffusion_pytorch_model",),
+}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _DEFAULT_TIMESTEPS = 1000
 
@@ -47,10 +51,14 @@ def check_components(folders: Mapping[str, Path], files: FileView = LOCAL_FILES)
     arguments = check_transformer(folders["transformer"], files)
     from pan2cli.dit.checkpoint import release_defaults
 
-    check_text_encoder(folders["text_encoder"], files, arguments.get("text_embed_dim", release_defaults()["text_embed_dim"]))
+    check_text_encoder(
+        folders["text_encoder"], files, arguments.get("text_embed_dim", release_defaults()["text_embed_dim"])
+    )
     check_tokenizer(folders["tokenizer"], files)
     check_vae(folders["vae"], files)
-    timesteps, shift = read_scheduler(folders["scheduler"], files) if "scheduler" in folders else (_DEFAULT_TIMESTEPS, None)
+    timesteps, shift = (
+        read_scheduler(folders["scheduler"], files) if "scheduler" in folders else (_DEFAULT_TIMESTEPS, None)
+    )
     return CheckedComponents(arguments, timesteps, shift)
 
 
@@ -122,17 +130,27 @@ def check_vae(folder: Path, files: FileView) -> None:
     from pan2cli.vae.model import WanVAEDecoder
 
     config_path = _config(folder, files, CONFIG, "the AutoencoderKLWan config")
-    config = WanVAEConfig.from_diffusers_config(read_json_object(config_path), source=files.label(config_path))
+    config = WanVAEConfig.from_diffusers_config(
+        read_json_object(config_path), source=files.label(config_path)
+    )
     weights = _config(folder, files, DIFFUSERS_WEIGHTS, "the Wan2.2 VAE weights")
     shapes = files.tensor_shapes([weights])[0]
     with torch.device("meta"):
         decoder, encoder = WanVAEDecoder(config), WanVAEEncoder(config)
-    check_decoder_keys(shapes, {k: tuple(v.shape) for k, v in decoder.state_dict().items()}, files.label(weights))
+    check_decoder_keys(
+        shapes, {k: tuple(v.shape) for k, v in decoder.state_dict().items()}, files.label(weights)
+    )
     # The encoder (image-to-video) is checked when the file has one; `load_vae_encoder` says so when it has none.
     encoder_shapes = {k: v for k, v in shapes.items() if k.startswith(("encoder.", "quant_conv."))}
-    problems = key_problems(encoder_shapes, {k: tuple(v.shape) for k, v in encoder.state_dict().items()}) if encoder_shapes else []
+    problems = (
+        key_problems(encoder_shapes, {k: tuple(v.shape) for k, v in encoder.state_dict().items()})
+        if encoder_shapes
+        else []
+    )
     if problems:
-        raise CheckpointError(f"{files.label(weights)} does not match the Wan2.2 VAE encoder ({'; '.join(problems)})")
+        raise CheckpointError(
+            f"{files.label(weights)} does not match the Wan2.2 VAE encoder ({'; '.join(problems)})"
+        )
 
 
 def read_scheduler(folder: Path, files: FileView) -> tuple[int, float | None]:
@@ -143,8 +161,12 @@ def read_scheduler(folder: Path, files: FileView) -> tuple[int, float | None]:
     config = read_json_object(path)
     timesteps = config.get("num_train_timesteps", _DEFAULT_TIMESTEPS)
     if isinstance(timesteps, bool) or not isinstance(timesteps, int) or timesteps < 1:
-        raise CheckpointError(f"{files.label(path)}: num_train_timesteps must be a positive whole number, got {timesteps!r}")
+        raise CheckpointError(
+            f"{files.label(path)}: num_train_timesteps must be a positive whole number, got {timesteps!r}"
+        )
     shift = config.get("shift")
-    if shift is not None and (isinstance(shift, bool) or not isinstance(shift, (int, float)) or not shift > 0):
+    if shift is not None and (
+        isinstance(shift, bool) or not isinstance(shift, (int, float)) or not shift > 0
+    ):
         raise CheckpointError(f"{files.label(path)}: shift must be a positive number, got {shift!r}")
     return timesteps, float(shift) if shift is not None else None

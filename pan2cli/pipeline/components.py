@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from pan2cli.errors import CheckpointError, InputError
-from pan2cli.paths import looks_like_path
 from pan2cli.jsonfile import read_json_object
+from pan2cli.paths import looks_like_path
 
 DEFAULT_MODEL_REPO = "IFM/PAN2"
 COMPONENTS = ("transformer", "text_encoder", "tokenizer", "vae")
@@ -88,13 +88,17 @@ def _place(index: Mapping[str, Any], name: str, source: str) -> ComponentPlace:
     subfolder = spec.get("subfolder", name)
     subfolder = "" if subfolder is None else subfolder
     if not isinstance(subfolder, str) or Path(subfolder).is_absolute() or ".." in Path(subfolder).parts:
-        raise CheckpointError(f"{source}: {name}'s subfolder {subfolder!r} is not a folder inside the checkpoint")
+        raise CheckpointError(
+            f"{source}: {name}'s subfolder {subfolder!r} is not a folder inside the checkpoint"
+        )
     repo_id, revision = spec.get("pretrained_model_name_or_path"), spec.get("revision")
     for key, value in (("pretrained_model_name_or_path", repo_id), ("revision", revision)):
         if value is not None and not isinstance(value, str):
             raise CheckpointError(f"{source}: {name}'s {key} must be a string or null, got {value!r}")
     if spec.get("variant"):
-        raise CheckpointError(f"{source}: {name} names the weight variant {spec['variant']!r}; pan2 reads the default weight files only")
+        raise CheckpointError(
+            f"{source}: {name} names the weight variant {spec['variant']!r}; pan2 reads the default weight files only"
+        )
     return ComponentPlace(name, subfolder.strip("/"), repo_id or None, revision or None)
 
 
@@ -147,7 +151,11 @@ def local_components(root: Path) -> PAN2Components:
     missing = [places[name] for name in COMPONENTS if not folders[name].is_dir()]
     if missing:
         repos = sorted({p.repo_id for p in missing if p.repo_id and not looks_like_path(p.repo_id)})
-        hint = f"its index takes them from {' and '.join(repos)}: pass --model {repos[0]} to fetch from the hub" if repos else HINT
+        hint = (
+            f"its index takes them from {' and '.join(repos)}: pass --model {repos[0]} to fetch from the hub"
+            if repos
+            else HINT
+        )
         raise missing_components_error(str(root), missing, hint)
     if not folders["scheduler"].is_dir():
         del folders["scheduler"]

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 
 
-def condition_latents(latent_shape: tuple[int, ...], image_latent: torch.Tensor | None = None) -> torch.Tensor:
+def condition_latents(
+    latent_shape: tuple[int, ...], image_latent: torch.Tensor | None = None
+) -> torch.Tensor:
     """`[B, C + 1, T, h, w]` float32: condition latents then the mask.
 
     Args:

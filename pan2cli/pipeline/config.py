@@ -51,12 +51,18 @@ class PAN2PipelineConfig:
             if value is not None and value not in DTYPES:
                 raise InputError(f"{name} must be one of {', '.join(DTYPES)}, got {value!r}")
         if self.vae_decode_kernel not in DECODE_KERNEL_MODES:
-            raise InputError(f"vae_decode_kernel must be one of {', '.join(DECODE_KERNEL_MODES)}, got {self.vae_decode_kernel!r}")
+            raise InputError(
+                f"vae_decode_kernel must be one of {', '.join(DECODE_KERNEL_MODES)}, got {self.vae_decode_kernel!r}"
+            )
         for name in ("vae_decode_kernel_parallel", "dit_fused_kernels", "offload"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.chunk_latent_frames is not None and (not isinstance(self.chunk_latent_frames, int) or self.chunk_latent_frames < 1):
-            raise InputError(f"chunk_latent_frames must be a whole number ≥ 1, got {self.chunk_latent_frames!r}")
+        if self.chunk_latent_frames is not None and (
+            not isinstance(self.chunk_latent_frames, int) or self.chunk_latent_frames < 1
+        ):
+            raise InputError(
+                f"chunk_latent_frames must be a whole number ≥ 1, got {self.chunk_latent_frames!r}"
+            )
 
     def torch_device(self) -> torch.device:
         """The device to run on (checked: a CUDA device that does not exist is bad input)."""

@@ -31,13 +31,13 @@ from pan2cli import distributed, launch
 from pan2cli.atomic import replace_into
 from pan2cli.constants import video_frames
 from pan2cli.decode import decode_latents
+from pan2cli.dit.attention import attention_backend, attention_backends, attention_order
 from pan2cli.errors import Pan2Error, out_of_memory
 from pan2cli.outputs import check_output_path
 from pan2cli.pipeline.components import PAN2Components, resolve_components
-from pan2cli.pipeline.config import PAN2PipelineConfig
 from pan2cli.pipeline.conditioning import condition_latents
+from pan2cli.pipeline.config import PAN2PipelineConfig
 from pan2cli.pipeline.image import encode_image, fit_image, load_image
-from pan2cli.dit.attention import attention_backend, attention_backends, attention_order
 from pan2cli.pipeline.sampling import denoise
 from pan2cli.pipeline.scheduler import flow_sigmas, uses_guidance
 from pan2cli.pipeline.settings import (
@@ -87,7 +87,14 @@ class VideoGenerator:
             Python's `warnings.warn` by default.
     """
 
-    def __init__(self, components: PAN2Components, config: PAN2PipelineConfig | None = None, progress=None, info=None, warn=None):
+    def __init__(
+        self,
+        components: PAN2Components,
+        config: PAN2PipelineConfig | None = None,
+        progress=None,
+        info=None,
+        warn=None,
+    ):
         self.components = components
         self.config = config or PAN2PipelineConfig()
         self.device = self.config.torch_device()
@@ -101,7 +108,14 @@ class VideoGenerator:
         attention_order()  # a bad PAN2_ATTENTION is bad input before anything loads
 
     @classmethod
-    def from_pretrained(cls, path_or_repo: str | Path | None = None, *, config: PAN2PipelineConfig | None = None, revision: str | None = None, **kwargs) -> "VideoGenerator":
+    def from_pretrained(
+        cls,
+        path_or_repo: str | Path | None = None,
+        *,
+        config: PAN2PipelineConfig | None = None,
+        revision: str | None = None,
+        **kwargs,
+    ) -> "VideoGenerator":
         """Locate a PAN 2 checkpoint (a folder, or a repo id fetched once; default `IFM/PAN2`); models load when used.
 
         Raises:
@@ -158,14 +172,20 @@ class VideoGenerator:
             check_output_path(job.output, job.overwrite)
         # The sidecar and latents beside an MP4 that does not exist are left from a run that did not finish
         # (or whose video was deleted): redoing the video replaces them when the caller says so.
-        extras_overwrite = job.overwrite or (job.redo_leftovers and job.output is not None and not job.output.exists())
+        extras_overwrite = job.overwrite or (
+            job.redo_leftovers and job.output is not None and not job.output.exists()
+        )
         if job.latents_path is not None:
             check_output_path(job.latents_path, extras_overwrite)
         if job.output is not None and job.sidecar:
             check_output_path(sidecar_path(job.output), extras_overwrite)
 
     def generate_batch(
-        self, jobs: list[GenerationJob], *, ranks_share_jobs: bool = True, on_result: Callable[[GenerationResult], None] | None = None
+        self,
+        jobs: list[GenerationJob],
+        *,
+        ranks_share_jobs: bool = True,
+        on_result: Callable[[GenerationResult], None] | None = None,
     ) -> list[GenerationResult]:
         """Run every job, loading each model once; a job that fails is recorded in its result and the others go on.
 
@@ -211,7 +231,9 @@ class VideoGenerator:
         try:
             yield
         except torch.OutOfMemoryError as exc:
-            raise out_of_memory(exc, f"during {stage.replace('_', ' ')}", hint="pass --offload, or a smaller size or duration") from exc
+            raise out_of_memory(
+                exc, f"during {stage.replace('_', ' ')}", hint="pass --offload, or a smaller size or duration"
+            ) from exc
         finally:
             self._sync()
             result.seconds[stage] = result.seconds.get(stage, 0.0) + time.perf_counter() - start
@@ -241,7 +263,10 @@ class VideoGenerator:
 
         start = time.perf_counter()
         encoder = PAN2TextEncoder.load(
-            self.components.folder("text_encoder"), self.components.folder("tokenizer"), dtype=self.dtype, device=self.device
+            self.components.folder("text_encoder"),
+            self.components.folder("tokenizer"),
+            dtype=self.dtype,
+            device=self.device,
         )
         self._load_seconds(results, "load_text_encoder", time.perf_counter() - start)
         todo = [r for r in results if r.error is None]
@@ -250,7 +275,9 @@ class VideoGenerator:
             features, cut = encoder.encode(prompt)
             if cut:  # the release keeps at most 1536 tokens after the chat template's user header
                 short = prompt if len(prompt) <= 40 else prompt[:40] + "…"
-                self.warn(f"the prompt {short!r} is {cut} tokens over the text encoder's limit of {encoder.max_length}; its last {cut} tokens were cut.")
+                self.warn(
+                    f"the prompt {short!r} is {cut} tokens over the text encoder's limit of {encoder.max_length}; its last {cut} tokens were cut."
+                )
             return features
 
         with self.progress("Encoding the prompts", len(todo), "prompts") as advance:
@@ -265,7 +292,7 @@ class VideoGenerator:
                 self._run_job(result, "text_encoding", work)
                 advance(1)
         encoder.release()
-        del encoder
+        encoder = None  # frees the model (the closures above share this variable, so no `del`)
         self._release()
 
     def _encode_images(self, results: list[GenerationResult]) -> None:
@@ -285,7 +312,7 @@ class VideoGenerator:
                 result._image_latent = encode_image(encoder, pixels)  # [1, 48, 1, h, w] fp32, normalised
 
             self._run_job(result, "image_encoding", work)
-        del encoder
+        encoder = None  # frees the encoder (the closure above shares this variable, so no `del`)
         self._release()
 
     def _load_dit(self):
@@ -330,12 +357,17 @@ class VideoGenerator:
             def work(result=result, settings=settings):
                 with self.progress(f"Denoising ({settings.steps} steps)", settings.steps, "steps") as advance:
                     result.latents = self.sample(
-                        model, settings, *result._text, getattr(result, "_image_latent", None), on_step=advance, split=shared
+                        model,
+                        settings,
+                        *result._text,
+                        getattr(result, "_image_latent", None),
+                        on_step=advance,
+                        split=shared,
                     )
 
             self._run_job(result, "denoising", work)
             result._text = None
-        del model
+        model = None  # frees the transformer (the closure above shares this variable, so no `del`)
         self._release()  # the DiT's memory goes back before the decode
         if shared:
             # Every rank sampled the same latents; rank 0's are the ones everyone decodes (bit-identical decodes).
@@ -386,7 +418,13 @@ class VideoGenerator:
         video_tokens = 1
         for size, patch in zip(latent_shape[2:], config.patch_size):
             video_tokens *= size // patch
-        return attention_backend(self.device, self.dtype, config.num_attention_heads, config.attention_head_dim, video_tokens + cond.shape[1])
+        return attention_backend(
+            self.device,
+            self.dtype,
+            config.num_attention_heads,
+            config.attention_head_dim,
+            video_tokens + cond.shape[1],
+        )
 
     def _load_decoder(self, shared: bool):
         from pan2cli.vae.checkpoint import load_vae_decoder
@@ -406,7 +444,10 @@ class VideoGenerator:
         # agree_all first (a collective: every rank takes part); only a rank that could use the kernel
         # needs another reason than its own note.
         if shared and not distributed.agree_all(decoder is not reference) and decoder is not reference:
-            note, decoder = "Using the reference decoder: another rank could not use the compiled kernel.", reference
+            note, decoder = (
+                "Using the reference decoder: another rank could not use the compiled kernel.",
+                reference,
+            )
         if note:
             self.info(note)
         return decoder, parallel
@@ -422,7 +463,9 @@ class VideoGenerator:
             decodes = writes or parallel
             for result in todo:
                 if decodes:
-                    self._run_job(result, "decode", lambda result=result: self._decode_one(decoder, result, writes))
+                    self._run_job(
+                        result, "decode", lambda result=result: self._decode_one(decoder, result, writes)
+                    )
                 if writes and result.error is None:
                     self._run_job(result, "write", lambda result=result: self._write_extras(result))
             del decoder
@@ -433,12 +476,18 @@ class VideoGenerator:
 
     def _decode_one(self, decoder, result: GenerationResult, writes: bool) -> None:
         job, settings = result.job, result.job.settings
-        writing = open_video_writer(job.output, "mp4", settings.fps, crf=job.crf, overwrite=job.overwrite) if writes and job.output is not None else nullcontext()
+        writing = (
+            open_video_writer(job.output, "mp4", settings.fps, crf=job.crf, overwrite=job.overwrite)
+            if writes and job.output is not None
+            else nullcontext()
+        )
         with writing as writer, launch.partial_output(writer.tmp_path if writer is not None else None):
             sink = _FrameSink(job.return_frames and writes, writer)
             total = video_frames(result.latents.shape[2])
             with self.progress("Decoding", total, "frames") as advance:
-                decode_latents(decoder, result.latents, sink if writes else None, normalized=True, on_chunk=advance)
+                decode_latents(
+                    decoder, result.latents, sink if writes else None, normalized=True, on_chunk=advance
+                )
         result.frames = sink.frames()
         result.output = job.output if writes else None
 

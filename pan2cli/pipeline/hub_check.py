@@ -107,7 +107,11 @@ def _hub_view(repos: list[_Repo]) -> FileView:
         return repo.where if rel == "." else f"{repo.where}:{rel}"
 
     def header(path: Path) -> Shapes:
-        from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, SafetensorsParsingError
+        from huggingface_hub.errors import (
+            EntryNotFoundError,
+            LocalEntryNotFoundError,
+            SafetensorsParsingError,
+        )
 
         repo, rel = locate(path)
         with hub_errors(repo.repo_id, repo.revision, what=f"the header of {rel}", local_hint=_LOCAL_HINT):
@@ -144,7 +148,9 @@ def hub_components(repo_id: str, revision: str | None = None) -> PAN2Components:
         repos.setdefault(key, _Repo(*key)).places.append(place)
     # 2. Small files; 3. file lists
     for repo in repos.values():
-        repo.snapshot(sorted({p for place in repo.places for p in _small_patterns(place)}), "the PAN 2 configs")
+        repo.snapshot(
+            sorted({p for place in repo.places for p in _small_patterns(place)}), "the PAN 2 configs"
+        )
         with hub_errors(repo.repo_id, repo.revision, what="the file list", local_hint=_LOCAL_HINT):
             repo.files = hub_list_files(repo.repo_id, repo.commit)
     folders = {place.name: place.folder(repo.root) for repo in repos.values() for place in repo.places}
@@ -160,7 +166,12 @@ def hub_components(repo_id: str, revision: str | None = None) -> PAN2Components:
             repo.snapshot(patterns, "the PAN 2 weights")
     if not online:  # the same checks on the cached files, before anything loads
         checked, folders = _check(repos, folders, view)
-    sources = {place.name: _source(repo, place) for repo in repos.values() for place in repo.places if place.name in folders}
+    sources = {
+        place.name: _source(repo, place)
+        for repo in repos.values()
+        for place in repo.places
+        if place.name in folders
+    }
     return PAN2Components(
         main.root, repo_id, main.commit, checked.num_train_timesteps, checked.scheduler_shift, folders, sources,
         checked.transformer_arguments,
@@ -171,10 +182,16 @@ def _source(repo: _Repo, place: ComponentPlace) -> str:
     return f"{repo.where}:{place.subfolder}" if place.subfolder else repo.where
 
 
-def _check(repos: dict, folders: dict[str, Path], view: FileView) -> tuple[CheckedComponents, dict[str, Path]]:
+def _check(
+    repos: dict, folders: dict[str, Path], view: FileView
+) -> tuple[CheckedComponents, dict[str, Path]]:
     """Required folders present (named per repo), then `check_components`; returns the folders that exist."""
     for repo in repos.values():
-        missing = [place for place in repo.places if place.name in COMPONENTS and not view.exists(folders[place.name])]
+        missing = [
+            place
+            for place in repo.places
+            if place.name in COMPONENTS and not view.exists(folders[place.name])
+        ]
         if missing:
             raise missing_components_error(repo.where, missing)
     present = {name: folder for name, folder in folders.items() if name in COMPONENTS or view.exists(folder)}

@@ -32,7 +32,9 @@ def load_image(path: str | Path) -> "PIL.Image.Image":  # noqa: F821
         with Image.open(path) as image:
             return image.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise InputError(f"--image {path} could not be read as an image: {exc}", hint="pass a PNG or JPEG file") from exc
+        raise InputError(
+            f"--image {path} could not be read as an image: {exc}", hint="pass a PNG or JPEG file"
+        ) from exc
 
 
 def fit_image(image, height: int, width: int) -> torch.Tensor:

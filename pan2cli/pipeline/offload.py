@@ -35,7 +35,9 @@ class BlockStreamer:
         self._handles = []
         for index, block in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(lambda module, args, i=index: self._load(i)))
-            self._handles.append(block.register_forward_hook(lambda module, args, out, i=index: self._unload(i)))
+            self._handles.append(
+                block.register_forward_hook(lambda module, args, out, i=index: self._unload(i))
+            )
 
     def _fetch(self, index: int) -> None:
         """Start copying block `index` to the device (no-op if already under way)."""

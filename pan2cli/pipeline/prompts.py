@@ -48,7 +48,9 @@ def render_negative(value: Any) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, dict):
-        return "; ".join(f"{key}: {render_negative(item)}" for key, item in value.items() if render_negative(item))
+        return "; ".join(
+            f"{key}: {render_negative(item)}" for key, item in value.items() if render_negative(item)
+        )
     if isinstance(value, (list, tuple)):
         return ", ".join(text for text in (render_negative(item) for item in value) if text)
     if value is None:
@@ -64,7 +66,9 @@ def _record(raw: Any, index: int, source: Path, warnings: list[str]) -> dict[str
         raise InputError(f"{where} is a {type(raw).__name__}; expected a string or an object with 'prompt'")
     unknown = sorted(set(raw) - set(RECORD_FIELDS))
     if unknown:
-        warnings.append(f"{where}: ignoring unknown field(s) {', '.join(unknown)} (known: {', '.join(RECORD_FIELDS)})")
+        warnings.append(
+            f"{where}: ignoring unknown field(s) {', '.join(unknown)} (known: {', '.join(RECORD_FIELDS)})"
+        )
     prompt = raw.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise InputError(f"{where} has no 'prompt' text")
@@ -73,7 +77,12 @@ def _record(raw: Any, index: int, source: Path, warnings: list[str]) -> dict[str
         out["negative_prompt"] = render_negative(raw["negative_prompt"])
     duration = raw.get("duration")
     if duration is not None:
-        if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not math.isfinite(duration) or duration <= 0:
+        if (
+            isinstance(duration, bool)
+            or not isinstance(duration, (int, float))
+            or not math.isfinite(duration)
+            or duration <= 0
+        ):
             raise InputError(f"{where}: 'duration' must be a positive number of seconds, got {duration!r}")
         out["duration"] = float(duration)
     seed = raw.get("seed")
@@ -122,7 +131,10 @@ def read_prompt_file(path: str | Path) -> tuple[list[PromptRecord], list[str]]:
             raise InputError(f"--prompts {path} is not valid JSON: {exc}") from exc
         if isinstance(data, dict):
             if "prompts" not in data:
-                raise InputError(f"--prompts {path} is a JSON object without 'prompts'", hint='use a list of records, or {"prompts": [...]}')
+                raise InputError(
+                    f"--prompts {path} is a JSON object without 'prompts'",
+                    hint='use a list of records, or {"prompts": [...]}',
+                )
             data = data["prompts"]
         if not isinstance(data, list):
             raise InputError(f"--prompts {path}: expected a list of prompt records")
@@ -138,7 +150,9 @@ def read_prompt_file(path: str | Path) -> tuple[list[PromptRecord], list[str]]:
     for i, raw in enumerate(raws):
         stem = f"{i:0{width}d}_{slugify(raw.get('name') or raw['prompt'])}"
         if stem in seen:
-            raise InputError(f"--prompts {path}: prompts {seen[stem]} and {i} would both be written as {stem}")
+            raise InputError(
+                f"--prompts {path}: prompts {seen[stem]} and {i} would both be written as {stem}"
+            )
         seen[stem] = i
         records.append(PromptRecord(index=i, stem=stem, **raw))
     return records, warnings

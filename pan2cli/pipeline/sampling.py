@@ -84,9 +84,13 @@ def denoise(
     groups = split_ranks(world, 2 if use_uncond else 1)
     with _split_model(model, groups, model.config.num_attention_heads) if world > 1 else _whole() as mine:
         for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
-            timestep = torch.full((1,), sigma * num_train_timesteps, device=latents.device, dtype=torch.float32)
+            timestep = torch.full(
+                (1,), sigma * num_train_timesteps, device=latents.device, dtype=torch.float32
+            )
             x = torch.cat([latents.to(dtype), condition], dim=1)
-            if len(groups) == 2:  # CFG-parallel: my half's pass, then the first rank of each half's prediction
+            if (
+                len(groups) == 2
+            ):  # CFG-parallel: my half's pass, then the first rank of each half's prediction
                 predictions = distributed.gather_equal(model(x, timestep, cond if mine == 0 else uncond))
                 v_cond, v_uncond = predictions[groups[0][0]], predictions[groups[1][0]]
             else:

@@ -26,7 +26,9 @@ def flow_sigmas(steps: int, shift: float) -> torch.Tensor:
     return shift_sigma(torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64), shift)
 
 
-def euler_step(latents: torch.Tensor, velocity: torch.Tensor, sigma: float, sigma_next: float) -> torch.Tensor:
+def euler_step(
+    latents: torch.Tensor, velocity: torch.Tensor, sigma: float, sigma_next: float
+) -> torch.Tensor:
     """One Euler step in the latents' dtype (fp32 in the pipeline): `x + (σ_next − σ)·v`."""
     return latents + (sigma_next - sigma) * velocity.to(latents.dtype)
 

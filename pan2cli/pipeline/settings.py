@@ -8,10 +8,17 @@ from pathlib import Path
 
 import torch
 
-from pan2cli.constants import SIZE_MULTIPLE, VAE_TEMPORAL_FACTOR, latent_shape, valid_frames, valid_seed, valid_size
+from pan2cli.constants import (
+    SIZE_MULTIPLE,
+    VAE_TEMPORAL_FACTOR,
+    latent_shape,
+    valid_frames,
+    valid_seed,
+    valid_size,
+)
 from pan2cli.errors import InputError
-from pan2cli.presets import Preset
 from pan2cli.outputs import DEFAULT_CRF
+from pan2cli.presets import Preset
 
 
 def frames_for_duration(duration: float, fps: float) -> int:
@@ -38,7 +45,10 @@ class GenerationSettings:
     def check(self) -> None:
         """Bad input (exit 2) before any model loads: empty prompt, F not 1 mod 4, sizes not multiples of 32, ..."""
         if not self.prompt.strip():
-            raise InputError("the prompt is empty", hint="pass the text to generate from, e.g. pan2 generate \"a cat on a skateboard\"")
+            raise InputError(
+                "the prompt is empty",
+                hint='pass the text to generate from, e.g. pan2 generate "a cat on a skateboard"',
+            )
         if not valid_frames(self.frames):
             raise InputError(
                 f"--frames {self.frames} is not 1 + 4·k (the Wan2.2 VAE decodes 1 + 4·(latent frames − 1) frames)",
@@ -47,7 +57,10 @@ class GenerationSettings:
         for name in ("height", "width"):
             value = getattr(self, name)
             if not valid_size(value):
-                raise InputError(f"--size: {name} {value} is not a positive multiple of {SIZE_MULTIPLE}", hint="e.g. --size 704x1248")
+                raise InputError(
+                    f"--size: {name} {value} is not a positive multiple of {SIZE_MULTIPLE}",
+                    hint="e.g. --size 704x1248",
+                )
         if self.steps < 1:
             raise InputError(f"--steps {self.steps} must be ≥ 1")
         if not (math.isfinite(self.guidance) and self.guidance > 0):

@@ -29,7 +29,9 @@ MAX_PROMPT_TOKENS = 1536
 USER_HEADER = "<|im_start|>user\n"
 
 TEXT_MODEL_TYPE = "qwen3_5_text"  # config.json of a Qwen3_5TextModel
-MULTIMODAL_MODEL_TYPE = "qwen3_5"  # config.json of a Qwen3_5ForConditionalGeneration (text_config + vision_config)
+MULTIMODAL_MODEL_TYPE = (
+    "qwen3_5"  # config.json of a Qwen3_5ForConditionalGeneration (text_config + vision_config)
+)
 # Where a checkpoint keeps the language model's tensors, read from what transformers 5.24 saves:
 # Qwen3_5TextModel → no prefix; Qwen3_5ForConditionalGeneration (the layout of Qwen's own Qwen3.5 releases)
 # → "model.language_model."; Qwen3_5Model → "language_model.". Everything else (`model.visual.*`, `lm_head.*`,
@@ -112,11 +114,15 @@ def read_text_config(folder: Path):
     except Exception as exc:  # the config classes validate their fields with ValueError/TypeError
         raise CheckpointError(f"{path} is not a valid {model_type} config: {exc}") from exc
     if config.num_hidden_layers < -HIDDEN_LAYER - 1:
-        raise CheckpointError(f"{path}: the text model has {config.num_hidden_layers} layers; PAN 2 reads hidden_states[{HIDDEN_LAYER}]")
+        raise CheckpointError(
+            f"{path}: the text model has {config.num_hidden_layers} layers; PAN 2 reads hidden_states[{HIDDEN_LAYER}]"
+        )
     return config
 
 
-def language_model_prefix(shapes: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], source: str) -> str:
+def language_model_prefix(
+    shapes: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], source: str
+) -> str:
     """The prefix of the language model's tensors in `shapes`, checked strictly against `expected` (its own names).
 
     Raises:
@@ -132,11 +138,16 @@ def language_model_prefix(shapes: Mapping[str, tuple[int, ...]], expected: Mappi
     if prefix:
         ours = {k[len(prefix) :]: s for k, s in shapes.items() if k.startswith(prefix)}
     else:
-        ours = {k: s for k, s in shapes.items() if not k.startswith(_OTHER_PARTS + LANGUAGE_MODEL_PREFIXES[1:])}
+        ours = {
+            k: s for k, s in shapes.items() if not k.startswith(_OTHER_PARTS + LANGUAGE_MODEL_PREFIXES[1:])
+        }
     problems = key_problems(ours, expected)
     if problems:
         where = f" (under {prefix!r})" if prefix else ""
-        raise CheckpointError(f"{source} does not hold the language model its config.json describes{where}: {'; '.join(problems)}", hint=_HINT)
+        raise CheckpointError(
+            f"{source} does not hold the language model its config.json describes{where}: {'; '.join(problems)}",
+            hint=_HINT,
+        )
     return prefix
 
 
@@ -170,9 +181,15 @@ def load_text_model(folder: Path, *, dtype: torch.dtype, device: torch.device | 
                 key_mapping={f"^{re.escape(prefix)}": ""} if prefix else None,
             )  # fmt: skip
     except Exception as exc:
-        raise CheckpointError(f"{folder} could not be read as a Qwen3.5 text model: {exc}", hint=_HINT) from exc
-    if info.get("missing_keys") or info.get("mismatched_keys"):  # checked above; transformers would fill them randomly
-        raise CheckpointError(f"{folder}: transformers left tensors unloaded: {listing(map(str, [*info['missing_keys'], *info['mismatched_keys']]))}")
+        raise CheckpointError(
+            f"{folder} could not be read as a Qwen3.5 text model: {exc}", hint=_HINT
+        ) from exc
+    if info.get("missing_keys") or info.get(
+        "mismatched_keys"
+    ):  # checked above; transformers would fill them randomly
+        raise CheckpointError(
+            f"{folder}: transformers left tensors unloaded: {listing(map(str, [*info['missing_keys'], *info['mismatched_keys']]))}"
+        )
     return model.to(device).eval().requires_grad_(False)
 
 
@@ -203,7 +220,13 @@ class PAN2TextEncoder:
 
     @classmethod
     def load(
-        cls, text_encoder: Path, tokenizer: Path, *, dtype: torch.dtype, device: torch.device | str, max_length: int = MAX_PROMPT_TOKENS
+        cls,
+        text_encoder: Path,
+        tokenizer: Path,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_length: int = MAX_PROMPT_TOKENS,
     ) -> "PAN2TextEncoder":
         """Read the tokenizer (`load_tokenizer`) and the text model (`load_text_model`) from local folders.
 
@@ -230,13 +253,19 @@ class PAN2TextEncoder:
         """
         messages = [{"role": "system", "content": SYSTEM_MESSAGE}, {"role": "user", "content": prompt or " "}]
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding by default
+        if isinstance(ids, Mapping) or hasattr(
+            ids, "input_ids"
+        ):  # transformers 5 returns a BatchEncoding by default
             ids = ids["input_ids"]
         ids = [int(i) for i in ids]
         n = len(self.header_ids)
-        start = next((i + n for i in range(len(ids) - n + 1) if n and ids[i : i + n] == self.header_ids), None)
+        start = next(
+            (i + n for i in range(len(ids) - n + 1) if n and ids[i : i + n] == self.header_ids), None
+        )
         if start is None:
-            if USER_HEADER in self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False):
+            if USER_HEADER in self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            ):
                 raise InputError(
                     f"the prompt {prompt[:40]!r} starts with line breaks that the tokenizer joins to the chat template's "
                     f"{USER_HEADER!r} header, so the prompt's tokens cannot be told apart",

@@ -28,8 +28,8 @@ import torch
 
 from pan2cli.errors import CheckpointError, InputError
 from pan2cli.hub import hub_errors
-from pan2cli.paths import looks_like_path
 from pan2cli.jsonfile import read_json_object
+from pan2cli.paths import looks_like_path
 from pan2cli.statedict import key_problems, listing
 from pan2cli.vae.config import DEFAULT_VAE_REPO, WanVAEConfig
 from pan2cli.vae.model import WanVAEDecoder
@@ -134,7 +134,8 @@ def _read_safetensors(path: Path) -> _TensorFile:
             dtypes[key] = _SAFETENSORS_DTYPES.get(sliced.get_dtype(), torch.uint8)
     except Exception as exc:  # safetensors raises its own SafetensorError and OSErrors
         raise CheckpointError(
-            f"{path} could not be read as safetensors (truncated or not a safetensors file): {exc}", hint=_VAE_HINT
+            f"{path} could not be read as safetensors (truncated or not a safetensors file): {exc}",
+            hint=_VAE_HINT,
         ) from exc
 
     def load(key: str) -> torch.Tensor:
@@ -169,14 +170,18 @@ def _read_torch_pickle(path: Path) -> _TensorFile:
             hint=_VAE_HINT,
         ) from exc
     except Exception as exc:
-        raise CheckpointError(f"{path} could not be read (truncated or not a checkpoint): {exc}", hint=_VAE_HINT) from exc
+        raise CheckpointError(
+            f"{path} could not be read (truncated or not a checkpoint): {exc}", hint=_VAE_HINT
+        ) from exc
     if isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
         obj = obj["state_dict"]
     if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise CheckpointError(f"{path} is not a state dict of tensors", hint=_VAE_HINT)
     state = dict(obj)
     return _TensorFile(
-        {k: tuple(v.shape) for k, v in state.items()}, {k: v.dtype for k, v in state.items()}, state.__getitem__
+        {k: tuple(v.shape) for k, v in state.items()},
+        {k: v.dtype for k, v in state.items()},
+        state.__getitem__,
     )
 
 
@@ -223,7 +228,12 @@ def _local_checkpoint(path: Path) -> VAECheckpoint:
                 f"{path} is a folder without {DIFFUSERS_CONFIG} and {DIFFUSERS_WEIGHTS} (looked in it and in vae/)",
                 hint=_VAE_HINT,
             )
-        return VAECheckpoint(folder / DIFFUSERS_WEIGHTS, _read_config_json(folder / DIFFUSERS_CONFIG), str(path), "diffusers folder")
+        return VAECheckpoint(
+            folder / DIFFUSERS_WEIGHTS,
+            _read_config_json(folder / DIFFUSERS_CONFIG),
+            str(path),
+            "diffusers folder",
+        )
     return VAECheckpoint(path, None, str(path), "single file")
 
 
@@ -232,7 +242,10 @@ def _hub_checkpoint(repo_id: str, revision: str | None) -> VAECheckpoint:
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     def fetch(subfolder: str | None) -> tuple[Path, Path]:
-        files = [hf_hub_download(repo_id, name, subfolder=subfolder, revision=revision) for name in (DIFFUSERS_CONFIG, DIFFUSERS_WEIGHTS)]
+        files = [
+            hf_hub_download(repo_id, name, subfolder=subfolder, revision=revision)
+            for name in (DIFFUSERS_CONFIG, DIFFUSERS_WEIGHTS)
+        ]
         return Path(files[0]), Path(files[1])
 
     local_hint = "pass --vae PATH to a local Wan2.2_VAE.pth, wan2.2_vae.safetensors or diffusers vae/ folder"
@@ -250,7 +263,8 @@ def _hub_checkpoint(repo_id: str, revision: str | None) -> VAECheckpoint:
                 if isinstance(exc2, LocalEntryNotFoundError):
                     raise
                 raise CheckpointError(
-                    f"{where} has no {DIFFUSERS_CONFIG} + {DIFFUSERS_WEIGHTS} in vae/ or at its root", hint=_VAE_HINT
+                    f"{where} has no {DIFFUSERS_CONFIG} + {DIFFUSERS_WEIGHTS} in vae/ or at its root",
+                    hint=_VAE_HINT,
                 ) from exc2
     return VAECheckpoint(weights, _read_config_json(config_path), where, "diffusers folder")
 
@@ -394,7 +408,9 @@ def _load_into(model, tensors: _TensorFile, renamed: Mapping[str, str], *, dtype
     for key in model.state_dict():
         tensor = tensors.load(renamed[key])
         if not tensor.is_floating_point():
-            raise CheckpointError(f"{source}: tensor {renamed[key]} has dtype {tensor.dtype}, expected a float")
+            raise CheckpointError(
+                f"{source}: tensor {renamed[key]} has dtype {tensor.dtype}, expected a float"
+            )
         state[key] = tensor.to(dtype)
     model.load_state_dict(state, strict=True, assign=True)
     return model.to(device).eval().requires_grad_(False)
@@ -429,17 +445,25 @@ def load_vae_encoder(
 
     ckpt = resolve_vae_checkpoint(spec, revision)
     tensors = _read_tensor_file(Path(ckpt.weights))
-    renamed = {ours: theirs for ours, theirs in _our_names(tensors, ckpt.config).items() if ours.startswith(_ENCODER_PREFIXES)}
+    renamed = {
+        ours: theirs
+        for ours, theirs in _our_names(tensors, ckpt.config).items()
+        if ours.startswith(_ENCODER_PREFIXES)
+    }
     if not renamed:
         raise CheckpointError(
             f"{ckpt.source} holds no VAE encoder (encoder.* / quant_conv.* keys); image-to-video needs one",
             hint="use a whole-VAE checkpoint (Wan2.2_VAE.pth or a diffusers vae/ folder)",
         )
-    config = ckpt.config or _single_file_config({ours: tensors.shapes[orig] for ours, orig in renamed.items()})
+    config = ckpt.config or _single_file_config(
+        {ours: tensors.shapes[orig] for ours, orig in renamed.items()}
+    )
     with torch.device("meta"):
         model = WanVAEEncoder(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     problems = key_problems({ours: tensors.shapes[orig] for ours, orig in renamed.items()}, expected)
     if problems:
-        raise CheckpointError(f"{ckpt.source} does not match the Wan2.2 VAE encoder ({'; '.join(problems)})", hint=_VAE_HINT)
+        raise CheckpointError(
+            f"{ckpt.source} does not match the Wan2.2 VAE encoder ({'; '.join(problems)})", hint=_VAE_HINT
+        )
     return _load_into(model, tensors, renamed, dtype=dtype, device=device, source=ckpt.source)

@@ -125,7 +125,9 @@ class WanVAEConfig:
                 f"decode_kernel must be one of {', '.join(DECODE_KERNEL_MODES)}, got {self.decode_kernel!r}"
             )
         if not isinstance(self.decode_kernel_parallel, bool):
-            raise InputError(f"decode_kernel_parallel must be True or False, got {self.decode_kernel_parallel!r}")
+            raise InputError(
+                f"decode_kernel_parallel must be True or False, got {self.decode_kernel_parallel!r}"
+            )
 
     # -- derived ---------------------------------------------------------------------------------
     @property

@@ -31,7 +31,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pan2cli.vae.config import WanVAEConfig
-from pan2cli.vae.model import CausalCache, WanCausalConv3d, WanMidBlock, WanResidualBlock, WanRMSNorm, _ieee_fp32
+from pan2cli.vae.model import (
+    CausalCache,
+    WanCausalConv3d,
+    WanMidBlock,
+    WanResidualBlock,
+    WanRMSNorm,
+    _ieee_fp32,
+)
 
 
 def patchify(x: torch.Tensor, patch_size: int) -> torch.Tensor:
@@ -60,7 +67,9 @@ class WanAvgDown3D(nn.Module):
         x = F.pad(x, (0, 0, 0, 0, pad_t, 0))  # zero frames in front
         b, c, t, h, w = x.shape
         x = x.view(b, c, t // ft, ft, h // fs, fs, w // fs, fs)
-        x = x.permute(0, 1, 3, 5, 7, 2, 4, 6).reshape(b, self.out_channels, self.group_size, t // ft, h // fs, w // fs)
+        x = x.permute(0, 1, 3, 5, 7, 2, 4, 6).reshape(
+            b, self.out_channels, self.group_size, t // ft, h // fs, w // fs
+        )
         return x.mean(dim=2)
 
 
@@ -89,11 +98,17 @@ class WanDownsample(nn.Module):
 class WanResidualDownBlock(nn.Module):
     """`num_res_blocks` residual blocks, then the downsampler, plus the `AvgDown3D` shortcut of the block input."""
 
-    def __init__(self, in_dim: int, out_dim: int, num_res_blocks: int, temperal_downsample: bool, down_flag: bool):
+    def __init__(
+        self, in_dim: int, out_dim: int, num_res_blocks: int, temperal_downsample: bool, down_flag: bool
+    ):
         super().__init__()
-        self.resnets = nn.ModuleList(WanResidualBlock(in_dim if i == 0 else out_dim, out_dim) for i in range(num_res_blocks))
+        self.resnets = nn.ModuleList(
+            WanResidualBlock(in_dim if i == 0 else out_dim, out_dim) for i in range(num_res_blocks)
+        )
         self.downsampler = WanDownsample(out_dim, temperal_downsample) if down_flag else None
-        self.avg_shortcut = WanAvgDown3D(in_dim, out_dim, 2 if temperal_downsample else 1, 2 if down_flag else 1)
+        self.avg_shortcut = WanAvgDown3D(
+            in_dim, out_dim, 2 if temperal_downsample else 1, 2 if down_flag else 1
+        )
 
     def forward(self, x: torch.Tensor, cache: CausalCache) -> torch.Tensor:
         x_in = x
@@ -179,10 +194,14 @@ class WanVAEEncoder(nn.Module):
             raise ValueError(f"expected frames of shape (B, 3, F, H, W), got {tuple(video.shape)}")
         frames, height, width = video.shape[2:]
         if (frames - 1) % cfg.scale_factor_temporal or height % factor or width % factor:
-            raise ValueError(f"frames must be 1 + 4k and H, W multiples of {factor}, got {tuple(video.shape)}")
+            raise ValueError(
+                f"frames must be 1 + 4k and H, W multiples of {factor}, got {tuple(video.shape)}"
+            )
         x = patchify(video.to(self.device, self.dtype), cfg.patch_size)
         cache: CausalCache = {}
-        bounds = [(0, 1)] + [(s, s + cfg.scale_factor_temporal) for s in range(1, frames, cfg.scale_factor_temporal)]
+        bounds = [(0, 1)] + [
+            (s, s + cfg.scale_factor_temporal) for s in range(1, frames, cfg.scale_factor_temporal)
+        ]
         for start, stop in bounds:
             with _ieee_fp32():
                 out = self.quant_conv(self.encoder(x[:, :, start:stop], cache))

@@ -261,7 +261,9 @@ def load_kernel(device: torch.device | None = None) -> SimpleNamespace:
         # MAX_JOBS: honoured when set; ninja's default otherwise.
         if not spec.library.exists():
             with open(spec.log_path, "w") as log:
-                log.write(f"# pan2 {pan2cli.__version__}: building {EXTENSION} for {arch} ({spec.source_hash})\n")
+                log.write(
+                    f"# pan2 {pan2cli.__version__}: building {EXTENSION} for {arch} ({spec.source_hash})\n"
+                )
         module = _import_built(spec.library) if spec.library.exists() else None
         try:
             if module is None:
@@ -311,7 +313,15 @@ def _mark_convs_compiled(arch: str) -> None:
 
 
 # The architecture fields that decide which convolution shapes a decoder launches.
-_LAYER_FIELDS = ("decoder_base_dim", "z_dim", "dim_mult", "num_res_blocks", "temperal_downsample", "out_channels", "patch_size")
+_LAYER_FIELDS = (
+    "decoder_base_dim",
+    "z_dim",
+    "dim_mult",
+    "num_res_blocks",
+    "temperal_downsample",
+    "out_channels",
+    "patch_size",
+)
 
 
 def _has_release_layers(config) -> bool:
@@ -355,7 +365,11 @@ def first_use_note(device: torch.device, dtype: torch.dtype, mode: str) -> str |
     built = kernel_spec(arch).library.exists()
     if built and convs_compiled(arch):
         return None
-    work = "compiles its Triton convolutions" if built else "builds the decode kernel and compiles its Triton convolutions"
+    work = (
+        "compiles its Triton convolutions"
+        if built
+        else "builds the decode kernel and compiles its Triton convolutions"
+    )
     return f"First use on this machine: the decode {work} first (about a minute, once); `pan2 kernels build` does it ahead."
 
 
@@ -394,7 +408,10 @@ def kernel_status(device: torch.device | None = None) -> KernelStatus:
     arch = current_arch(device)
     if arch is None:
         if not torch.cuda.is_available():
-            reason, convs = "reference PyTorch decoder: no CUDA GPU", "PyTorch's CPU convolutions (the reference decoder)"
+            reason, convs = (
+                "reference PyTorch decoder: no CUDA GPU",
+                "PyTorch's CPU convolutions (the reference decoder)",
+            )
         else:
             major, minor = torch.cuda.get_device_capability(device)
             reason = f"reference PyTorch decoder: sm_{major}{minor} is not a kernel target (sm_90a, sm_100a, sm_103a)"

@@ -144,16 +144,22 @@ class WanKernelDecoder:
                 elif isinstance(module, WanResample):
                     conv = module.resample[1]
                     self._weights[name + ".phases"] = (
-                        phase_weights(conv.weight).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+                        phase_weights(conv.weight)
+                        .to(torch.bfloat16)
+                        .contiguous(memory_format=torch.channels_last)
                     )
                     self._weights[name + ".bias"] = _f32(conv.bias)
                 elif hasattr(module, "gamma"):
                     self._weights[name + ".gamma"] = _f32(module.gamma * module.scale)
             attention = reference.decoder.mid_block.attentions[0]
             c = attention.proj.weight.shape[0]
-            self._weights["attn.qkv.weight"] = attention.to_qkv.weight.reshape(3 * c, c).to(torch.bfloat16).contiguous()
+            self._weights["attn.qkv.weight"] = (
+                attention.to_qkv.weight.reshape(3 * c, c).to(torch.bfloat16).contiguous()
+            )
             self._weights["attn.qkv.bias"] = attention.to_qkv.bias.to(torch.bfloat16)
-            self._weights["attn.proj.weight"] = attention.proj.weight.reshape(c, c).to(torch.bfloat16).contiguous()
+            self._weights["attn.proj.weight"] = (
+                attention.proj.weight.reshape(c, c).to(torch.bfloat16).contiguous()
+            )
             self._weights["attn.proj.bias"] = attention.proj.bias.to(torch.bfloat16)
         self._history: dict[str, torch.Tensor] = {}
         self._rows: RowSplit | None = None
@@ -167,7 +173,9 @@ class WanKernelDecoder:
     def _w(self, name: str) -> torch.Tensor:
         return self._weights[name]
 
-    def _buffer(self, key: str, like: torch.Tensor, channels: int, halo: bool = True) -> tuple[torch.Tensor, bool]:
+    def _buffer(
+        self, key: str, like: torch.Tensor, channels: int, halo: bool = True
+    ) -> tuple[torch.Tensor, bool]:
         """(B, 2 + t, H', W, C) conv input buffer whose first two frames hold the conv's history.
 
         With `halo` (every 3x3 conv), H' = h + 2: rows 0 and h + 1 hold the neighbouring ranks' rows
@@ -248,7 +256,17 @@ class WanKernelDecoder:
         return out.permute(0, 2, 3, 4, 1)
 
     def _norm_into(
-        self, x, gamma, out, *, bias=None, residual=None, sum_out=None, silu=True, history=None, normalize=True
+        self,
+        x,
+        gamma,
+        out,
+        *,
+        bias=None,
+        residual=None,
+        sum_out=None,
+        silu=True,
+        history=None,
+        normalize=True,
     ) -> None:
         self.ops.rms_norm_silu(x, gamma, bias, residual, sum_out, out, silu, history, normalize)
 
@@ -275,7 +293,13 @@ class WanKernelDecoder:
         history = self._history[key][:, :, 1:-1] if direct else None  # its halo rows stay zero
         sum_out = source if keep_sum and (x.bias is not None or x.residual is not None) else None
         self._norm_into(
-            source, gamma, self._interior(buf), bias=x.bias, residual=x.residual, sum_out=sum_out, history=history
+            source,
+            gamma,
+            self._interior(buf),
+            bias=x.bias,
+            residual=x.residual,
+            sum_out=sum_out,
+            history=history,
         )
         x.bias = x.residual = None
         if not keep_sum:
@@ -321,7 +345,9 @@ class WanKernelDecoder:
             o = self._rows.take(o.permute(0, 1, 4, 2, 3)).permute(0, 1, 3, 4, 2)  # this rank's rows
         return _Pending(x.add_(o))
 
-    def _upsample(self, prefix: str, mode: str, x: _Pending, x_in: torch.Tensor, first_chunk: bool) -> torch.Tensor:
+    def _upsample(
+        self, prefix: str, mode: str, x: _Pending, x_in: torch.Tensor, first_chunk: bool
+    ) -> torch.Tensor:
         """Resampler on the block output `x` (consumed) with the DupUp3D shortcut of the block input `x_in`."""
         b, t, h, w, c = x.z.shape
         factor_t = 2 if mode == "upsample3d" else 1
@@ -354,10 +380,15 @@ class WanKernelDecoder:
         fixed_order = self._fixed_order(w, c)
         for f in range(0, t, group):
             if fixed_order:
-                phases = conv_kernel.conv_channels_last(frames[f : f + group], self._w(prefix + ".phases"), pad_w=1)
+                phases = conv_kernel.conv_channels_last(
+                    frames[f : f + group], self._w(prefix + ".phases"), pad_w=1
+                )
             else:
                 phases = F.conv2d(
-                    frames[f : f + group].permute(0, 3, 1, 2), self._w(prefix + ".phases"), None, padding=(0, 1)
+                    frames[f : f + group].permute(0, 3, 1, 2),
+                    self._w(prefix + ".phases"),
+                    None,
+                    padding=(0, 1),
                 )
                 phases = phases.permute(0, 2, 3, 1).contiguous()
             self.ops.phase_interleave(
@@ -389,7 +420,9 @@ class WanKernelDecoder:
         y = self._norm_conv("decoder.conv_out", x, self._w("decoder.norm_out.gamma"), keep_sum=False)
         b, t, h, w, _ = y.shape
         frames = torch.empty(b * t, 2 * h, 2 * w, 3, dtype=torch.uint8, device=y.device)
-        self.ops.head_to_uint8(y.reshape(b * t, h, w, 12).contiguous(), self._w("decoder.conv_out.bias"), frames)
+        self.ops.head_to_uint8(
+            y.reshape(b * t, h, w, 12).contiguous(), self._w("decoder.conv_out.bias"), frames
+        )
         return frames.view(b, t, 2 * h, 2 * w, 3)
 
     def _decoder_chunk(self, x: torch.Tensor, first_chunk: bool) -> Iterator[torch.Tensor]:
@@ -441,7 +474,9 @@ class WanKernelDecoder:
         w = self._w("post_quant_conv.weight")
         if self._fixed_order(x.shape[3], x.shape[4]):  # the row split and chunk size must not change its GEMM
             return conv_kernel.conv_channels_last(x, w, self._w("post_quant_conv.bias"))
-        return F.linear(x, w.reshape(w.shape[0], w.shape[1]), self._w("post_quant_conv.bias").to(torch.bfloat16))
+        return F.linear(
+            x, w.reshape(w.shape[0], w.shape[1]), self._w("post_quant_conv.bias").to(torch.bfloat16)
+        )
 
     # -- public -----------------------------------------------------------------------------
     @torch.inference_mode()

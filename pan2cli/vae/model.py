@@ -60,7 +60,9 @@ class WanCausalConv3d(nn.Conv3d):
         self.padding = (0, 0, 0)
         self.cache_key: str | None = None  # set by WanVAEDecoder to the module's path
 
-    def forward(self, x: torch.Tensor, cache: CausalCache | None = None, rows: RowSplit | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: CausalCache | None = None, rows: RowSplit | None = None
+    ) -> torch.Tensor:
         # x: (B, C, t, H, W)
         if self._history:
             if cache is None:
@@ -166,7 +168,9 @@ class WanResample(nn.Module):
         if mode == "upsample3d":
             self.time_conv = WanCausalConv3d(dim, dim * 2, (3, 1, 1), padding=(1, 0, 0))
 
-    def forward(self, x: torch.Tensor, cache: CausalCache, first_chunk: bool, rows: RowSplit | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: CausalCache, first_chunk: bool, rows: RowSplit | None = None
+    ) -> torch.Tensor:
         b, c, t, h, w = x.shape
         # "Rep": the first latent frame is not doubled in time, and time_conv's history starts as
         # zeros at the second chunk (frame 0 is never its history).
@@ -179,7 +183,6 @@ class WanResample(nn.Module):
         x = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
         x = self._resample_rows(x, rows)
         return x.view(b, t, x.size(1), x.size(2), x.size(3)).permute(0, 2, 1, 3, 4)
-
 
     def _resample_rows(self, x: torch.Tensor, rows: RowSplit | None) -> torch.Tensor:
         """Nearest ×2 + 3x3 conv with explicit H padding: zero rows, or under a row split the halo rows
@@ -218,7 +221,9 @@ class WanDupUp3D(nn.Module):
 class WanResidualUpBlock(nn.Module):
     """`num_res_blocks + 1` residual blocks, then the upsampler, plus the `DupUp3D` shortcut of the block input."""
 
-    def __init__(self, in_dim: int, out_dim: int, num_res_blocks: int, temperal_upsample: bool, up_flag: bool):
+    def __init__(
+        self, in_dim: int, out_dim: int, num_res_blocks: int, temperal_upsample: bool, up_flag: bool
+    ):
         super().__init__()
         self.resnets = nn.ModuleList(
             WanResidualBlock(in_dim if i == 0 else out_dim, out_dim) for i in range(num_res_blocks + 1)
@@ -230,7 +235,9 @@ class WanResidualUpBlock(nn.Module):
             self.upsampler = None
             self.avg_shortcut = None
 
-    def forward(self, x: torch.Tensor, cache: CausalCache, first_chunk: bool, rows: RowSplit | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: CausalCache, first_chunk: bool, rows: RowSplit | None = None
+    ) -> torch.Tensor:
         x_in = x
         for resnet in self.resnets:
             x = resnet(x, cache, rows)
@@ -276,7 +283,9 @@ class WanDecoder3d(nn.Module):
         self.norm_out = WanRMSNorm(dims[-1], images=False)
         self.conv_out = WanCausalConv3d(dims[-1], config.out_channels, 3, padding=1)
 
-    def forward(self, x: torch.Tensor, cache: CausalCache, first_chunk: bool, rows: RowSplit | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: CausalCache, first_chunk: bool, rows: RowSplit | None = None
+    ) -> torch.Tensor:
         # x: (B, z_dim, t, h, w) -> (B, 12, t_out, 8h, 8w); with `rows`, h is this process's band
         x = self.conv_in(x, cache, rows)
         x = self.mid_block(x, cache, rows)
@@ -361,7 +370,9 @@ class WanVAEDecoder(nn.Module):
             latent rows (`rows.gather_rows` puts the frames together).
         """
         if z.dim() != 5 or z.shape[1] != self.config.z_dim:
-            raise ValueError(f"expected latents of shape (B, {self.config.z_dim}, T, H, W), got {tuple(z.shape)}")
+            raise ValueError(
+                f"expected latents of shape (B, {self.config.z_dim}, T, H, W), got {tuple(z.shape)}"
+            )
         n = chunk_latent_frames or self.config.chunk_latent_frames
         if rows is not None:
             z = rows.take(z)  # every later op keeps the row mapping: band [a, b) → [2a, 2b) at ×2

@@ -61,7 +61,9 @@ class RowSplit:
         """Every rank's rows at the resolution where this rank holds `local_rows` (a power-of-2 multiple)."""
         scale, rest = divmod(local_rows, self.sizes[self.rank])
         if rest:
-            raise ValueError(f"{local_rows} rows is not a multiple of this rank's {self.sizes[self.rank]} latent rows")
+            raise ValueError(
+                f"{local_rows} rows is not a multiple of this rank's {self.sizes[self.rank]} latent rows"
+            )
         return [size * scale for size in self.sizes]
 
     def total_rows(self, local_rows: int) -> int:

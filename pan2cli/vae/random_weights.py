@@ -97,7 +97,9 @@ def _encoder_params(config: WanVAEConfig) -> list[_Param]:
     """
     dims = [config.base_dim * m for m in (1, *config.dim_mult)]
     n_blocks = len(config.dim_mult)
-    params = _prefixed("encoder.", "encoder.", _conv("conv_in", "conv1", dims[0], config.in_channels, (3, 3, 3)))
+    params = _prefixed(
+        "encoder.", "encoder.", _conv("conv_in", "conv1", dims[0], config.in_channels, (3, 3, 3))
+    )
     for i in range(n_blocks):
         c_in, c_out = dims[i], dims[i + 1]
         d_block, o_block = f"encoder.down_blocks.{i}.", f"encoder.downsamples.{i}.downsamples."
@@ -309,7 +311,11 @@ def decoder_from_state(
 
 
 def random_decoder(
-    config: WanVAEConfig, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda"
+    config: WanVAEConfig,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cuda",
 ):
     """A `WanVAEDecoder` with random weights (`random_vae_state_dict`'s values), in `dtype` on `device`."""
     return decoder_from_state(
@@ -373,8 +379,10 @@ def write_test_checkpoints(
             path = out_dir / "diffusers" / "vae"
             path.mkdir(parents=True, exist_ok=True)
             text = json.dumps(config.to_diffusers_config(), indent=2) + "\n"
-            replace_into(path / DIFFUSERS_CONFIG, lambda p: p.write_text(text))
+            replace_into(path / DIFFUSERS_CONFIG, lambda p, text=text: p.write_text(text))
             # diffusers' save_pretrained tags its files with format "pt".
-            replace_into(path / DIFFUSERS_WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+            replace_into(
+                path / DIFFUSERS_WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": "pt"})
+            )
         written[fmt] = path
     return written
