@@ -241,7 +241,7 @@ def test_kernel_path_split_across_processes_equals_one_process(tmp_path, referen
         assert got.shape == expected.shape
         # On CPU the bands' bf16 convs run through oneDNN, whose summation order depends on the CPU and
         # the band height (AVX-512: bit-identical; AVX2: half the pixels 1 level apart, at most 5). The
-        # split's arithmetic is exact (float64: tests/test_distributed.py); the GPU tests hold it to
+        # split's arithmetic is exact (float64: tests/distributed/test_distributed.py); the GPU tests hold it to
         # bit-identical frames. Here: bf16-sized differences, no error of its own (a wrong halo row
         # gives tens of levels along the band edges).
         difference = (got - expected).abs()

@@ -30,7 +30,7 @@ from pan2cli.vae.random_weights import (
     write_test_checkpoints,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "make_test_checkpoint.py"
 SMALL = WanVAEConfig(base_dim=16, decoder_base_dim=16)
 FULL = WanVAEConfig()
