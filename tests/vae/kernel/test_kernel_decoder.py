@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from pan2cli.frames import frames_to_uint8
+from pan2cli.testing.random_weights import random_vae_state_dict
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.kernel_decoder import WanKernelDecoder, phase_weights
 from pan2cli.vae.model import WanVAEDecoder
-from pan2cli.vae.random_weights import random_vae_state_dict
 
 # TRITON_INTERPRET=1 without CUDA, set for each test of this module only (conftest.py).
 pytestmark = pytest.mark.usefixtures("triton_interpreter_without_cuda")
