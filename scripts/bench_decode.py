@@ -3,7 +3,7 @@
 Usage: python scripts/bench_decode.py [--latent-shape 1,48,31,44,78] [--accuracy-frames 5] [--repeats 3]
        [--chunk-latent-frames 4] [--skip-diffusers] [--profile] [--out results.json]
 
-Random weights (γ and biases perturbed, `pan2cli.vae.random_weights`) and random latents. Timing: median
+Random weights (γ and biases perturbed, `pan2cli.testing.random_weights`) and random latents. Timing: median
 decode seconds over `--repeats` runs after one warm-up (model loading timed separately), CUDA-synchronised;
 peak memory is `max_memory_allocated` during the decode, weights included (reserved reported too).
 Accuracy: every path decodes a shorter latent (`--accuracy-frames` latent frames, same H and W) and is
@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from pan2cli.frames import frames_to_uint8, psnr
+from pan2cli.testing.random_weights import decoder_from_state, random_vae_state_dict
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.model import WanVAEDecoder
-from pan2cli.vae.random_weights import decoder_from_state, random_vae_state_dict
 
 _TFLOP_FIRST, _TFLOP_LATER = 20.06, 64.69  # at 44x78 latent pixels (wan22_vae.md §8.1)
 

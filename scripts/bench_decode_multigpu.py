@@ -7,7 +7,7 @@ Usage: python scripts/bench_decode_multigpu.py [--gpus 2] [--latent-shape 1,48,3
 
 Launches itself under torch.distributed.run with `--gpus` processes (NCCL; NCCL_* settings such as
 NCCL_NVLS_ENABLE=0 pass through). Every rank builds the full-size decoder with random weights (γ and
-biases perturbed, `pan2cli.vae.random_weights`) in bf16 and the same random latents. The 1-GPU baseline
+biases perturbed, `pan2cli.testing.random_weights`) in bf16 and the same random latents. The 1-GPU baseline
 is `pan2cli.decode.decode_latents` on rank 0 alone with the row split switched off
 (`decode_kernel_parallel=False`; the other ranks wait); the N-GPU run is the same function on every
 rank with the split on (uint8 rows all-gathered per chunk). Both collect the uint8 frames on the host,
@@ -34,11 +34,11 @@ import torch.distributed as dist
 from pan2cli import distributed
 from pan2cli.decode import decode_latents
 from pan2cli.launch import under_torchrun
+from pan2cli.testing.random_weights import random_decoder
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.kernel import select_decode_path
 from pan2cli.vae.kernel_decoder import WanKernelDecoder
 from pan2cli.vae.model import WanVAEDecoder
-from pan2cli.vae.random_weights import random_decoder
 
 GIB = 2**30
 

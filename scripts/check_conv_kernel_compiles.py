@@ -5,7 +5,7 @@ Usage: python scripts/check_conv_kernel_compiles.py
 Triton compiles ahead of time for a target it is told (its bundled ptxas), so this checks on a machine
 without a GPU that every configuration the decoder launches builds for Hopper (wgmma) and Blackwell
 (tcgen05). Nothing is run. Run it in a process of its own (Triton's CPU interpreter, once used,
-leaves patched functions behind that break compiling); tests/test_conv_kernel.py does so for three.
+leaves patched functions behind that break compiling); tests/vae/kernel/test_conv_kernel.py does so for three.
 """
 
 from __future__ import annotations

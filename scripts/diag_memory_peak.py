@@ -13,10 +13,10 @@ import argparse
 
 import torch
 
+from pan2cli.testing.random_weights import random_decoder
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.kernel import load_kernel
 from pan2cli.vae.kernel_decoder import WanKernelDecoder
-from pan2cli.vae.random_weights import random_decoder
 
 
 def _where(frames) -> str:

@@ -23,10 +23,10 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
+from pan2cli.testing.random_weights import random_decoder
 from pan2cli.vae import kernel_decoder
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.kernel import load_kernel
-from pan2cli.vae.random_weights import random_decoder
 
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 

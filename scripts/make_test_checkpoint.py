@@ -14,8 +14,8 @@ from pathlib import Path
 import click
 import torch
 
+from pan2cli.testing.random_weights import FORMATS, write_test_checkpoints
 from pan2cli.vae.config import WanVAEConfig
-from pan2cli.vae.random_weights import FORMATS, write_test_checkpoints
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -9,8 +9,8 @@ import torch
 from click.testing import CliRunner
 
 from pan2cli.cli import cli
+from pan2cli.testing.random_weights import random_vae_state_dict, write_test_checkpoints
 from pan2cli.vae.config import WanVAEConfig
-from pan2cli.vae.random_weights import random_vae_state_dict, write_test_checkpoints
 
 # Reduced decoder width (16 instead of 256): same structure, CPU-sized.
 SMALL_VAE = WanVAEConfig(base_dim=16, decoder_base_dim=16)

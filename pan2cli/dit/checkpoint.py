@@ -28,7 +28,7 @@ F = 8D video MLP, F' = 4D text MLP, R = 4D refiner SwiGLU, h = 128, C_in = 97, C
 | `norm_out.linear.weight` / `.bias` (float32 as released) | `[2D, D]` / `[2D]` |
 | `proj_out.weight` / `.bias` | `[4C, D]` / `[4C]`, features (c, pt, ph, pw) |
 
-1,418 tensors and 29,201,996,992 parameters at the default config (tests/test_dit_model.py checks both).
+1,418 tensors and 29,201,996,992 parameters at the default config (tests/dit/test_dit_model.py checks both).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ the [video ; text] attention runs for those heads (the text stream is replicated
 text tokens and takes its heads' slice), the video output goes back with the inverse all-to-all and the
 text output is gathered over heads, so every rank keeps the same text stream. The final projection's
 tokens are gathered once. Attention is per head and every other op is per token, so the result is one
-process's, up to the kernels' own rounding (exact in float64 on the CPU: tests/test_sampling.py).
+process's, up to the kernels' own rounding (exact in float64 on the CPU: tests/pipeline/test_sampling.py).
 
 The heads must divide evenly over the group (32 heads: 2, 4, 8 or 16 ranks).
 """

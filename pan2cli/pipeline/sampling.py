@@ -10,7 +10,7 @@ One video on several processes (issue 15), every rank holding the whole transfor
 - without guidance, the sequence split over all ranks.
 Every rank then applies the same guidance and Euler step to the same tensors, so all hold the same
 latents, equal to one process's up to the kernels' rounding (exact in float64 on the CPU over 2, 3 and
-4 gloo ranks: tests/test_sampling.py).
+4 gloo ranks: tests/pipeline/test_sampling.py).
 """
 
 from __future__ import annotations

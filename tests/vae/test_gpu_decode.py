@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pan2cli.frames import frames_to_uint8
+from pan2cli.testing.random_weights import decoder_from_state, random_vae_state_dict
 from pan2cli.vae.config import WanVAEConfig
-from pan2cli.vae.random_weights import decoder_from_state, random_vae_state_dict
 
 pytestmark = pytest.mark.gpu
 

@@ -15,7 +15,7 @@ import torch
 from pan2cli.errors import EXIT_INTERRUPTED
 from pan2cli.launch import _EXIT_PEER_LOST
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Loaded by every process through PYTHONPATH: makes one rank fail (or hang) after its first chunk.
 _FAILING_RANK = """

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from pan2cli.frames import frames_to_uint8
+from pan2cli.testing.random_weights import random_vae_state_dict
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.kernel_decoder import WanKernelDecoder, phase_weights
 from pan2cli.vae.model import WanVAEDecoder
-from pan2cli.vae.random_weights import random_vae_state_dict
 
 # TRITON_INTERPRET=1 without CUDA, set for each test of this module only (conftest.py).
 pytestmark = pytest.mark.usefixtures("triton_interpreter_without_cuda")
@@ -241,7 +241,7 @@ def test_kernel_path_split_across_processes_equals_one_process(tmp_path, referen
         assert got.shape == expected.shape
         # On CPU the bands' bf16 convs run through oneDNN, whose summation order depends on the CPU and
         # the band height (AVX-512: bit-identical; AVX2: half the pixels 1 level apart, at most 5). The
-        # split's arithmetic is exact (float64: tests/test_distributed.py); the GPU tests hold it to
+        # split's arithmetic is exact (float64: tests/distributed/test_distributed.py); the GPU tests hold it to
         # bit-identical frames. Here: bf16-sized differences, no error of its own (a wrong halo row
         # gives tens of levels along the band edges).
         difference = (got - expected).abs()

@@ -1,4 +1,4 @@
-"""pan2cli's PAN 2 transformer against an independent oracle (`tests/pan2_oracle.py`).
+"""pan2cli's PAN 2 transformer against an independent oracle (`tests/dit/pan2_oracle.py`).
 
 The oracle is written from the specification (shared/docs/pan2_model.md §2.1–2.3) and diffusers' public
 building blocks, not from pan2cli's code. Both models get the same random weights (through the
@@ -16,7 +16,7 @@ from diffusers.models.embeddings import Timesteps, get_1d_rotary_pos_embed
 from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 
 from pan2cli.dit.model import PAN2Transformer3DModel
-from tests.pan2_oracle import OraclePAN2, RMSNorm, rope_cos_sin, timestep_sinusoid
+from tests.dit.pan2_oracle import OraclePAN2, RMSNorm, rope_cos_sin, timestep_sinusoid
 
 SMALL = dict(
     in_channels=97,

@@ -12,7 +12,7 @@ import torch
 
 from pan2cli.dit.model import PAN2Transformer3DModel
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "make_tiny_pan2.py"
 COMPONENTS = {
     "transformer": ("diffusers", "PAN2Transformer3DModel"),

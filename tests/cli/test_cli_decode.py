@@ -24,7 +24,7 @@ from pan2cli.frames import frames_to_uint8
 from pan2cli.latents import unnormalize
 from pan2cli.vae.checkpoint import load_vae_decoder
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _frames_on_disk(folder: Path) -> list[str]:

@@ -1,4 +1,4 @@
-"""Tests for pan2cli.vae.random_weights: key layouts against diffusers, the written files, the script."""
+"""Tests for pan2cli.testing.random_weights: key layouts against diffusers, the written files, the script."""
 
 from __future__ import annotations
 
@@ -16,10 +16,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from pan2cli.vae.checkpoint import load_vae_decoder, original_to_diffusers_key, resolve_vae_checkpoint
-from pan2cli.vae.config import WanVAEConfig
-from pan2cli.vae.model import WanVAEDecoder
-from pan2cli.vae.random_weights import (
+from pan2cli.testing.random_weights import (
     decoder_key_map,
     encoder_key_map,
     encoder_key_shapes,
@@ -29,8 +26,11 @@ from pan2cli.vae.random_weights import (
     vae_key_shapes,
     write_test_checkpoints,
 )
+from pan2cli.vae.checkpoint import load_vae_decoder, original_to_diffusers_key, resolve_vae_checkpoint
+from pan2cli.vae.config import WanVAEConfig
+from pan2cli.vae.model import WanVAEDecoder
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "make_test_checkpoint.py"
 SMALL = WanVAEConfig(base_dim=16, decoder_base_dim=16)
 FULL = WanVAEConfig()

@@ -17,7 +17,7 @@ import pan2cli
 from pan2cli.cli import cli
 from pan2cli.presets import load_preset
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _commands(command=cli, path=("pan2",)):

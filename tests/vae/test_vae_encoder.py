@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pan2cli.testing.random_weights import encoder_key_map, random_vae_state_dict
 from pan2cli.vae.checkpoint import load_vae_encoder, original_to_diffusers_key
 from pan2cli.vae.encoder import WanVAEEncoder
-from pan2cli.vae.random_weights import encoder_key_map, random_vae_state_dict
 from tests.conftest import SMALL_VAE
 
 

@@ -90,8 +90,8 @@ def _write_text_encoder(folder: Path, hidden_size: int = 32) -> None:
 
 def _write_release(root: Path) -> Path:
     """A tiny repo in the release's layout: modular index, sharded transformer, stub text encoder and tokenizer, VAE, scheduler."""
+    from pan2cli.testing.random_weights import write_test_checkpoints
     from pan2cli.vae.config import WanVAEConfig
-    from pan2cli.vae.random_weights import write_test_checkpoints
 
     with torch.random.fork_rng(
         devices=[]

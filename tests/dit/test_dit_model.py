@@ -1,6 +1,6 @@
 """The PAN 2 transformer: the release's tensors and parameter count, config checks, forward semantics, fused = unfused.
 
-Exactness against an independent implementation of the release is tests/test_dit_oracle.py.
+Exactness against an independent implementation of the release is tests/dit/test_dit_oracle.py.
 """
 
 from __future__ import annotations

@@ -12,10 +12,10 @@ import torch.multiprocessing as mp
 
 from pan2cli import distributed, launch
 from pan2cli.errors import InputError
+from pan2cli.testing.random_weights import random_vae_state_dict
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.model import WanVAEDecoder
 from pan2cli.vae.parallel import RowSplit, row_split_for, split_rows
-from pan2cli.vae.random_weights import random_vae_state_dict
 
 SMALL = WanVAEConfig(base_dim=16, decoder_base_dim=16)
 

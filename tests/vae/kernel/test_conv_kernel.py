@@ -19,7 +19,7 @@ from pan2cli.vae.conv_kernel import conv_channels_last
 pytestmark = pytest.mark.usefixtures("triton_interpreter_without_cuda")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _inputs(shape, c_out, kernel, seed=0, bias=False):

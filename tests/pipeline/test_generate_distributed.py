@@ -11,7 +11,7 @@ from typing import Iterator
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--steps", "1", "--frames", "5", "--size", "64x96", "--device", "cpu"]
 
 
@@ -143,7 +143,7 @@ def test_one_prompt_on_two_processes_matches_one(tiny_pan2, tmp_path):
     # The decoded videos, not only the latents: on the CPU the two ranks split the decode by rows (each 3x3 conv
     # reads a halo row from its neighbour), and rank 0 writes the gathered frames. Measured: bit-identical MP4s
     # (fp32 on the CPU). The split's fp32 sums may run in another order than the whole frame's (one uint8 level
-    # at most, tests/test_distributed_cli.py), which x264 may spread a little; the bound leaves that room. A
+    # at most, tests/distributed/test_distributed_cli.py), which x264 may spread a little; the bound leaves that room. A
     # halo row taken from the wrong side gives 35 levels on average, up to 200 (issue 18).
     import imageio_ffmpeg
     import numpy as np

@@ -18,7 +18,7 @@ from pan2cli.pipeline.conditioning import condition_latents
 from pan2cli.pipeline.sampling import denoise, split_ranks
 from pan2cli.pipeline.scheduler import flow_sigmas
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from make_tiny_pan2 import TEXT_HIDDEN, tiny_transformer  # noqa: E402  (the release-shaped tiny transformer)
 
 SHAPE = (1, 48, 3, 4, 6)  # latent [1, 48, T, h, w]: 3 x 2 x 3 = 18 video tokens, uneven over 4 ranks

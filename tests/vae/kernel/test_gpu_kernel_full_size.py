@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from pan2cli.frames import psnr
+from pan2cli.testing.random_weights import decoder_from_state
 from pan2cli.vae.model import WanVAEDecoder
-from pan2cli.vae.random_weights import decoder_from_state
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -13,7 +13,7 @@ import pytest
 
 from pan2cli.resources import _find_data_dir
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # Prints where pan2cli and its data were found, as JSON, from whatever pan2cli is on PYTHONPATH.
 PROBE = """

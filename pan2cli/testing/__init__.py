@@ -1,0 +1,1 @@
+"""Test support: random weights and small checkpoints for tests and benchmarks; `pan2` never imports it."""
