@@ -1,4 +1,4 @@
-"""Where pan2 keeps its own files: the user cache directory (`PAN2_CACHE_DIR` overrides)."""
+"""Paths: where pan2 keeps its own files (`PAN2_CACHE_DIR` overrides), and whether a value names a path or a hub repo."""
 
 from __future__ import annotations
 
