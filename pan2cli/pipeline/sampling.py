@@ -35,6 +35,18 @@ def split_ranks(world: int, passes: int) -> list[list[int]]:
     return [list(range(world))]
 
 
+_groups: dict[tuple, dist.ProcessGroup] = {}  # per default group: NCCL sets each one up once (seconds)
+
+
+def _group(ranks: list[int]) -> dist.ProcessGroup:
+    """The process group of `ranks`, made once per default group. `new_group` is collective: every rank
+    asks for every group, in the same order (`_split_model` walks them all)."""
+    key = (id(dist.group.WORLD), *ranks)
+    if key not in _groups:
+        _groups[key] = dist.new_group(ranks)
+    return _groups[key]
+
+
 @contextmanager
 def _split_model(model, groups: list[list[int]], heads: int) -> Iterator[int]:
     """Give the model this rank's sequence-parallel group for the duration; yields the index of its pass."""
@@ -42,8 +54,7 @@ def _split_model(model, groups: list[list[int]], heads: int) -> Iterator[int]:
     previous = model.sequence_parallel
     mine = next(i for i, ranks in enumerate(groups) if rank in ranks)
     for i, ranks in enumerate(groups):
-        # new_group is collective: every rank creates every group, in the same order
-        group = dist.new_group(ranks) if len(ranks) >= 2 and heads % len(ranks) == 0 else None
+        group = _group(ranks) if len(ranks) >= 2 and heads % len(ranks) == 0 else None
         if i == mine and group is not None:
             model.sequence_parallel = SequenceParallel(group)
     try:
