@@ -24,7 +24,7 @@ from pan2cli.cli._launch import run_on_ranks
 from pan2cli.cli._options import device_option, dtype_option, gpus_option, quiet_option
 from pan2cli.cli._output import gib, info, progress_bar, result, status, warn
 from pan2cli.devices import resolve_device, resolve_dtype
-from pan2cli.errors import InputError, out_of_memory
+from pan2cli.errors import InputError
 from pan2cli.outputs import (
     DEFAULT_CRF,
     DEFAULT_X264_PRESET,
@@ -309,8 +309,7 @@ def _decode(options: DecodeOptions):
     from pan2cli import distributed, launch
     from pan2cli.decode import decode_latents
     from pan2cli.latents import load_latents
-    from pan2cli.vae.checkpoint import load_vae_decoder
-    from pan2cli.vae.kernel import first_use_note, select_decode_path, start_loading_triton
+    from pan2cli.vae.decoder import open_decoder
     from pan2cli.vae.kernel_decoder import WanKernelDecoder
     from pan2cli.vae.parallel import split_rows
     from pan2cli.video import open_video_writer
@@ -345,37 +344,16 @@ def _decode(options: DecodeOptions):
 
     # 2. Load the decoder once; no rank goes on to the decode's collectives if one failed here.
     start = time.perf_counter()
-    triton_loading = start_loading_triton(
-        device, torch_dtype, options.decode_kernel
-    )  # beside the weights' loading
-    try:
-        with status("Loading the VAE decoder…", quiet):
-            reference = load_vae_decoder(
-                options.vae,
-                options.revision,
-                dtype=torch_dtype,
-                device=device,
-                chunk_latent_frames=options.chunk_latent_frames,
-                decode_kernel=options.decode_kernel,
-            )
-        if triton_loading is not None:
-            triton_loading.join()
-        first_use = first_use_note(reference.device, reference.dtype, reference.config.decode_kernel)
-        if first_use:
-            info(first_use, quiet)  # said once: the decode marks the kernels compiled
-        with status("Building the decode kernel…" if first_use else "Choosing the decode path…", quiet):
-            decoder, note = select_decode_path(reference)
-    except torch.OutOfMemoryError as exc:
-        error = out_of_memory(exc, "while loading the VAE decoder")
-    except Exception as exc:  # a Pan2Error or the unexpected: either way the other ranks must not wait
-        error = exc
-    distributed.raise_if_any_failed(error)
-    # Every rank takes the same decode path: the compiled kernel only if all of them could load it.
-    if not distributed.agree_all(decoder is not reference):
-        if decoder is not reference:
-            note = "Using the reference decoder: another rank could not use the compiled kernel."
-        decoder = reference
-    del reference  # the kernel path holds its own copy of the weights
+    decoder, note = open_decoder(
+        options.vae,
+        options.revision,
+        dtype=torch_dtype,
+        device=device,
+        chunk_latent_frames=options.chunk_latent_frames,
+        decode_kernel=options.decode_kernel,
+        stage=lambda message: status(message, quiet),
+        say=lambda line: info(line, quiet),
+    )
     if note:
         info(note, quiet)
     info(

@@ -427,27 +427,22 @@ class VideoGenerator:
         )
 
     def _load_decoder(self, shared: bool):
-        from pan2cli.vae.checkpoint import load_vae_decoder
-        from pan2cli.vae.kernel import select_decode_path
+        from pan2cli.vae.decoder import open_decoder
 
         cfg = self.config
         world = distributed.world_size()
-        single_machine = launch.env_local_world_size(world) == world
-        reference = load_vae_decoder(
-            self.components.folder("vae"), dtype=self.vae_dtype, device=self.device,
-            chunk_latent_frames=cfg.chunk_latent_frames or 4, decode_kernel=cfg.vae_decode_kernel,
-        )  # fmt: skip
         # Ranks split a decode by rows only when they share the job and sit on one machine.
-        parallel = cfg.vae_decode_kernel_parallel and shared and single_machine
-        reference.config = reference.config.replace(decode_kernel_parallel=parallel)
-        decoder, note = select_decode_path(reference)
-        # agree_all first (a collective: every rank takes part); only a rank that could use the kernel
-        # needs another reason than its own note.
-        if shared and not distributed.agree_all(decoder is not reference) and decoder is not reference:
-            note, decoder = (
-                "Using the reference decoder: another rank could not use the compiled kernel.",
-                reference,
-            )
+        parallel = cfg.vae_decode_kernel_parallel and shared and launch.env_local_world_size(world) == world
+        decoder, note = open_decoder(
+            self.components.folder("vae"),
+            dtype=self.vae_dtype,
+            device=self.device,
+            chunk_latent_frames=cfg.chunk_latent_frames or 4,
+            decode_kernel=cfg.vae_decode_kernel,
+            split_rows=parallel,
+            ranks_together=shared,
+            say=self.info,
+        )
         if note:
             self.info(note)
         return decoder, parallel
