@@ -15,7 +15,7 @@ latents, equal to one process's up to the kernels' rounding (exact in float64 on
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -93,7 +93,9 @@ def denoise(
     use_uncond = uses_guidance(guidance) and uncond is not None
     world = distributed.world_size() if split else 1
     groups = split_ranks(world, 2 if use_uncond else 1)
-    with _split_model(model, groups, model.config.num_attention_heads) if world > 1 else _whole() as mine:
+    with (
+        _split_model(model, groups, model.config.num_attention_heads) if world > 1 else nullcontext(0) as mine
+    ):
         for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
             timestep = torch.full(
                 (1,), sigma * num_train_timesteps, device=latents.device, dtype=torch.float32
@@ -111,8 +113,3 @@ def denoise(
             if on_step is not None:
                 on_step(1)
     return latents
-
-
-@contextmanager
-def _whole() -> Iterator[int]:
-    yield 0

@@ -381,16 +381,14 @@ def compile_convolutions(device: torch.device | None = None) -> None:
     number of GPUs. The weights are left uninitialised: only the kernels matter here.
     """
     from pan2cli.vae.config import WanVAEConfig
-    from pan2cli.vae.kernel_decoder import WanKernelDecoder
     from pan2cli.vae.model import WanVAEDecoder
 
     device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-    ops = load_kernel(device)
     with torch.device("meta"):
         reference = WanVAEDecoder(WanVAEConfig())
     reference = reference.to_empty(device=device).to(torch.bfloat16).eval()
-    WanKernelDecoder(reference, ops).warm_up()
-    _mark_convs_compiled(current_arch(device))
+    # The decode's own path: it builds the kernel, warms the decoder up and marks the convs compiled.
+    select_decode_path(reference, "require")
 
 
 @dataclass(frozen=True)
