@@ -64,6 +64,14 @@ def parse_args() -> argparse.Namespace:
         "pan2: fused, under pan2's attention priority; compiled: pan2 with the blocks under torch.compile (put it last)",
     )  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="CUDA time of one step by kind of kernel")
+    parser.add_argument(
+        "--offload", action="store_true",
+        help="stream the blocks from pinned host memory (pan2cli.pipeline.offload), as `pan2 generate --offload`",
+    )  # fmt: skip
+    parser.add_argument(
+        "--memory-gib", type=float,
+        help="cap this process's GPU memory (torch.cuda.set_per_process_memory_fraction), e.g. 79.6 for an 80 GB card",
+    )  # fmt: skip
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="a tiny config (dry run)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -91,6 +99,7 @@ _KERNEL_KINDS = (  # (kind, substrings of CUDA kernel names), first match wins
     ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
     ("fused norms (Triton)", ("qk_norm_rope", "layer_norm_modulate")),
     ("GEMMs", ("gemm", "xmma", "cutlass", "nvjet", "wgmma", "cublas")),
+    ("host-to-device copies", ("memcpy htod",)),
 )
 
 
@@ -129,12 +138,23 @@ def main() -> None:
     model = random_transformer(device, **(SMALL if args.small else {}))
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     sync()
+    if args.offload:  # the blocks go to pinned host memory; only two at a time come back during a forward
+        from pan2cli.pipeline.offload import enable_block_offload
+
+        enable_block_offload(model, device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.memory_gib and device.type == "cuda":  # emulate a smaller card
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), device)
     results = {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "parameters": sum(p.numel() for p in model.parameters()),
         "weights_gib": round(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30, 2),
         "materialise_s": round(time.perf_counter() - start, 1),
+        "offload": args.offload,
+        "memory_cap_gib": args.memory_gib,
         "runs": [],
     }
     results["ranks"] = int(os.environ.get("WORLD_SIZE", "1"))
@@ -195,6 +215,10 @@ def main() -> None:
                     times.append(time.perf_counter() - begin)
                 kinds = profile_step(step, sync) if args.profile and device.type == "cuda" else None
             seconds = min(times)
+            if kinds and "host-to-device copies" in kinds:  # how much of the copying the compute hid
+                compute = sum(v for k, v in kinds.items() if k != "host-to-device copies")
+                copies = kinds["host-to-device copies"]
+                kinds["copy_hidden_fraction"] = round(max(0.0, min(1.0, (compute + copies - 1e3 * seconds) / copies)), 3)
             flops = forward_flops(config, video_tokens, args.text) + forward_flops(config, video_tokens, 12)
             row = {
                 "frames": frames, "variant": variant, "video_tokens": video_tokens, "text_tokens": args.text,
