@@ -103,22 +103,23 @@ _KERNEL_KINDS = (  # (kind, substrings of CUDA kernel names), first match wins
 )
 
 
-def profile_step(step, sync) -> dict[str, float]:
-    """CUDA milliseconds of one `step()` by kind of kernel (`_KERNEL_KINDS`, else "rest")."""
+def profile_step(step, sync) -> tuple[dict[str, float], list]:
+    """CUDA milliseconds of one `step()` by kind of kernel (`_KERNEL_KINDS`, else "rest"), and the top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         sync()
     kinds: dict[str, float] = {}
+    kernels = []
     for event in prof.key_averages():
         name = event.key.lower()
+        ms = getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0.0)) / 1e3
         kind = next((k for k, needles in _KERNEL_KINDS if any(n in name for n in needles)), "rest")
-        kinds[kind] = (
-            kinds.get(kind, 0.0)
-            + getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0.0)) / 1e3
-        )
-    return {k: round(v, 1) for k, v in sorted(kinds.items())}
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+        kernels.append((round(ms, 1), event.count, event.key[:90]))
+    top = sorted(kernels, reverse=True)[:15]
+    return {k: round(v, 1) for k, v in sorted(kinds.items())}, top
 
 
 def main() -> None:
@@ -146,7 +147,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.memory_gib and device.type == "cuda":  # emulate a smaller card
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), device)
+        fraction = min(1.0, args.memory_gib * 2**30 / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, device.index or torch.cuda.current_device())
     results = {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -213,7 +215,7 @@ def main() -> None:
                     step()
                     sync()
                     times.append(time.perf_counter() - begin)
-                kinds = profile_step(step, sync) if args.profile and device.type == "cuda" else None
+                kinds, top = profile_step(step, sync) if args.profile and device.type == "cuda" else (None, None)
             seconds = min(times)
             if kinds and "host-to-device copies" in kinds:  # how much of the copying the compute hid
                 compute = sum(v for k, v in kinds.items() if k != "host-to-device copies")
@@ -226,7 +228,7 @@ def main() -> None:
                 "tflops_per_step": round(flops / 1e12, 1), "tflop_per_s": round(flops / seconds / 1e12, 1),
                 "fifty_steps_min": round(50 * seconds / 60, 1),
                 "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
-                "ranks": results["ranks"], "profile_ms": kinds,
+                "ranks": results["ranks"], "profile_ms": kinds, "top_kernels_ms_calls": top,
             }  # fmt: skip
             results["runs"].append(row)
             if main_rank:
