@@ -1,6 +1,6 @@
 """The `pan2_fusions` ops: fused Q/K RMSNorm + RoPE and LayerNorm + modulation, their PyTorch references, and the switch.
 
-Two ops, each with one signature for both paths:
+Three ops, each with one signature for both paths:
 
 * `qk_norm_rope`: per-head RMSNorm of the video and text q/k (separate weights per stream), RoPE on the
   video tokens only (PAN 2's interleaved channel pairs), written as the joint `[B, N + L, H, head_dim]`
@@ -8,6 +8,8 @@ Two ops, each with one signature for both paths:
 * `layer_norm_modulate`: `LayerNorm(x) · (1 + scale) + shift` with scale/shift per sample (`[B, 1, D]`:
   the video stream's AdaLN-Zero, or the text stream's static table broadcast over the batch), per
   latent frame or per token (`[B, G, D]`, G dividing N).
+* `gated_residual`: `x + gate · update` (the blocks' gated residuals) in one pass instead of eager's five
+  (up-casts, multiply-add, down-cast).
 
 The fused path runs one Triton kernel per op and stream (files beside this one), registered as
 `torch.ops.pan2_fusions.*` custom ops with shape-only fakes so `torch.compile` keeps them as opaque
@@ -84,6 +86,12 @@ def layer_norm_modulate_reference(
     return y.view(batch, n_tokens, dim).to(x.dtype)
 
 
+def gated_residual_reference(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Reference of `gated_residual`: `x + gate·update` in `compute_dtype(x)`, rounded once to the dtype of x."""
+    dtype = compute_dtype(x)
+    return torch.addcmul(x.to(dtype), update.to(dtype), gate.to(dtype)).to(x.dtype)
+
+
 # -- the custom ops -------------------------------------------------------------------------------
 @torch.library.custom_op("pan2_fusions::qk_norm_rope", mutates_args=())
 def _qk_norm_rope_op(
@@ -149,6 +157,21 @@ def _(x, scale, shift, eps):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+@torch.library.custom_op("pan2_fusions::gated_residual", mutates_args=())
+def _gated_residual_op(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    from pan2cli.dit.gated_residual_kernel import gated_residual as launch
+
+    batch, _, dim = x.shape
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    launch(x, update, gate.reshape(-1, dim).expand(batch, dim), out)
+    return out
+
+
+@_gated_residual_op.register_fake
+def _(x, update, gate):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 # -- dispatch -------------------------------------------------------------------------------------
 def qk_norm_rope(
     q: torch.Tensor,
@@ -202,6 +225,17 @@ def layer_norm_modulate(
     """
     op = _layer_norm_modulate_op if fused else layer_norm_modulate_reference
     return op(x, scale, shift, eps)
+
+
+def gated_residual(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, *, fused: bool) -> torch.Tensor:
+    """`x + gate·update` computed in float32 (float64 for float64 x) and rounded once to the dtype of x.
+
+    Args:
+        x, update: `[B, S, D]`, rows contiguous. gate: `[B, 1, D]`, `[1, 1, D]` or `[D]` (any float dtype).
+        fused: run the Triton kernel (one pass) instead of the reference.
+    """
+    op = _gated_residual_op if fused else gated_residual_reference
+    return op(x, update, gate)
 
 
 # -- the switch -----------------------------------------------------------------------------------

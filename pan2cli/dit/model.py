@@ -39,6 +39,7 @@ from torch import nn
 from pan2cli.dit.config import PAN2TransformerConfig
 from pan2cli.dit.fusions import (
     compute_dtype,
+    gated_residual,
     layer_norm_modulate,
     qk_norm_rope,
     rms_norm_reference,
@@ -70,16 +71,6 @@ def timestep_embedding(
     exponent = -math.log(max_period) * torch.arange(half, dtype=dtype, device=timestep.device) / half
     angles = timestep.to(dtype)[:, None] * torch.exp(exponent)[None, :]
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
-
-
-def gated_residual(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """`x + gate·update` computed in `compute_dtype(x)` and rounded once to the dtype of x.
-
-    Args:
-        x, update: `[B, S, D]`. gate: `[B, 1, D]` or `[D]` (any float dtype).
-    """
-    dtype = compute_dtype(x)
-    return torch.addcmul(x.to(dtype), update.to(dtype), gate.to(dtype)).to(x.dtype)
 
 
 class PAN2TimestepEmbedding(nn.Module):
@@ -318,16 +309,17 @@ class PAN2TransformerBlock(nn.Module):
             sp,
             video_tokens,
         )
-        x = gated_residual(x, attn, gate1)
-        ctx = gated_residual(ctx, attn_ctx, c_gate1)
+        x = gated_residual(x, attn, gate1, fused=fused)
+        ctx = gated_residual(ctx, attn_ctx, c_gate1, fused=fused)
 
         x = gated_residual(
-            x, self.ff(layer_norm_modulate(x, scale2, shift2, eps=self.eps, fused=fused)), gate2
+            x, self.ff(layer_norm_modulate(x, scale2, shift2, eps=self.eps, fused=fused)), gate2, fused=fused
         )
         ctx = gated_residual(
             ctx,
             self.ff_context(layer_norm_modulate(ctx, c_scale2, c_shift2, eps=self.eps, fused=fused)),
             c_gate2,
+            fused=fused,
         )
         return x, ctx
 

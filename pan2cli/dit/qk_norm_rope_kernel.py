@@ -5,8 +5,8 @@ RoPE table rows and the norm weights are loaded once for both. A row is loaded a
 channel pairs — channels (2i, 2i+1) for PAN 2's interleaved (GPT-J) pairs, or the two contiguous halves
 (i, i + head_dim/2) — normalised and rotated in float32, rounded once to the output dtype, and stored at
 `out_token_offset + token` of the joint `[B, S, H, head_dim]` output: the concatenation of the video and
-text streams costs no extra pass. The interleaved loads are stride-2, but a row's 256 bytes are one
-cache line pair either way.
+text streams costs no extra pass. Rows are loaded and stored whole (vector accesses); the interleaved pairs
+are split and joined in registers.
 
 Numerics: sum of squares and every product in float32; `rsqrt` is the hardware approximation (≤ 2 ulp)
 on GPUs; one rounding per output element.
@@ -23,23 +23,39 @@ from pan2cli.triton_support import triton_interpreting
 
 @triton.jit
 def _norm_rope_tile(
-    X, OUT, W, x_row, out_row, mask, first, second, c, s, eps, HALF: tl.constexpr, ROTATE: tl.constexpr
-):
-    """Normalise (and rotate) one `[BLOCK_ROWS, head_dim]` tile of X into OUT; `first`/`second`: the pairs' channels."""
-    x1 = tl.load(X + x_row[:, None] + first[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(X + x_row[:, None] + second[None, :], mask=mask, other=0.0).to(tl.float32)
+    X, OUT, W, x_row, out_row, mask, c, s, eps,
+    HALF: tl.constexpr, BLOCK_ROWS: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr,
+):  # fmt: skip
+    """Normalise (and rotate) one `[BLOCK_ROWS, head_dim]` tile of X into OUT; c/s: `[BLOCK_ROWS, HALF]`."""
+    if INTERLEAVED:
+        # Whole rows, contiguous (16-byte vector loads), then split into the (2i, 2i+1) pairs in registers:
+        # two stride-2 gathers instead cost 8-16x the HBM floor on an H200 (bench_dit_fusions.py).
+        cols = tl.arange(0, 2 * HALF)
+        x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, (BLOCK_ROWS, HALF, 2)))
+        w1, w2 = tl.split(tl.reshape(tl.load(W + cols).to(tl.float32), (HALF, 2)))
+    else:  # the two contiguous halves
+        cols = tl.arange(0, HALF)
+        x1 = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(X + x_row[:, None] + HALF + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        w1 = tl.load(W + cols).to(tl.float32)
+        w2 = tl.load(W + HALF + cols).to(tl.float32)
     mean_sq = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
     rstd = tl.rsqrt(mean_sq + eps)[:, None]
-    y1 = x1 * rstd * tl.load(W + first).to(tl.float32)[None, :]
-    y2 = x2 * rstd * tl.load(W + second).to(tl.float32)[None, :]
+    y1 = x1 * rstd * w1[None, :]
+    y2 = x2 * rstd * w2[None, :]
     if ROTATE:
         o1 = y1 * c - y2 * s
         o2 = y2 * c + y1 * s
     else:
         o1 = y1
         o2 = y2
-    tl.store(OUT + out_row[:, None] + first[None, :], o1.to(OUT.dtype.element_ty), mask=mask)
-    tl.store(OUT + out_row[:, None] + second[None, :], o2.to(OUT.dtype.element_ty), mask=mask)
+    if INTERLEAVED:
+        out = tl.reshape(tl.join(o1, o2), (BLOCK_ROWS, 2 * HALF))
+        tl.store(OUT + out_row[:, None] + cols[None, :], out.to(OUT.dtype.element_ty), mask=mask)
+    else:
+        tl.store(OUT + out_row[:, None] + cols[None, :], o1.to(OUT.dtype.element_ty), mask=mask)
+        tl.store(OUT + out_row[:, None] + HALF + cols[None, :], o2.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -67,23 +83,20 @@ def _qk_norm_rope_kernel(
     q_row = batch64 * stride_q_batch + token64 * stride_q_token + head_off
     k_row = batch64 * stride_k_batch + token64 * stride_k_token + head_off
     out_row = batch64 * stride_out_batch + (token64 + out_token_offset) * stride_out_token + head_off
-    cols = tl.arange(0, HALF)
-    if INTERLEAVED:
-        first = 2 * cols
-        second = 2 * cols + 1
-    else:
-        first = cols
-        second = cols + HALF
     mask = row_ok[:, None]
     if ROTATE:
-        table = token64[:, None] * HALF + cols[None, :]
+        table = token64[:, None] * HALF + tl.arange(0, HALF)[None, :]
         c = tl.load(COS + table, mask=mask, other=1.0)
         s = tl.load(SIN + table, mask=mask, other=0.0)
     else:
         c = 1.0
         s = 0.0
-    _norm_rope_tile(Q, Q_OUT, Q_WEIGHT, q_row, out_row, mask, first, second, c, s, eps, HALF, ROTATE)
-    _norm_rope_tile(K, K_OUT, K_WEIGHT, k_row, out_row, mask, first, second, c, s, eps, HALF, ROTATE)
+    _norm_rope_tile(
+        Q, Q_OUT, Q_WEIGHT, q_row, out_row, mask, c, s, eps, HALF, BLOCK_ROWS, ROTATE, INTERLEAVED
+    )
+    _norm_rope_tile(
+        K, K_OUT, K_WEIGHT, k_row, out_row, mask, c, s, eps, HALF, BLOCK_ROWS, ROTATE, INTERLEAVED
+    )
 
 
 def qk_norm_rope(

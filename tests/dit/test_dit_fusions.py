@@ -153,6 +153,49 @@ def test_layer_norm_modulate_strided_modulation(block_rows):
     assert rel_error(out, fusions.layer_norm_modulate_reference(x, scale, shift, eps=1e-5)) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "batch, n_tokens, dim, gate_shape",
+    [
+        (1, 37, 96, (1, 1, 96)),  # the video gate, D not a power of two
+        (2, 30, 64, (2, 1, 64)),  # one gate per sample
+        (3, 7, 200, (1, 1, 200)),  # the text table broadcast over the batch
+        (2, 5, 48, (48,)),  # a plain vector
+    ],
+)
+def test_gated_residual_matches_reference(dtype, batch, n_tokens, dim, gate_shape):
+    gen = _gen(7)
+    x = (torch.randn(batch, n_tokens, dim, generator=gen, device=DEVICE) * 3).to(dtype)
+    update = torch.randn(batch, n_tokens, dim, generator=gen, device=DEVICE).to(dtype)
+    gate = torch.randn(*gate_shape, generator=gen, device=DEVICE)  # float32, as the AdaLN linears give
+    if len(gate_shape) == 3 and gate_shape[0] == 1:
+        gate = gate.expand(batch, 1, dim)  # the model's expanded view of the text table
+    got = fusions.gated_residual(x, update, gate, fused=True)
+    want = fusions.gated_residual(x, update, gate, fused=False)
+    assert got.shape == x.shape and got.dtype == dtype
+    assert rel_error(got, want) <= TOLERANCE[dtype]
+    # each sample uses its own gate: a wrong batch stride would give sample 1 sample 0's gate
+    assert (
+        rel_error(got[-1], (x[-1].float() + update[-1].float() * gate.reshape(-1, dim)[-1]).to(dtype))
+        <= (TOLERANCE[dtype])
+    )
+
+
+@pytest.mark.parametrize("block_rows", [1, 4])
+def test_gated_residual_strided_gate(block_rows):
+    """The gate as one chunk of a `[B, 6·D]` modulation tensor (the model's layout), out written in place."""
+    from pan2cli.dit.gated_residual_kernel import gated_residual as launch
+
+    gen = _gen(8)
+    batch, n_tokens, dim = 2, 9, 40
+    x = torch.randn(batch, n_tokens, dim, generator=gen, device=DEVICE)
+    update = torch.randn(batch, n_tokens, dim, generator=gen, device=DEVICE)
+    gate = torch.randn(batch, 6 * dim, generator=gen, device=DEVICE)[:, 2 * dim : 3 * dim]
+    want = x + update * gate[:, None]
+    launch(x, update, gate, x, block_rows=block_rows)
+    assert rel_error(x, want) <= 1e-6
+
+
 def test_launchers_refuse_bad_layouts():
     from pan2cli.dit.layer_norm_modulate_kernel import layer_norm_modulate as ln_launch
     from pan2cli.dit.qk_norm_rope_kernel import qk_norm_rope as qk_launch
@@ -187,6 +230,10 @@ def test_custom_ops_are_registered_with_fakes():
             torch.empty(2, 6, 32), torch.empty(2, 1, 32), torch.empty(2, 1, 32), 1e-6
         )
         assert y.shape == (2, 6, 32)
+        r = torch.ops.pan2_fusions.gated_residual(
+            torch.empty(2, 6, 32), torch.empty(2, 6, 32), torch.empty(32)
+        )
+        assert r.shape == (2, 6, 32)
 
 
 # -- GPU: the real kernels at larger shapes, and under torch.compile -------------------------------
@@ -217,12 +264,26 @@ def test_gpu_layer_norm_modulate_large(groups):
 
 
 @pytest.mark.gpu
+def test_gpu_gated_residual_large():
+    gen = _gen(9)
+    x = (torch.randn(2, 7 * 286, 4096, generator=gen, device="cuda") * 3).bfloat16()
+    update = torch.randn(2, 7 * 286, 4096, generator=gen, device="cuda").bfloat16()
+    gate = torch.randn(2, 1, 4096, generator=gen, device="cuda")  # float32 AdaLN
+    got = fusions.gated_residual(x, update, gate, fused=True)
+    want = fusions.gated_residual(x, update, gate, fused=False)
+    # float32 math and one round-to-nearest-even on both sides; an FMA contraction may move a few elements
+    assert (got != want).float().mean().item() < 0.01
+    assert rel_error(got, want) <= 1e-2
+
+
+@pytest.mark.gpu
 def test_gpu_fused_ops_under_torch_compile():
     inputs = _qk_inputs(1, (3, 6, 5), 9, 4, 128, (16, 56, 56), torch.bfloat16, seed=6)
 
     def both(x, scale, shift, **qk):
         q, k = fusions.qk_norm_rope(**qk, eps=1e-6, fused=True)
-        return q, k, fusions.layer_norm_modulate(x, scale, shift, eps=1e-6, fused=True)
+        y = fusions.layer_norm_modulate(x, scale, shift, eps=1e-6, fused=True)
+        return q, k, y, fusions.gated_residual(x, y, shift, fused=True)
 
     x = torch.randn(1, 90, 512, device="cuda", dtype=torch.bfloat16)
     scale, shift = torch.randn(2, 1, 1, 512, device="cuda", dtype=torch.bfloat16).unbind(0)
