@@ -346,7 +346,7 @@ def start_loading_triton(device: torch.device, dtype: torch.dtype, mode: str) ->
         try:
             from triton.runtime.cache import triton_key
 
-            import pan2cli.vae.conv_kernel_triton  # noqa: F401  (the kernel's module, JIT-wrapped)
+            import pan2cli.vae.kernel.conv_triton  # noqa: F401  (the kernel's module, JIT-wrapped)
 
             triton_key()  # cached for the process
         except Exception:
@@ -376,7 +376,7 @@ def first_use_note(device: torch.device, dtype: torch.dtype, mode: str) -> str |
 def compile_convolutions(device: torch.device | None = None) -> None:
     """Compile (or load from Triton's cache) every fixed-order conv the full-size Wan2.2 decoder launches.
 
-    One compiled kernel per layer serves every video size, row band and chunk (`conv_kernel_triton`),
+    One compiled kernel per layer serves every video size, row band and chunk (`conv_triton`),
     so a decode of a tiny latent with the full architecture covers the 5, 10 and 20 s presets on any
     number of GPUs. The weights are left uninitialised: only the kernels matter here.
     """
@@ -465,7 +465,7 @@ def select_decode_path(decoder, mode: str | None = None):
                 raise
             reason = str(exc)
         else:
-            from pan2cli.vae.kernel_decoder import WanKernelDecoder
+            from pan2cli.vae.kernel.decoder import WanKernelDecoder
 
             kernel_decoder = WanKernelDecoder(decoder, ops)
             kernel_decoder.warm_up()  # Triton's and cuDNN's first-call costs, here rather than in the decode
