@@ -362,7 +362,7 @@ def worker_main(argv: list[str]) -> None:
     from pan2cli import distributed, launch
     from pan2cli.decode import decode_latents
     from pan2cli.vae.checkpoint import load_vae_decoder
-    from pan2cli.vae.kernel.build import select_decode_path
+    from pan2cli.vae.kernel.choice import select_decode_path
     from pan2cli.vae.kernel.decoder import WanKernelDecoder
 
     group = (

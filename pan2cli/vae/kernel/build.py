@@ -1,4 +1,4 @@
-"""Build, cache and load the compiled Wan2.2 decode kernel; the only module that imports the extension.
+"""Build, cache and import the compiled Wan2.2 decode kernel; the only module that imports the extension.
 
 The extension (C++/CUDA in `kernels/wan22_vae_decode/`, shipped as `pan2cli/_kernels`) is built on first
 use with `torch.utils.cpp_extension` (ninja) for the GPU it runs on only (sm_90a for H100/H200, sm_100a /
@@ -9,7 +9,8 @@ sm_103a for B200/B300) into
 (`<cache>` is `PAN2_CACHE_DIR` or `~/.cache/pan2`) with `build.log` beside the library. An OS-level file
 lock (`filelock`, freed by the OS if its holder dies) is held across build and load, so several ranks on
 one host build once and a killed build never blocks later runs. `PAN2_KERNEL_VERBOSE=1` streams the
-compiler output to the terminal as well.
+compiler output to the terminal as well. The build folder also records which Triton caches hold the
+decoder's compiled convolutions (`convs_compiled`).
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from types import ModuleType, SimpleNamespace
 import torch
 
 import pan2cli
-from pan2cli.errors import InputError, KernelBuildError
+from pan2cli.errors import KernelBuildError
 from pan2cli.paths import cache_dir
 from pan2cli.resources import kernels_dir
 from pan2cli.triton_support import triton_available
+from pan2cli.vae.kernel.ops import register_ops
 
 EXTENSION = "wan22_vae_decode"
 # Compute capability -> the arch-specific target we compile for (wgmma/TMA need the `a` variants).
@@ -166,62 +168,6 @@ def _output_to(log_path: Path, echo: bool):
             os.close(saved[1])
 
 
-# The ops' schemas: every op writes into tensors the caller allocated and returns nothing. No argument
-# has a default (torch 2.11 drops defaulted arguments before bumping the version counters of mutated
-# ones, then indexes past the end). Shapes (channels-last bf16, fp32 vectors) are checked in binding.cpp.
-_OP_SCHEMAS = {
-    # out = SiLU?(RMS(x + bias + residual) * gamma) over C, or the plain sum without `normalize`.
-    # x, residual, sum_out, out: [B, T, H, W, C] bf16, dense over (H, W, C) (frames may be strided);
-    # gamma, bias: [C] fp32 (gamma already times sqrt(C)); history: [B, 2, H, W, C] bf16, receives the
-    # last two frames of out. fp32 statistics; the sum is rounded to bf16 once before the norm.
-    "rms_norm_silu": "rms_norm_silu(Tensor x, Tensor gamma, Tensor? bias, Tensor? residual, Tensor(a!)? sum_out, "
-    "Tensor(b!) out, bool silu, Tensor(c!)? history, bool normalize) -> ()",
-    # out [B, T, 2h, 2w, C] bf16 = interleaved phases [B*T, h+1, w+1, 4C] + bias [C] fp32 + DupUp3D(shortcut);
-    # shortcut: the block input [B, T_in, h, w, C_in] bf16; fp32 sum, one bf16 rounding.
-    "phase_interleave": "phase_interleave(Tensor phases, Tensor bias, Tensor? shortcut, Tensor(a!) out, "
-    "int factor_t, int frame_offset) -> ()",
-    # out [N, 2H, 2W, 3] uint8 = round((clamp(unpatchify(y [N, H, W, 12] bf16 + bias [12] fp32)) + 1) * 127.5).
-    "head_to_uint8": "head_to_uint8(Tensor y, Tensor bias, Tensor(a!) out) -> ()",
-}
-_library: list[torch.library.Library] = []  # the `pan2` op namespace, defined once per process
-
-
-def _register_ops(module: ModuleType) -> SimpleNamespace:
-    """Expose the extension's three ops as `torch.ops.pan2.*`, with shape-only fakes for `torch.compile`.
-
-    Registered through `torch.library.Library` (schema, CUDA kernel, fake), not `torch.library.custom_op`:
-    a custom op's first call imports torch's whole compiler stack (torch._dynamo, sympy: about 3 s,
-    issue 14) to wrap its kernel, and these ops run inside every decode. The fakes are no-ops (the
-    ops return nothing); `torch.compile` sees the writes through the `(a!)` annotations.
-    """
-    if not _library:
-        library = torch.library.Library("pan2", "DEF")
-        for name, schema in _OP_SCHEMAS.items():
-            library.define(schema)
-            # Looked up at call time: a rebuilt extension (tests) replaces the module behind the ops.
-            # CPU too, so tests can stand in a module without a GPU: the real binding refuses CPU tensors.
-            for key in ("CUDA", "CPU"):
-                library.impl(name, _calling_the_extension(name), key)
-            torch.library.register_fake(f"pan2::{name}", lambda *args, **kwargs: None, lib=library)
-        _library.append(library)
-    _extension.append(module)
-    return SimpleNamespace(**{name: getattr(torch.ops.pan2, name) for name in _OP_SCHEMAS})
-
-
-def _calling_the_extension(name: str):
-    def op(*args) -> None:
-        getattr(_ops(), name)(*args)
-
-    return op
-
-
-_extension: list[ModuleType] = []
-
-
-def _ops() -> ModuleType:
-    return _extension[-1]
-
-
 def _import_built(library: Path) -> ModuleType | None:
     """Import a cached build directly: the build folder is named by the source hash, flags and versions,
     so a library there is current, and `cpp_extension.load` would run ninja (and import setuptools) only
@@ -285,7 +231,7 @@ def load_kernel(device: torch.device | None = None) -> SimpleNamespace:
                 f"building the decode kernel failed: {first} (full log: {spec.log_path})",
                 hint="set PAN2_KERNEL_VERBOSE=1 to see the compiler output; --decode-kernel off uses the reference decoder",
             ) from exc
-        _loaded[arch] = _register_ops(module)
+        _loaded[arch] = register_ops(module)
     return _loaded[arch]
 
 
@@ -304,130 +250,12 @@ def convs_compiled(arch: str) -> bool:
     return marker.exists() and _triton_cache_dir() in marker.read_text().splitlines()
 
 
-def _mark_convs_compiled(arch: str) -> None:
+def mark_convs_compiled(arch: str) -> None:
     if triton_available() and not convs_compiled(arch):
         marker = kernel_spec(arch).convs_marker
         marker.parent.mkdir(parents=True, exist_ok=True)
         with open(marker, "a") as f:  # one line each: another TRITON_CACHE_DIR does not undo this one
             f.write(_triton_cache_dir() + "\n")
-
-
-# The architecture fields that decide which convolution shapes a decoder launches.
-_LAYER_FIELDS = (
-    "decoder_base_dim",
-    "z_dim",
-    "dim_mult",
-    "num_res_blocks",
-    "temperal_downsample",
-    "out_channels",
-    "patch_size",
-)
-
-
-def _has_release_layers(config) -> bool:
-    from pan2cli.vae.config import WanVAEConfig
-
-    release = WanVAEConfig()
-    return all(getattr(config, field) == getattr(release, field) for field in _LAYER_FIELDS)
-
-
-def start_loading_triton(device: torch.device, dtype: torch.dtype, mode: str) -> threading.Thread | None:
-    """Import Triton and the conv kernel in a thread while the caller loads the weights; join it before
-    `select_decode_path`. None where the kernel path will not run.
-
-    A process's first Triton launch imports Triton (~0.15 s) and hashes Triton's own files into its
-    cache key (~0.35 s, `triton_key`; the hashing releases the GIL): about half a second that would
-    otherwise sit between loading the weights and the decode.
-    """
-    if mode == "off" or not triton_available() or why_not_applicable(device, dtype) is not None:
-        return None
-
-    def load() -> None:
-        try:
-            from triton.runtime.cache import triton_key
-
-            import pan2cli.vae.kernel.conv_triton  # noqa: F401  (the kernel's module, JIT-wrapped)
-
-            triton_key()  # cached for the process
-        except Exception:
-            pass  # another Triton version: the first launch does the same work itself
-
-    thread = threading.Thread(target=load, name="pan2-load-triton", daemon=True)
-    thread.start()
-    return thread
-
-
-def first_use_note(device: torch.device, dtype: torch.dtype, mode: str) -> str | None:
-    """One line for a decode that will build the kernel or compile its convolutions first, else None."""
-    if mode == "off" or why_not_applicable(device, dtype) is not None:
-        return None
-    arch = current_arch(device)
-    built = kernel_spec(arch).library.exists()
-    if built and convs_compiled(arch):
-        return None
-    work = (
-        "compiles its Triton convolutions"
-        if built
-        else "builds the decode kernel and compiles its Triton convolutions"
-    )
-    return f"First use on this machine: the decode {work} first (about a minute, once); `pan2 kernels build` does it ahead."
-
-
-def compile_convolutions(device: torch.device | None = None) -> None:
-    """Compile (or load from Triton's cache) every fixed-order conv the full-size Wan2.2 decoder launches.
-
-    One compiled kernel per layer serves every video size, row band and chunk (`conv_triton`),
-    so a decode of a tiny latent with the full architecture covers the 5, 10 and 20 s presets on any
-    number of GPUs. The weights are left uninitialised: only the kernels matter here.
-    """
-    from pan2cli.vae.config import WanVAEConfig
-    from pan2cli.vae.model import WanVAEDecoder
-
-    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-    with torch.device("meta"):
-        reference = WanVAEDecoder(WanVAEConfig())
-    reference = reference.to_empty(device=device).to(torch.bfloat16).eval()
-    # The decode's own path: it builds the kernel, warms the decoder up and marks the convs compiled.
-    select_decode_path(reference, "require")
-
-
-@dataclass(frozen=True)
-class KernelStatus:
-    arch: str | None
-    built: bool
-    build_dir: Path | None
-    decode_path: str  # which path `pan2 decode` would take, and why
-    convs: str | None = None  # the convolution engines of the path `pan2 decode` would run
-    convs_compiled: bool | None = None  # the Triton convolutions are compiled (None: no kernel target)
-
-
-def kernel_status(device: torch.device | None = None) -> KernelStatus:
-    """What is built for this machine's GPU and which decode path a default decode would run."""
-    arch = current_arch(device)
-    if arch is None:
-        if not torch.cuda.is_available():
-            reason, convs = (
-                "reference PyTorch decoder: no CUDA GPU",
-                "PyTorch's CPU convolutions (the reference decoder)",
-            )
-        else:
-            major, minor = torch.cuda.get_device_capability(device)
-            reason = f"reference PyTorch decoder: sm_{major}{minor} is not a kernel target (sm_90a, sm_100a, sm_103a)"
-            convs = "cuDNN (the reference decoder)"
-        return KernelStatus(None, False, None, reason, convs)
-    spec = kernel_spec(arch)
-    built = spec.library.exists()
-    path = (
-        f"compiled kernel ({arch}, bf16): built, loads from the cache"
-        if built
-        else f"compiled kernel ({arch}, bf16): built on first use (about a minute), or now with `pan2 kernels build`"
-    )
-    convs = (
-        "cuDNN at the two highest resolutions, the fixed-order Triton kernel below (chunk sizes and GPU splits round alike)"
-        if triton_available()
-        else "cuDNN everywhere: Triton is not installed, so chunk sizes and GPU splits may round a few levels apart"
-    )
-    return KernelStatus(arch, built, spec.build_dir, path, convs, convs_compiled(arch))
 
 
 def clean_kernel_cache() -> Path:
@@ -436,44 +264,3 @@ def clean_kernel_cache() -> Path:
     if folder.exists():
         shutil.rmtree(folder)
     return folder
-
-
-def select_decode_path(decoder, mode: str | None = None):
-    """The decoder to run: the compiled kernel path where it applies, else the reference one.
-
-    Args:
-        decoder: a loaded `WanVAEDecoder`.
-        mode: "auto" | "off" | "require"; default the decoder config's `decode_kernel`.
-
-    Returns:
-        `(decoder, note)`: a `WanKernelDecoder` or the reference itself, and one line saying why the
-        reference runs on a GPU under "auto" (None otherwise, and on the CPU, where it is the only path).
-
-    Raises:
-        InputError: "require" where the kernel cannot apply (CPU, fp32, another GPU).
-        KernelBuildError: "require" and the build failed.
-    """
-    mode = mode or decoder.config.decode_kernel
-    if mode == "off":
-        return decoder, None
-    reason = why_not_applicable(decoder.device, decoder.dtype)
-    if reason is None:
-        try:
-            ops = load_kernel(decoder.device)
-        except KernelBuildError as exc:
-            if mode == "require":
-                raise
-            reason = str(exc)
-        else:
-            from pan2cli.vae.kernel.decoder import WanKernelDecoder
-
-            kernel_decoder = WanKernelDecoder(decoder, ops)
-            kernel_decoder.warm_up()  # Triton's and cuDNN's first-call costs, here rather than in the decode
-            if _has_release_layers(decoder.config):  # a smaller test VAE compiles other layer shapes
-                _mark_convs_compiled(current_arch(decoder.device))
-            return kernel_decoder, None
-    elif mode == "require":
-        raise InputError(f"--decode-kernel require: {reason}", hint="use --decode-kernel auto or off")
-    if decoder.device.type == "cpu":
-        return decoder, None  # the reference decoder is the CPU path: nothing to explain
-    return decoder, f"Using the reference decoder: {reason}."

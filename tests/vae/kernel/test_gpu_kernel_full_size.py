@@ -198,7 +198,8 @@ class TestFullWidthKernel:
 # -- first-use build, cached reuse -------------------------------------------------------------------------
 _LOAD_AND_REPORT = """
 import json, time
-from pan2cli.vae.kernel.build import kernel_spec, kernel_status, load_kernel
+from pan2cli.vae.kernel.build import kernel_spec, load_kernel
+from pan2cli.vae.kernel.status import kernel_status
 
 before = kernel_status()
 start = time.perf_counter()
@@ -253,8 +254,10 @@ def test_first_use_builds_into_the_cache_and_new_processes_reuse_it(tmp_path):
 _COMPILE_THEN_DECODE = """
 import json, os, torch
 from pan2cli.vae.config import WanVAEConfig
-from pan2cli.vae.kernel.build import compile_convolutions, kernel_status, load_kernel
+from pan2cli.vae.kernel.build import load_kernel
+from pan2cli.vae.kernel.choice import compile_convolutions
 from pan2cli.vae.kernel.decoder import WanKernelDecoder
+from pan2cli.vae.kernel.status import kernel_status
 from pan2cli.vae.model import WanVAEDecoder
 
 before_build = kernel_status().convs_compiled
