@@ -15,7 +15,7 @@ import torch
 from pan2cli.errors import out_of_memory
 from pan2cli.frames import HostCopy, copy_to_host_async
 from pan2cli.latents import unnormalize
-from pan2cli.vae.kernel_decoder import WanKernelDecoder
+from pan2cli.vae.kernel.decoder import WanKernelDecoder
 from pan2cli.vae.model import WanVAEDecoder
 from pan2cli.vae.parallel import row_split_for
 from pan2cli.video import VideoWriter

@@ -362,8 +362,8 @@ def worker_main(argv: list[str]) -> None:
     from pan2cli import distributed, launch
     from pan2cli.decode import decode_latents
     from pan2cli.vae.checkpoint import load_vae_decoder
-    from pan2cli.vae.kernel import select_decode_path
-    from pan2cli.vae.kernel_decoder import WanKernelDecoder
+    from pan2cli.vae.kernel.choice import select_decode_path
+    from pan2cli.vae.kernel.decoder import WanKernelDecoder
 
     group = (
         distributed.process_group(args.device)

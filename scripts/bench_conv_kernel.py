@@ -16,7 +16,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from pan2cli.vae.conv_kernel import conv_channels_last
+from pan2cli.vae.kernel.conv import conv_channels_last
 
 # (name, input shape, C_out, kernel, pad_w)
 LAYERS = [
@@ -26,7 +26,7 @@ LAYERS = [
     ("up0 phase conv 2x2, 8 frames", (8, 46, 78, 1024), 4096, (2, 2), 1),
     ("up1 phase conv 2x2, 2 frames", (2, 90, 156, 1024), 4096, (2, 2), 1),
 ]
-# (BLOCK_M, BLOCK_N, warps, stages[, BLOCK_K]); None: the layer's own (`conv_kernel._tiles`)
+# (BLOCK_M, BLOCK_N, warps, stages[, BLOCK_K]); None: the layer's own (`pan2cli.vae.kernel.conv._tiles`)
 TILES = [
     None,
     (128, 256, 8, 3),

@@ -211,8 +211,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA GPU")
 
-    from pan2cli.vae.kernel import load_kernel
-    from pan2cli.vae.kernel_decoder import WanKernelDecoder
+    from pan2cli.vae.kernel.build import load_kernel
+    from pan2cli.vae.kernel.decoder import WanKernelDecoder
 
     shape = tuple(int(v) for v in args.latent_shape.split(","))
     acc_shape = (*shape[:2], args.accuracy_frames, *shape[3:])

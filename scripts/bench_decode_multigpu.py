@@ -36,8 +36,8 @@ from pan2cli.decode import decode_latents
 from pan2cli.launch import under_torchrun
 from pan2cli.testing.random_weights import random_decoder
 from pan2cli.vae.config import WanVAEConfig
-from pan2cli.vae.kernel import select_decode_path
-from pan2cli.vae.kernel_decoder import WanKernelDecoder
+from pan2cli.vae.kernel.choice import select_decode_path
+from pan2cli.vae.kernel.decoder import WanKernelDecoder
 from pan2cli.vae.model import WanVAEDecoder
 
 GIB = 2**30

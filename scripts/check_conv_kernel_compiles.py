@@ -14,7 +14,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "0"  # real kernels, whatever the caller's environment says
 
-from pan2cli.vae import conv_kernel
+from pan2cli.vae.kernel import conv
 
 SIGNATURE = {  # sizes and strides (in pixels) are plain i32 arguments: never specialised on
     "x_ptr": "*bf16",
@@ -30,7 +30,7 @@ SIGNATURE = {  # sizes and strides (in pixels) are plain i32 arguments: never sp
     "sx_t": "i32",
     "sx_h": "i32",
 }
-LAYERS = {  # name: (C_in, (KT, KH, KW), pad_w, bias, C_out), what kernel_decoder launches
+LAYERS = {  # name: (C_in, (KT, KH, KW), pad_w, bias, C_out), what WanKernelDecoder launches
     "conv_in": (48, (3, 3, 3), 1, False, 1024),
     "conv_in, first chunk": (48, (1, 3, 3), 1, False, 1024),
     "post_quant_conv": (48, (1, 1, 1), 0, True, 48),
@@ -48,11 +48,11 @@ def compile_layer(name: str, arch: int):
     from triton.compiler import ASTSource
 
     c_in, (kt, kh, kw), pad_w, bias, c_out = LAYERS[name]
-    tiles = conv_kernel._tiles(c_out)
-    constexprs = conv_kernel._meta((c_out, kt, kh, kw, c_in), pad_w, True if bias else None, tiles)
+    tiles = conv._tiles(c_out)
+    constexprs = conv._meta((c_out, kt, kh, kw, c_in), pad_w, True if bias else None, tiles)
     options = {"num_warps": constexprs.pop("num_warps"), "num_stages": constexprs.pop("num_stages")}
     signature = {**SIGNATURE, **dict.fromkeys(constexprs, "constexpr")}
-    source = ASTSource(fn=conv_kernel._kernel(), signature=signature, constexprs=constexprs)
+    source = ASTSource(fn=conv._kernel(), signature=signature, constexprs=constexprs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 

@@ -15,8 +15,8 @@ import torch
 
 from pan2cli.testing.random_weights import random_decoder
 from pan2cli.vae.config import WanVAEConfig
-from pan2cli.vae.kernel import load_kernel
-from pan2cli.vae.kernel_decoder import WanKernelDecoder
+from pan2cli.vae.kernel.build import load_kernel
+from pan2cli.vae.kernel.decoder import WanKernelDecoder
 
 
 def _where(frames) -> str:

@@ -3,7 +3,7 @@
 Usage: python scripts/diag_split_rounding.py [--latent-shape 1,48,9,44,78] [--tail-frames 2] [--out diag.json]
 
 Decodes once with the kernel path on one GPU (full-size random weights) while a probe wraps every
-convolution and linear layer of `pan2cli.vae.kernel_decoder`:
+convolution and linear layer of `pan2cli.vae.kernel.decoder`:
 
 * exactness: each op is also run on the top and the bottom half of its rows, as the two ranks of a
   2-GPU split would run it (dense band with its halo rows), and compared bit for bit with the matching
@@ -24,15 +24,15 @@ import torch
 import torch.nn.functional as F
 
 from pan2cli.testing.random_weights import random_decoder
-from pan2cli.vae import kernel_decoder
 from pan2cli.vae.config import WanVAEConfig
-from pan2cli.vae.kernel import load_kernel
+from pan2cli.vae.kernel import decoder as kernel_decoder
+from pan2cli.vae.kernel.build import load_kernel
 
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
 class _Probe:
-    """Stands in for `torch.nn.functional` inside kernel_decoder; forwards everything it does not wrap."""
+    """Stands in for `torch.nn.functional` in `pan2cli.vae.kernel.decoder`; forwards what it does not wrap."""
 
     def __init__(self, compare: bool):
         self.compare = compare

@@ -310,7 +310,7 @@ def _decode(options: DecodeOptions):
     from pan2cli.decode import decode_latents
     from pan2cli.latents import load_latents
     from pan2cli.vae.decoder import open_decoder
-    from pan2cli.vae.kernel_decoder import WanKernelDecoder
+    from pan2cli.vae.kernel.decoder import WanKernelDecoder
     from pan2cli.vae.parallel import split_rows
     from pan2cli.video import open_video_writer
 

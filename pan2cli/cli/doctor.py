@@ -34,7 +34,7 @@ def collect_report() -> dict:
     """Everything `pan2 doctor` prints, as a dict (also its --json output)."""
     import torch  # here, not at the top: `pan2 --help` does not load torch
 
-    from pan2cli.vae.kernel import kernel_status
+    from pan2cli.vae.kernel.status import kernel_status
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpus = []

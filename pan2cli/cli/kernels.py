@@ -43,7 +43,9 @@ def build_command():
       MAX_JOBS=4 pan2 kernels build
     """
     from pan2cli.triton_support import triton_available
-    from pan2cli.vae.kernel import compile_convolutions, current_arch, kernel_status, load_kernel
+    from pan2cli.vae.kernel.build import current_arch, load_kernel
+    from pan2cli.vae.kernel.choice import compile_convolutions
+    from pan2cli.vae.kernel.status import kernel_status
 
     if current_arch() is None:
         why = kernel_status().decode_path.split(": ", 1)[-1]
@@ -73,7 +75,7 @@ def status_command(as_json):
       pan2 kernels status
       pan2 kernels status --json
     """
-    from pan2cli.vae.kernel import kernel_status
+    from pan2cli.vae.kernel.status import kernel_status
 
     report = kernel_status()
     values = {
@@ -112,6 +114,6 @@ def clean_command():
       pan2 kernels clean
       PAN2_CACHE_DIR=/scratch/pan2 pan2 kernels clean
     """
-    from pan2cli.vae.kernel import clean_kernel_cache
+    from pan2cli.vae.kernel.build import clean_kernel_cache
 
     result(str(clean_kernel_cache()))

@@ -16,7 +16,7 @@ import torch
 from pan2cli import distributed
 from pan2cli.errors import out_of_memory
 from pan2cli.vae.checkpoint import load_vae_decoder
-from pan2cli.vae.kernel import first_use_note, select_decode_path, start_loading_triton
+from pan2cli.vae.kernel.choice import first_use_note, select_decode_path, start_loading_triton
 
 OTHER_RANK_NOTE = "Using the reference decoder: another rank could not use the compiled kernel."
 

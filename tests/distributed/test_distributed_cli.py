@@ -44,7 +44,7 @@ import os
 if "RANK" in os.environ and os.environ.get("PAN2_TEST_PIDS"):
     with open(os.path.join(os.environ["PAN2_TEST_PIDS"], "rank" + os.environ["RANK"]), "w") as f:
         f.write(str(os.getpid()))
-    from pan2cli.vae.kernel_decoder import WanKernelDecoder
+    from pan2cli.vae.kernel.decoder import WanKernelDecoder
     from pan2cli.vae.model import WanVAEDecoder
 
     def stopping_after_the_first(real):

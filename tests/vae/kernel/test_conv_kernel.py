@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from pan2cli.vae.conv_kernel import conv_channels_last
+from pan2cli.vae.kernel.conv import conv_channels_last
 
 # TRITON_INTERPRET=1 without CUDA, set for each test of this module only (conftest.py).
 pytestmark = pytest.mark.usefixtures("triton_interpreter_without_cuda")

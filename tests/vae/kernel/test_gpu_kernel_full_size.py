@@ -36,7 +36,7 @@ GIB = 2**30
 @pytest.fixture(scope="module", autouse=True)
 def _kernel_target():
     """The kernel is built for sm_90a / sm_100a / sm_103a only; on another GPU there is nothing to test."""
-    from pan2cli.vae.kernel import current_arch
+    from pan2cli.vae.kernel.build import current_arch
 
     if current_arch() is None:
         major, minor = torch.cuda.get_device_capability()
@@ -57,8 +57,8 @@ def _decoder(state, dtype, device) -> WanVAEDecoder:
 
 
 def _kernel_decoder(reference):
-    from pan2cli.vae.kernel import load_kernel
-    from pan2cli.vae.kernel_decoder import WanKernelDecoder
+    from pan2cli.vae.kernel.build import load_kernel
+    from pan2cli.vae.kernel.decoder import WanKernelDecoder
 
     return WanKernelDecoder(reference, load_kernel())
 
@@ -198,7 +198,8 @@ class TestFullWidthKernel:
 # -- first-use build, cached reuse -------------------------------------------------------------------------
 _LOAD_AND_REPORT = """
 import json, time
-from pan2cli.vae.kernel import kernel_spec, kernel_status, load_kernel
+from pan2cli.vae.kernel.build import kernel_spec, load_kernel
+from pan2cli.vae.kernel.status import kernel_status
 
 before = kernel_status()
 start = time.perf_counter()
@@ -252,24 +253,26 @@ def test_first_use_builds_into_the_cache_and_new_processes_reuse_it(tmp_path):
 
 _COMPILE_THEN_DECODE = """
 import json, os, torch
-from pan2cli.vae import kernel
 from pan2cli.vae.config import WanVAEConfig
-from pan2cli.vae.kernel_decoder import WanKernelDecoder
+from pan2cli.vae.kernel.build import load_kernel
+from pan2cli.vae.kernel.choice import compile_convolutions
+from pan2cli.vae.kernel.decoder import WanKernelDecoder
+from pan2cli.vae.kernel.status import kernel_status
 from pan2cli.vae.model import WanVAEDecoder
 
-before_build = kernel.kernel_status().convs_compiled
-kernel.compile_convolutions()
+before_build = kernel_status().convs_compiled
+compile_convolutions()
 cache = os.environ["TRITON_CACHE_DIR"]
 compiled = sorted(os.listdir(cache))
 with torch.device("meta"):
     reference = WanVAEDecoder(WanVAEConfig())
 reference = reference.to_empty(device="cuda").to(torch.bfloat16).eval()
-decoder = WanKernelDecoder(reference, kernel.load_kernel())
+decoder = WanKernelDecoder(reference, load_kernel())
 for shape, chunk in (((1, 48, 3, 5, 7), 2), ((1, 48, 6, 12, 20), 4), ((1, 48, 2, 16, 33), 1)):
     for _ in decoder.decode_uint8_chunks(torch.zeros(shape, device="cuda"), chunk):
         pass
 torch.cuda.synchronize()
-print(json.dumps({"before_build": before_build, "after_build": kernel.kernel_status().convs_compiled,
+print(json.dumps({"before_build": before_build, "after_build": kernel_status().convs_compiled,
                   "compiled": len(compiled), "new": [e for e in sorted(os.listdir(cache)) if e not in compiled]}))
 """
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from pan2cli.frames import frames_to_uint8
 from pan2cli.testing.random_weights import random_vae_state_dict
 from pan2cli.vae.config import WanVAEConfig
-from pan2cli.vae.kernel_decoder import WanKernelDecoder, phase_weights
+from pan2cli.vae.kernel.decoder import WanKernelDecoder, phase_weights
 from pan2cli.vae.model import WanVAEDecoder
 
 # TRITON_INTERPRET=1 without CUDA, set for each test of this module only (conftest.py).
@@ -125,24 +125,24 @@ def test_kernel_path_is_as_accurate_as_the_bf16_reference(reference, latent_fram
 
 
 def test_fixed_order_convs_are_as_accurate_as_pytorch_convs(reference, monkeypatch):
-    """The low-resolution convs and post_quant_conv in `conv_kernel` (the Triton interpreter on CPU) give
-    the kernel path the accuracy it has with PyTorch's convs, whatever the chunking."""
+    """The low-resolution convs and post_quant_conv in `pan2cli.vae.kernel.conv` (the Triton interpreter on
+    CPU) give the kernel path the accuracy it has with PyTorch's convs, whatever the chunking."""
     pytest.importorskip("triton")
-    from pan2cli.vae import conv_kernel
+    from pan2cli.vae.kernel import conv
 
     widths = []
-    original = conv_kernel.conv_channels_last
+    original = conv.conv_channels_last
 
     def counting(x, weight, bias=None, pad_w=0, **options):
         widths.append(x.shape[-2])
         return original(x, weight, bias, pad_w, **options)
 
-    monkeypatch.setattr(conv_kernel, "conv_channels_last", counting)
+    monkeypatch.setattr(conv, "conv_channels_last", counting)
     z = torch.randn(1, 48, 5, 3, 5, generator=torch.Generator().manual_seed(4))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ops = EMULATED_OPS
     if device == "cuda":
-        from pan2cli.vae.kernel import load_kernel
+        from pan2cli.vae.kernel.build import load_kernel
 
         ops = load_kernel()
     truth = _uint8(reference, z)
@@ -179,7 +179,7 @@ def test_kernel_path_chunk_size_invariance(reference):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 48, 1, 6, 10), (1, 48, 2, 6, 10), (1, 48, 5, 4, 6), (1, 48, 9, 3, 5)])
 def test_compiled_kernels_are_as_accurate_as_the_bf16_reference(reference, shape):
-    from pan2cli.vae.kernel import load_kernel
+    from pan2cli.vae.kernel.build import load_kernel
 
     z = torch.randn(shape)
     truth = _uint8(reference, z)
@@ -192,7 +192,7 @@ def test_compiled_kernels_are_as_accurate_as_the_bf16_reference(reference, shape
 
 @pytest.mark.gpu
 def test_compiled_kernel_chunk_size_invariance(reference):
-    from pan2cli.vae.kernel import load_kernel
+    from pan2cli.vae.kernel.build import load_kernel
 
     kernel = WanKernelDecoder(_bf16(reference).cuda(), load_kernel())
     z = torch.randn(1, 48, 9, 4, 6, device="cuda")

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from pan2cli.vae import kernel
+from pan2cli.vae.kernel import build, choice, status
+from pan2cli.vae.kernel.ops import register_ops
 
 
 def _recording_extension(calls: list) -> SimpleNamespace:
@@ -28,7 +29,7 @@ def _recording_extension(calls: list) -> SimpleNamespace:
 
 def test_ops_are_torch_ops_that_call_the_extension():
     calls: list = []
-    ops = kernel._register_ops(_recording_extension(calls))
+    ops = register_ops(_recording_extension(calls))
     assert ops.head_to_uint8 is torch.ops.pan2.head_to_uint8
     y, bias, out = (
         torch.zeros(1, 2, 2, 12, dtype=torch.bfloat16),
@@ -46,7 +47,7 @@ def test_ops_are_torch_ops_that_call_the_extension():
 
 def test_fakes_let_torch_trace_the_ops_without_running_them():
     calls: list = []
-    ops = kernel._register_ops(_recording_extension(calls))
+    ops = register_ops(_recording_extension(calls))
     with FakeTensorMode():
         x = torch.empty(1, 3, 2, 2, 8, dtype=torch.bfloat16)
         ops.rms_norm_silu(x, torch.ones(8), None, None, None, torch.empty_like(x), True, None, False)
@@ -63,8 +64,8 @@ def test_calling_the_ops_imports_no_compiler_stack():
     script = """
 import sys, torch
 from types import SimpleNamespace
-from pan2cli.vae import kernel
-ops = kernel._register_ops(SimpleNamespace(head_to_uint8=lambda y, bias, out: out.fill_(3)))
+from pan2cli.vae.kernel.ops import register_ops
+ops = register_ops(SimpleNamespace(head_to_uint8=lambda y, bias, out: out.fill_(3)))
 before = set(sys.modules)
 out = torch.zeros(1, 4, 4, 3, dtype=torch.uint8)
 ops.head_to_uint8(torch.zeros(1, 2, 2, 12, dtype=torch.bfloat16), torch.zeros(12), out)
@@ -79,7 +80,7 @@ print(sorted(set(sys.modules) - before))
 def test_build_log_keeps_the_whole_output_also_when_it_is_echoed(tmp_path, capfd):
     for echo in (False, True):
         log = tmp_path / f"build-{echo}.log"
-        with kernel._output_to(log, echo=echo):
+        with build._output_to(log, echo=echo):
             # ninja and nvcc are child processes writing to fds 1 and 2
             command = "import sys; print('from a compiler'); print('err', file=sys.stderr)"
             subprocess.run([sys.executable, "-c", command], check=True)
@@ -95,12 +96,14 @@ def test_status_names_the_conv_engines(monkeypatch, tmp_path):
     """On a kernel target, `pan2 kernels status` says whether the low-resolution convs run in the
     fixed-order Triton kernel or, without Triton, in cuDNN with the rounding caveat."""
     monkeypatch.setenv("PAN2_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(kernel, "current_arch", lambda device=None: "sm_90a")
-    monkeypatch.setattr(kernel, "triton_available", lambda: True)
-    assert "fixed-order Triton" in kernel.kernel_status().convs
-    monkeypatch.setattr(kernel, "triton_available", lambda: False)
-    status = kernel.kernel_status()
-    assert "Triton is not installed" in status.convs and "sm_90a" in status.decode_path
+    monkeypatch.setattr(status, "current_arch", lambda device=None: "sm_90a")
+    for module in (build, status):
+        monkeypatch.setattr(module, "triton_available", lambda: True)
+    assert "fixed-order Triton" in status.kernel_status().convs
+    for module in (build, status):
+        monkeypatch.setattr(module, "triton_available", lambda: False)
+    report = status.kernel_status()
+    assert "Triton is not installed" in report.convs and "sm_90a" in report.decode_path
 
 
 def test_first_use_note_until_the_kernel_is_built_and_its_convs_compiled(monkeypatch, tmp_path):
@@ -108,28 +111,30 @@ def test_first_use_note_until_the_kernel_is_built_and_its_convs_compiled(monkeyp
     built, then while only the convolutions are missing, and no more once a full-size decode (or
     `pan2 kernels build`) marked them compiled into the Triton cache in use."""
     monkeypatch.setenv("PAN2_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(kernel, "current_arch", lambda device=None: "sm_90a")
-    monkeypatch.setattr(kernel, "why_not_applicable", lambda device, dtype: None)
-    monkeypatch.setattr(kernel, "triton_available", lambda: True)
-    monkeypatch.setattr(kernel, "_triton_cache_dir", lambda: str(tmp_path / "triton"))
+    for module in (choice, status):
+        monkeypatch.setattr(module, "current_arch", lambda device=None: "sm_90a")
+    monkeypatch.setattr(choice, "why_not_applicable", lambda device, dtype: None)
+    for module in (build, status):
+        monkeypatch.setattr(module, "triton_available", lambda: True)
+    monkeypatch.setattr(build, "_triton_cache_dir", lambda: str(tmp_path / "triton"))
     gpu, bf16 = torch.device("cuda"), torch.bfloat16
-    assert "builds the decode kernel and compiles its Triton convolutions" in kernel.first_use_note(
+    assert "builds the decode kernel and compiles its Triton convolutions" in choice.first_use_note(
         gpu, bf16, "auto"
     )
-    assert kernel.first_use_note(gpu, bf16, "off") is None
-    library = kernel.kernel_spec("sm_90a").library
+    assert choice.first_use_note(gpu, bf16, "off") is None
+    library = build.kernel_spec("sm_90a").library
     library.parent.mkdir(parents=True)
     library.touch()
-    note = kernel.first_use_note(gpu, bf16, "auto")
+    note = choice.first_use_note(gpu, bf16, "auto")
     assert note.startswith("First use on this machine: the decode compiles its Triton convolutions")
     assert "`pan2 kernels build`" in note
-    kernel._mark_convs_compiled("sm_90a")
-    assert kernel.first_use_note(gpu, bf16, "auto") is None and kernel.kernel_status().convs_compiled
-    monkeypatch.setattr(kernel, "_triton_cache_dir", lambda: str(tmp_path / "another-triton-cache"))
-    assert kernel.first_use_note(gpu, bf16, "auto") is not None  # compiled into a cache no longer in use
-    kernel._mark_convs_compiled("sm_90a")  # compiling into the other cache does not forget the first
-    monkeypatch.setattr(kernel, "_triton_cache_dir", lambda: str(tmp_path / "triton"))
-    assert kernel.first_use_note(gpu, bf16, "auto") is None
+    build.mark_convs_compiled("sm_90a")
+    assert choice.first_use_note(gpu, bf16, "auto") is None and status.kernel_status().convs_compiled
+    monkeypatch.setattr(build, "_triton_cache_dir", lambda: str(tmp_path / "another-triton-cache"))
+    assert choice.first_use_note(gpu, bf16, "auto") is not None  # compiled into a cache no longer in use
+    build.mark_convs_compiled("sm_90a")  # compiling into the other cache does not forget the first
+    monkeypatch.setattr(build, "_triton_cache_dir", lambda: str(tmp_path / "triton"))
+    assert choice.first_use_note(gpu, bf16, "auto") is None
 
 
 # A failed build as ninja and nvcc write it to build.log (warnings first), then the exception's text.
@@ -152,17 +157,17 @@ def test_build_error_names_the_compilers_first_error():
     'Error building extension' wrapper are not errors of the source)."""
     exception = "Error building extension 'wan22_vae_decode'"
     assert (
-        kernel._first_compiler_error(_NVCC_LOG + "\n" + exception)
+        build._first_compiler_error(_NVCC_LOG + "\n" + exception)
         == 'head.cu(42): error: identifier "blockDimX" is undefined'
     )
     # torch's wrapper line is skipped also where it comes first (a log appended to by an earlier build)
-    assert kernel._first_compiler_error(
+    assert build._first_compiler_error(
         f"{exception}\n  ptxas ERROR : Entry function uses too much shared data  \n"
     ) == ("ptxas ERROR : Entry function uses too much shared data")
 
 
 def test_build_error_without_an_error_line_is_the_last_line():
     killed = "[1/3] /usr/local/cuda/bin/nvcc -c head.cu -o head.cuda.o\nKilled\nninja: build stopped: subcommand failed.\n\n"
-    assert kernel._first_compiler_error(killed) == "ninja: build stopped: subcommand failed."
-    assert kernel._first_compiler_error("") == "the build failed without output"
-    assert kernel._first_compiler_error("\n  \n") == "the build failed without output"
+    assert build._first_compiler_error(killed) == "ninja: build stopped: subcommand failed."
+    assert build._first_compiler_error("") == "the build failed without output"
+    assert build._first_compiler_error("\n  \n") == "the build failed without output"

@@ -3,7 +3,7 @@
 Same function as `WanVAEDecoder` (docs/wan22_vae.md), organised so that the time goes to convolutions:
 
 * activations are channels-last bf16 `(B, T, H, W, C)` end to end; convolutions run in cuDNN through
-  ATen on channels-last views (fp32 accumulation) or, at low resolution, in `conv_kernel`, with zero
+  ATen on channels-last views (fp32 accumulation) or, at low resolution, in `conv.py`, with zero
   width padding implicit in the conv and explicit halo rows;
 * every causal conv reads one buffer `(B, 2 + t, H, W, C)` whose first two frames are its history: the
   fused RMS norm + SiLU kernel writes the chunk straight behind them (no `cat`, no `pad`); conv biases,
@@ -14,7 +14,7 @@ Same function as `WanVAEDecoder` (docs/wan22_vae.md), organised so that the time
 * the head is conv_out then one kernel for bias + unpatchify + clamp + uint8.
 
 Numerics: bf16 storage, fp32 accumulation in the convolutions (cuDNN at the two highest resolutions; the
-fixed-order Triton kernel of `conv_kernel` below them, whose sums do not depend on the problem's shape)
+fixed-order Triton kernel of `conv.py` below them, whose sums do not depend on the problem's shape)
 and fp32 math in every norm and epilogue, one bf16 rounding per stored tensor. Frames leave as uint8 `(B, f, 16h, 16w, 3)`.
 """
 
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pan2cli.triton_support import triton_available
-from pan2cli.vae import conv_kernel
+from pan2cli.vae.kernel import conv
 from pan2cli.vae.model import WanResample, WanVAEDecoder, chunk_bounds
 from pan2cli.vae.parallel import RowSplit
 
@@ -93,14 +93,14 @@ class WanKernelDecoder:
     Args:
         reference: a `WanVAEDecoder` on a CUDA device (any dtype; weights are re-laid out in bf16 and the
             reference is not kept).
-        ops: the loaded kernel ops (`pan2cli.vae.kernel.load_kernel`).
+        ops: the loaded kernel ops (`pan2cli.vae.kernel.build.load_kernel`).
         tail_frames: video frames per pass through the high-resolution stages (up_blocks.2, up_blocks.3,
             head). Within a chunk the decode goes depth first: up_blocks.1's upsampler and everything
             after it walk the chunk `tail_frames` frames at a time, which bounds the memory of the
             largest activations (225 MB per frame at 512 x 352 x 624) without changing the output.
             2 keeps the decode of 704x1248 under 6 GiB; 4 is ~1 % faster and peaks near 6.5 GiB.
         fixed_order_convs: run the convs at the latent and 2x-latent resolutions (and post_quant_conv) in
-            the fixed-order Triton kernel (`pan2cli.vae.conv_kernel`), so that chunk sizes and row splits
+            the fixed-order Triton kernel (`pan2cli.vae.kernel.conv`), so that chunk sizes and row splits
             round alike; cuDNN otherwise (~7 % faster on an H200, but chunk sizes and splits then differ by
             a few uint8 levels with random weights). Default: on for CUDA where Triton is installed.
     """
@@ -142,13 +142,13 @@ class WanKernelDecoder:
                     self._weights[name + ".weight"] = _conv3d_weight(module.weight)
                     self._weights[name + ".bias"] = _f32(module.bias)
                 elif isinstance(module, WanResample):
-                    conv = module.resample[1]
+                    resample_conv = module.resample[1]
                     self._weights[name + ".phases"] = (
-                        phase_weights(conv.weight)
+                        phase_weights(resample_conv.weight)
                         .to(torch.bfloat16)
                         .contiguous(memory_format=torch.channels_last)
                     )
-                    self._weights[name + ".bias"] = _f32(conv.bias)
+                    self._weights[name + ".bias"] = _f32(resample_conv.bias)
                 elif hasattr(module, "gamma"):
                     self._weights[name + ".gamma"] = _f32(module.gamma * module.scale)
             attention = reference.decoder.mid_block.attentions[0]
@@ -229,13 +229,13 @@ class WanKernelDecoder:
             history.copy_(buf[:, t : t + 2])
 
     def _fixed_order(self, width: int, c_in: int) -> bool:
-        """Whether a conv on frames `width` wide runs in the fixed-order kernel (`conv_kernel`) or in cuDNN.
+        """Whether a conv on frames `width` wide runs in the fixed-order kernel (`conv.py`) or in cuDNN.
 
         The latent and 2x-latent resolutions (1024 channels): there cuDNN's algorithm, hence its rounding,
         changes with the band height and the frame count. Decided by the width, which a row split leaves
         whole, so every rank and every chunk size decide alike.
         """
-        return self.fixed_order_convs and width <= self._fixed_order_width and conv_kernel.applies(c_in)
+        return self.fixed_order_convs and width <= self._fixed_order_width and conv.applies(c_in)
 
     def _conv(
         self, buf: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fresh: bool = False
@@ -250,7 +250,7 @@ class WanKernelDecoder:
         # 3x3 convs read halo rows from the buffer (padding W only); (3, 1, 1) convs need none.
         pad_w = weight.shape[4] // 2
         if self._fixed_order(buf.shape[3], buf.shape[4]):
-            return conv_kernel.conv_channels_last(buf, weight, bias, pad_w=pad_w)
+            return conv.conv_channels_last(buf, weight, bias, pad_w=pad_w)
         bias = None if bias is None else bias.to(torch.bfloat16)
         out = F.conv3d(buf.permute(0, 4, 1, 2, 3), weight, bias, padding=(0, 0, pad_w))
         return out.permute(0, 2, 3, 4, 1)
@@ -380,9 +380,7 @@ class WanKernelDecoder:
         fixed_order = self._fixed_order(w, c)
         for f in range(0, t, group):
             if fixed_order:
-                phases = conv_kernel.conv_channels_last(
-                    frames[f : f + group], self._w(prefix + ".phases"), pad_w=1
-                )
+                phases = conv.conv_channels_last(frames[f : f + group], self._w(prefix + ".phases"), pad_w=1)
             else:
                 phases = F.conv2d(
                     frames[f : f + group].permute(0, 3, 1, 2),
@@ -473,7 +471,7 @@ class WanKernelDecoder:
         x = z.to(self.device, torch.bfloat16).permute(0, 2, 3, 4, 1).contiguous()  # (B, t, h, w, z)
         w = self._w("post_quant_conv.weight")
         if self._fixed_order(x.shape[3], x.shape[4]):  # the row split and chunk size must not change its GEMM
-            return conv_kernel.conv_channels_last(x, w, self._w("post_quant_conv.bias"))
+            return conv.conv_channels_last(x, w, self._w("post_quant_conv.bias"))
         return F.linear(
             x, w.reshape(w.shape[0], w.shape[1]), self._w("post_quant_conv.bias").to(torch.bfloat16)
         )
@@ -484,7 +482,7 @@ class WanKernelDecoder:
         """Decode a tiny latent once, so that the first real decode runs as fast as later ones (issue 14).
 
         It compiles (first use on a machine) or loads from Triton's cache every fixed-order conv this
-        decoder launches, one kernel per layer whatever the video's size (`conv_kernel_triton`), and
+        decoder launches, one kernel per layer whatever the video's size (`conv_triton`), and
         pays cuDNN's and cuBLAS's start-up in this process. Two latent frames, one per chunk: the first
         chunk's layers and the later chunks' (the temporal convs) both run. About 0.1 s when cached.
         """

@@ -1,4 +1,4 @@
-"""The Triton kernel of `conv_kernel` (imported on first use: Triton is needed only where it runs).
+"""The Triton kernel of `conv` (imported on first use: Triton is needed only where it runs).
 
 It computes, for output pixel m and channel n, acc = Σ over taps (kt, kh, kw) in order, then over
 channel steps of BLOCK_K, of x[pixel(m) + tap, c] · w[n, tap, c], with one `tl.dot` per step into an

@@ -36,7 +36,10 @@ def block_k(c_in: int) -> int:
 
 
 def _kernel():
-    from pan2cli.vae.conv_kernel_triton import (
+    # The @triton.jit code is in conv_triton.py, imported at the first launch: defining it needs `import
+    # triton`, and every decode imports this module (through decoder.py), also on the CPU or where Triton
+    # is not installed.
+    from pan2cli.vae.kernel.conv_triton import (
         implicit_gemm_conv,  # Triton only where it runs
     )
 
