@@ -41,12 +41,12 @@ from typing import Any, Callable
 
 import torch
 
+from pan2cli.checkpoints.json_files import read_json_object
+from pan2cli.checkpoints.keys import key_problems
+from pan2cli.checkpoints.sharded import tensor_locations
 from pan2cli.dit.config import PAN2TransformerConfig, config_arguments
 from pan2cli.dit.model import PAN2Transformer3DModel
 from pan2cli.errors import CheckpointError, InputError
-from pan2cli.jsonfile import read_json_object
-from pan2cli.statedict import key_problems
-from pan2cli.weights import tensor_locations
 
 CONFIG_NAME = "config.json"
 WEIGHT_STEMS = ("diffusion_pytorch_model", "model")
@@ -125,7 +125,7 @@ def _local_root(path_or_repo: str | Path, subfolder: str | None, revision: str |
         return path
     if looks_like_path(spec):
         raise InputError(f"no such folder: {spec}", hint=_HINT)
-    from pan2cli.hub import hub_errors, hub_snapshot
+    from pan2cli.checkpoints.hub import hub_errors, hub_snapshot
 
     folder = subfolder or SUBFOLDER
     with hub_errors(spec, revision, what="the PAN 2 transformer", local_hint="pass a local folder instead"):

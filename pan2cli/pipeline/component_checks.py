@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from pan2cli.checkpoints.json_files import read_json_object
+from pan2cli.checkpoints.keys import key_problems
+from pan2cli.checkpoints.sharded import LOCAL_FILES, FileView, weight_files, weight_shapes
 from pan2cli.errors import CheckpointError
-from pan2cli.jsonfile import read_json_object
-from pan2cli.statedict import key_problems
-from pan2cli.weights import LOCAL_FILES, FileView, weight_files, weight_shapes
 
 CONFIG = "config.json"
 SCHEDULER_CONFIG = "scheduler_config.json"

@@ -14,10 +14,10 @@ from typing import Iterator, Mapping, NamedTuple
 
 import torch
 
+from pan2cli.checkpoints.json_files import read_json_object
+from pan2cli.checkpoints.keys import key_problems, listing
+from pan2cli.checkpoints.sharded import weight_shapes
 from pan2cli.errors import CheckpointError, InputError
-from pan2cli.jsonfile import read_json_object
-from pan2cli.statedict import key_problems, listing
-from pan2cli.weights import weight_shapes
 
 SYSTEM_MESSAGE = "You are a helpful assistant. Generate the video with the following instructions."
 # The conditioning is the hidden states *before* the text model's last two layers (no final norm: the DiT's

@@ -26,11 +26,11 @@ from typing import Callable, Mapping
 
 import torch
 
+from pan2cli.checkpoints.hub import hub_errors
+from pan2cli.checkpoints.json_files import read_json_object
+from pan2cli.checkpoints.keys import key_problems, listing
 from pan2cli.errors import CheckpointError, InputError
-from pan2cli.hub import hub_errors
-from pan2cli.jsonfile import read_json_object
 from pan2cli.paths import looks_like_path
-from pan2cli.statedict import key_problems, listing
 from pan2cli.vae.config import DEFAULT_VAE_REPO, WanVAEConfig
 from pan2cli.vae.model import WanVAEDecoder
 

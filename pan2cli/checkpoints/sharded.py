@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from pan2cli.checkpoints.json_files import read_json_object
+from pan2cli.checkpoints.keys import listing
 from pan2cli.errors import CheckpointError
-from pan2cli.jsonfile import read_json_object
-from pan2cli.statedict import listing
 
 Shapes = dict[str, tuple[int, ...]]
 
