@@ -37,10 +37,11 @@ import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from pan2cli.checkpoints.files import float_tensor, tensor_reader
 from pan2cli.checkpoints.json_files import read_json_object
 from pan2cli.checkpoints.keys import key_problems
 from pan2cli.checkpoints.sharded import tensor_locations
@@ -146,25 +147,6 @@ def resolve_pan2_checkpoint(
     return PAN2Checkpoint(folder, arguments, shapes, files)
 
 
-def _reader(files: dict[str, Path]) -> tuple[Callable[[str], torch.Tensor], list]:
-    """A reader of one tensor at a time that memory-maps each file once (and the open handles)."""
-    from safetensors import safe_open
-
-    handles = {
-        path: safe_open(str(path), framework="pt", device="cpu") for path in sorted(set(files.values()))
-    }
-
-    def read(key: str) -> torch.Tensor:
-        try:
-            return handles[files[key]].get_tensor(key)
-        except Exception as exc:
-            raise CheckpointError(
-                f"{files[key]}: tensor {key} could not be read (truncated file?): {exc}"
-            ) from exc
-
-    return read, list(handles.values())
-
-
 def keeps_fp32(key: str) -> bool:
     """Whether a parameter belongs to a module kept in float32 (`PAN2Transformer3DModel.keep_in_fp32_modules`)."""
     return any(f"{name}." in f".{key}" for name in PAN2Transformer3DModel.keep_in_fp32_modules)
@@ -196,14 +178,10 @@ def load_pan2_transformer(
     ckpt = resolve_pan2_checkpoint(path_or_repo, subfolder, revision)
     model = model_on_meta(ckpt.arguments)
     check_tensor_shapes(ckpt.shapes, ckpt.arguments, str(ckpt.folder))
-    read, _handles = _reader(ckpt.files)
+    read = tensor_reader(ckpt.files)
     state = {}
     for key in model.state_dict():
-        tensor = read(key)
-        if not tensor.is_floating_point():
-            raise CheckpointError(
-                f"{ckpt.files[key]}: tensor {key} has dtype {tensor.dtype}, expected a float"
-            )
+        tensor = float_tensor(read(key), str(ckpt.files[key]), key)
         target = dtype or tensor.dtype
         if keep_fp32_modules and keeps_fp32(key) and target != torch.float64:
             target = torch.float32
