@@ -43,7 +43,7 @@ import torch
 
 from pan2cli.checkpoints.files import float_tensor, tensor_reader
 from pan2cli.checkpoints.json_files import read_json_object
-from pan2cli.checkpoints.keys import key_problems
+from pan2cli.checkpoints.keys import check_keys
 from pan2cli.checkpoints.sharded import tensor_locations
 from pan2cli.dit.config import PAN2TransformerConfig, config_arguments
 from pan2cli.dit.model import PAN2Transformer3DModel
@@ -78,12 +78,12 @@ def expected_shapes(arguments: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 def check_tensor_shapes(shapes: dict[str, tuple[int, ...]], arguments: dict[str, Any], source: str) -> None:
     """Raise a `CheckpointError` naming every missing, unexpected or mis-shaped key of `shapes`."""
-    problems = key_problems(shapes, expected_shapes(arguments))
-    if problems:
-        raise CheckpointError(
-            f"{source} does not hold the PAN 2 transformer its config.json describes ({'; '.join(problems)})",
-            hint="check that config.json and the weights come from the same PAN 2 checkpoint",
-        )
+    check_keys(
+        shapes,
+        expected_shapes(arguments),
+        f"{source} does not hold the PAN 2 transformer its config.json describes",
+        hint="check that config.json and the weights come from the same PAN 2 checkpoint",
+    )
 
 
 def release_defaults() -> dict[str, Any]:

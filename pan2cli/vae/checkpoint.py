@@ -26,9 +26,9 @@ from typing import Mapping
 import torch
 
 from pan2cli.checkpoints.files import ReadErrors, TensorFile, float_tensor, read_tensor_file
-from pan2cli.checkpoints.hub import hub_errors
+from pan2cli.checkpoints.hub import hub_errors, hub_file
 from pan2cli.checkpoints.json_files import read_json_object
-from pan2cli.checkpoints.keys import key_problems, listing
+from pan2cli.checkpoints.keys import check_keys, listing
 from pan2cli.errors import CheckpointError, InputError
 from pan2cli.paths import looks_like_path
 from pan2cli.vae.config import DEFAULT_VAE_REPO, WanVAEConfig
@@ -158,15 +158,14 @@ def _local_checkpoint(path: Path) -> VAECheckpoint:
 
 
 def _hub_checkpoint(repo_id: str, revision: str | None) -> VAECheckpoint:
-    from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     def fetch(subfolder: str | None) -> tuple[Path, Path]:
-        files = [
-            hf_hub_download(repo_id, name, subfolder=subfolder, revision=revision)
+        config, weights = (
+            hub_file(repo_id, name, subfolder=subfolder, revision=revision)
             for name in (DIFFUSERS_CONFIG, DIFFUSERS_WEIGHTS)
-        ]
-        return Path(files[0]), Path(files[1])
+        )
+        return config, weights
 
     local_hint = "pass --vae PATH to a local Wan2.2_VAE.pth, wan2.2_vae.safetensors or diffusers vae/ folder"
     with hub_errors(repo_id, revision, what="the VAE", local_hint=local_hint) as where:
@@ -223,19 +222,34 @@ def check_decoder_keys(
     Raises:
         CheckpointError: naming the missing, unexpected and mis-shaped keys.
     """
-    problems = key_problems(shapes, expected, _ACCEPTED_EXTRA_PREFIXES)
-    if not problems:
-        return
-    if not set(shapes) & set(expected):
+    if expected and not set(shapes) & set(expected):
         raise CheckpointError(
             f"{source} is not a Wan2.2 VAE checkpoint: none of the decoder's keys are in it "
             f"(it holds {listing(shapes, 5)})",
             hint=_VAE_HINT,
         )
-    raise CheckpointError(
-        f"{source} does not match the Wan2.2 VAE decoder ({'; '.join(problems)})",
+    check_keys(
+        shapes,
+        expected,
+        f"{source} does not match the Wan2.2 VAE decoder",
+        accepted_prefixes=_ACCEPTED_EXTRA_PREFIXES,
         hint="is it a Wan2.1 VAE or another model? " + _VAE_HINT,
     )
+
+
+def check_encoder_keys(
+    shapes: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], source: str
+) -> None:
+    """Every key of the encoder (`encoder.*`, `quant_conv.*`) present with its shape, and no other.
+
+    Args:
+        shapes: the checkpoint's encoder keys (diffusers names) -> shape.
+        expected: the encoder's own key -> shape.
+
+    Raises:
+        CheckpointError: naming the missing, unexpected and mis-shaped keys.
+    """
+    check_keys(shapes, expected, f"{source} does not match the Wan2.2 VAE encoder", hint=_VAE_HINT)
 
 
 def load_vae_decoder(
@@ -376,9 +390,5 @@ def load_vae_encoder(
     with torch.device("meta"):
         model = WanVAEEncoder(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    problems = key_problems({ours: tensors.shapes[orig] for ours, orig in renamed.items()}, expected)
-    if problems:
-        raise CheckpointError(
-            f"{ckpt.source} does not match the Wan2.2 VAE encoder ({'; '.join(problems)})", hint=_VAE_HINT
-        )
+    check_encoder_keys({ours: tensors.shapes[orig] for ours, orig in renamed.items()}, expected, ckpt.source)
     return _load_into(model, tensors, renamed, dtype=dtype, device=device, source=ckpt.source)
