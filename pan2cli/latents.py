@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
-import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from pan2cli.checkpoints.files import ReadErrors, read_pickle, read_safetensors
 from pan2cli.constants import LATENT_CHANNELS
 from pan2cli.errors import InputError
 
 _SAFETENSORS_KEY = "latents"
-_READ_HINT = "pass a .pt/.pth file saved with torch.save, or a .safetensors file with a 'latents' tensor"
+# A latents file is the user's input: its failures are InputErrors that say "latents file PATH ...".
+_READ_ERRORS = ReadErrors(
+    error=InputError,
+    noun="latents file",
+    loads="latents",
+    hint="pass a .pt/.pth file saved with torch.save, or a .safetensors file with a 'latents' tensor",
+    objects_hint="save only the tensor, or a dict {'latents': tensor, 'fps': number}",
+)
 
 
 @dataclass(frozen=True)
@@ -62,8 +68,6 @@ def load_latents(path: str | os.PathLike[str], channels: int = LATENT_CHANNELS) 
         raise InputError(f"latents file {path} is a folder, not a file")
     if not os.access(path, os.R_OK):
         raise InputError(f"latents file {path} is not readable (permission denied)")
-    if path.stat().st_size == 0:
-        raise InputError(f"latents file {path} is empty (0 bytes)")
 
     if path.suffix.lower() == ".safetensors":
         raw, fps = _read_safetensors(path)
@@ -139,23 +143,7 @@ def _channel_stats(
 
 def _read_torch(path: Path) -> tuple[object, float | None]:
     """torch.load a file and pull out (latents candidate, fps)."""
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except MemoryError:
-        raise
-    except pickle.UnpicklingError as err:
-        if _is_disallowed_object(path, err):
-            raise InputError(
-                f"latents file {path} holds objects other than plain tensors; "
-                "pan2 loads latents with weights_only=True",
-                hint="save only the tensor, or a dict {'latents': tensor, 'fps': number}",
-            ) from err
-        raise _unreadable(path, err) from err
-    # torch.load surfaces corrupt or foreign files as many types (RuntimeError for a bad zip,
-    # EOFError, KeyError for a text file, ValueError, OSError ...): all mean "not latents".
-    except Exception as err:
-        raise _unreadable(path, err) from err
-
+    obj = read_pickle(path, _READ_ERRORS)
     if isinstance(obj, dict):
         if "latents" not in obj:
             keys = ", ".join(repr(k) for k in list(obj)[:10]) or "none"
@@ -167,43 +155,18 @@ def _read_torch(path: Path) -> tuple[object, float | None]:
     return obj, None
 
 
-def _is_disallowed_object(path: Path, err: pickle.UnpicklingError) -> bool:
-    """Tell "weights_only refused a class" from "these bytes are not a pickle at all".
-
-    Both raise UnpicklingError. A refused class names an unsupported global; a rejected
-    pickle inside a well-formed torch.save zip is also an object the unpickler refused.
-    """
-    msg = str(err)
-    if "Unsupported global" in msg or "Unsupported class" in msg:
-        return True
-    return zipfile.is_zipfile(path)
-
-
 def _read_safetensors(path: Path) -> tuple[object, float | None]:
     """Read the `latents` tensor and the `fps` metadata entry of a safetensors file."""
-    # Imported here so that `.pt` users never pay for it.
-    from safetensors import safe_open
-
-    try:
-        # safe_open reads just the header and the one tensor we need, not every tensor.
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            metadata = f.metadata() or {}
-            keys = list(f.keys())
-            if _SAFETENSORS_KEY not in keys:
-                shown = ", ".join(repr(k) for k in keys[:10]) or "none"
-                raise InputError(
-                    f"latents file {path} has no tensor named 'latents' (tensors: {shown})",
-                    hint="save the latents with safetensors.torch.save_file({'latents': tensor}, ...)",
-                )
-            tensor = f.get_tensor(_SAFETENSORS_KEY)
-    except (InputError, MemoryError):
-        raise
-    # SafetensorError for a bad header or a short file; OSError, ValueError and others for
-    # files that are not safetensors at all.
-    except Exception as err:
-        raise _unreadable(path, err) from err
-
-    raw_fps = metadata.get("fps")
+    # The header, and the one tensor we need, not every tensor.
+    tensors = read_safetensors(path, _READ_ERRORS)
+    if _SAFETENSORS_KEY not in tensors.shapes:
+        shown = ", ".join(repr(k) for k in list(tensors.shapes)[:10]) or "none"
+        raise InputError(
+            f"latents file {path} has no tensor named 'latents' (tensors: {shown})",
+            hint="save the latents with safetensors.torch.save_file({'latents': tensor}, ...)",
+        )
+    tensor = tensors.load(_SAFETENSORS_KEY)
+    raw_fps = tensors.metadata.get("fps")
     if raw_fps is None:
         return tensor, None
     try:
@@ -211,26 +174,6 @@ def _read_safetensors(path: Path) -> tuple[object, float | None]:
     except ValueError:
         raise InputError(f"latents file {path}: fps metadata {raw_fps!r} is not a number") from None
     return tensor, _check_fps(path, fps_value)
-
-
-def _unreadable(path: Path, err: BaseException) -> InputError:
-    message = f"latents file {path} could not be read (truncated or not a latents file)"
-    detail = _loader_detail(err)
-    if detail:
-        message += f": {detail}"
-    return InputError(message, hint=_READ_HINT)
-
-
-def _loader_detail(err: BaseException) -> str:
-    """One short line from the loader's message, or "" when it would only confuse.
-
-    torch.load reports a text file as a bare KeyError (e.g. "101") and random bytes as a
-    weights_only refusal that advises weights_only=False, which is wrong advice here.
-    """
-    text = str(err).strip()
-    if isinstance(err, KeyError) or not text or text.startswith("Weights only load failed"):
-        return ""
-    return text.splitlines()[0][:200]
 
 
 def _check_fps(path: Path, fps: object) -> float | None:

@@ -28,16 +28,18 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _hub_offline_state_per_test(monkeypatch):
-    """The hub reachability probe switches the process to offline mode for good (pan2cli.hub): undo it after
+    """The hub reachability probe switches the process to offline mode for good (pan2cli.checkpoints.hub): undo it after
     each test, so that no test's outcome depends on which test probed first."""
     import os
 
     from huggingface_hub import constants
 
-    import pan2cli.hub
+    import pan2cli.checkpoints.hub
 
-    monkeypatch.setattr(pan2cli.hub, "_unreachable", pan2cli.hub._unreachable)
-    monkeypatch.setattr(pan2cli.hub, "_said_unreachable", pan2cli.hub._said_unreachable)
+    monkeypatch.setattr(pan2cli.checkpoints.hub, "_unreachable", pan2cli.checkpoints.hub._unreachable)
+    monkeypatch.setattr(
+        pan2cli.checkpoints.hub, "_said_unreachable", pan2cli.checkpoints.hub._said_unreachable
+    )
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", constants.HF_HUB_OFFLINE)
     # setenv records the variable's value (or its absence) for the teardown; delenv then restores "absent" now
     monkeypatch.setenv("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", ""))

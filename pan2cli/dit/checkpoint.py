@@ -37,16 +37,17 @@ import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from pan2cli.checkpoints.files import float_tensor, tensor_reader
+from pan2cli.checkpoints.json_files import read_json_object
+from pan2cli.checkpoints.keys import check_keys
+from pan2cli.checkpoints.sharded import tensor_locations
 from pan2cli.dit.config import PAN2TransformerConfig, config_arguments
 from pan2cli.dit.model import PAN2Transformer3DModel
 from pan2cli.errors import CheckpointError, InputError
-from pan2cli.jsonfile import read_json_object
-from pan2cli.statedict import key_problems
-from pan2cli.weights import tensor_locations
 
 CONFIG_NAME = "config.json"
 WEIGHT_STEMS = ("diffusion_pytorch_model", "model")
@@ -77,12 +78,12 @@ def expected_shapes(arguments: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 def check_tensor_shapes(shapes: dict[str, tuple[int, ...]], arguments: dict[str, Any], source: str) -> None:
     """Raise a `CheckpointError` naming every missing, unexpected or mis-shaped key of `shapes`."""
-    problems = key_problems(shapes, expected_shapes(arguments))
-    if problems:
-        raise CheckpointError(
-            f"{source} does not hold the PAN 2 transformer its config.json describes ({'; '.join(problems)})",
-            hint="check that config.json and the weights come from the same PAN 2 checkpoint",
-        )
+    check_keys(
+        shapes,
+        expected_shapes(arguments),
+        f"{source} does not hold the PAN 2 transformer its config.json describes",
+        hint="check that config.json and the weights come from the same PAN 2 checkpoint",
+    )
 
 
 def release_defaults() -> dict[str, Any]:
@@ -125,7 +126,7 @@ def _local_root(path_or_repo: str | Path, subfolder: str | None, revision: str |
         return path
     if looks_like_path(spec):
         raise InputError(f"no such folder: {spec}", hint=_HINT)
-    from pan2cli.hub import hub_errors, hub_snapshot
+    from pan2cli.checkpoints.hub import hub_errors, hub_snapshot
 
     folder = subfolder or SUBFOLDER
     with hub_errors(spec, revision, what="the PAN 2 transformer", local_hint="pass a local folder instead"):
@@ -144,25 +145,6 @@ def resolve_pan2_checkpoint(
     arguments = read_config(folder / CONFIG_NAME)
     shapes, files = tensor_locations(folder, WEIGHT_STEMS)
     return PAN2Checkpoint(folder, arguments, shapes, files)
-
-
-def _reader(files: dict[str, Path]) -> tuple[Callable[[str], torch.Tensor], list]:
-    """A reader of one tensor at a time that memory-maps each file once (and the open handles)."""
-    from safetensors import safe_open
-
-    handles = {
-        path: safe_open(str(path), framework="pt", device="cpu") for path in sorted(set(files.values()))
-    }
-
-    def read(key: str) -> torch.Tensor:
-        try:
-            return handles[files[key]].get_tensor(key)
-        except Exception as exc:
-            raise CheckpointError(
-                f"{files[key]}: tensor {key} could not be read (truncated file?): {exc}"
-            ) from exc
-
-    return read, list(handles.values())
 
 
 def keeps_fp32(key: str) -> bool:
@@ -196,14 +178,10 @@ def load_pan2_transformer(
     ckpt = resolve_pan2_checkpoint(path_or_repo, subfolder, revision)
     model = model_on_meta(ckpt.arguments)
     check_tensor_shapes(ckpt.shapes, ckpt.arguments, str(ckpt.folder))
-    read, _handles = _reader(ckpt.files)
+    read = tensor_reader(ckpt.files)
     state = {}
     for key in model.state_dict():
-        tensor = read(key)
-        if not tensor.is_floating_point():
-            raise CheckpointError(
-                f"{ckpt.files[key]}: tensor {key} has dtype {tensor.dtype}, expected a float"
-            )
+        tensor = float_tensor(read(key), str(ckpt.files[key]), key)
         target = dtype or tensor.dtype
         if keep_fp32_modules and keeps_fp32(key) and target != torch.float64:
             target = torch.float32

@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from pan2cli.checkpoints.json_files import read_json_object
+from pan2cli.checkpoints.sharded import LOCAL_FILES, FileView, weight_files, weight_shapes
 from pan2cli.errors import CheckpointError
-from pan2cli.jsonfile import read_json_object
-from pan2cli.statedict import key_problems
-from pan2cli.weights import LOCAL_FILES, FileView, weight_files, weight_shapes
 
 CONFIG = "config.json"
 SCHEDULER_CONFIG = "scheduler_config.json"
@@ -124,7 +123,7 @@ def check_vae(folder: Path, files: FileView) -> None:
     """An AutoencoderKLWan `config.json` and `diffusion_pytorch_model.safetensors` holding its decoder (and encoder)."""
     import torch
 
-    from pan2cli.vae.checkpoint import DIFFUSERS_WEIGHTS, check_decoder_keys
+    from pan2cli.vae.checkpoint import DIFFUSERS_WEIGHTS, check_decoder_keys, check_encoder_keys
     from pan2cli.vae.config import WanVAEConfig
     from pan2cli.vae.encoder import WanVAEEncoder
     from pan2cli.vae.model import WanVAEDecoder
@@ -142,14 +141,9 @@ def check_vae(folder: Path, files: FileView) -> None:
     )
     # The encoder (image-to-video) is checked when the file has one; `load_vae_encoder` says so when it has none.
     encoder_shapes = {k: v for k, v in shapes.items() if k.startswith(("encoder.", "quant_conv."))}
-    problems = (
-        key_problems(encoder_shapes, {k: tuple(v.shape) for k, v in encoder.state_dict().items()})
-        if encoder_shapes
-        else []
-    )
-    if problems:
-        raise CheckpointError(
-            f"{files.label(weights)} does not match the Wan2.2 VAE encoder ({'; '.join(problems)})"
+    if encoder_shapes:
+        check_encoder_keys(
+            encoder_shapes, {k: tuple(v.shape) for k, v in encoder.state_dict().items()}, files.label(weights)
         )
 
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from pan2cli.checkpoints.json_files import read_json_object
 from pan2cli.errors import CheckpointError, InputError
-from pan2cli.jsonfile import read_json_object
 from pan2cli.paths import looks_like_path
 
 DEFAULT_MODEL_REPO = "IFM/PAN2"
@@ -143,8 +143,8 @@ def local_components(root: Path) -> PAN2Components:
     Raises:
         CheckpointError: see `read_pipeline_index`, a missing component folder (named), `check_components`.
     """
+    from pan2cli.checkpoints.sharded import LOCAL_FILES
     from pan2cli.pipeline.component_checks import check_components
-    from pan2cli.weights import LOCAL_FILES
 
     places = read_pipeline_index(root)
     folders = {name: place.folder(root) for name, place in places.items()}

@@ -1,6 +1,6 @@
 """Fetch a PAN 2 checkpoint from the Hugging Face hub, checking it before its weights are downloaded.
 
-Requests, in order (each through a `pan2cli.hub` function; errors mapped by `hub_errors`):
+Requests, in order (each through a `pan2cli.checkpoints.hub` function; errors mapped by `hub_errors`):
 1. `modular_model_index.json` / `model_index.json` (`snapshot_download`, which resolves the revision to a
    commit; every later request is pinned to that commit);
 2. the small files of every component: config JSONs, safetensors indexes, tokenizer files;
@@ -20,8 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pan2cli.checkpoints.hub import hub_errors, hub_list_files, hub_snapshot, hub_tensor_shapes
+from pan2cli.checkpoints.sharded import LOCAL_FILES, FileView, Shapes, index_weight_map
 from pan2cli.errors import CheckpointError
-from pan2cli.hub import hub_errors, hub_list_files, hub_snapshot, hub_tensor_shapes
 from pan2cli.paths import looks_like_path
 from pan2cli.pipeline.component_checks import WEIGHT_STEMS, CheckedComponents, check_components
 from pan2cli.pipeline.components import (
@@ -33,7 +34,6 @@ from pan2cli.pipeline.components import (
     missing_components_error,
     read_pipeline_index,
 )
-from pan2cli.weights import LOCAL_FILES, FileView, Shapes, index_weight_map
 
 _LOCAL_HINT = "pass --model PATH to a local PAN 2 folder (or connect to the hub / unset HF_HUB_OFFLINE)"
 _TOKENIZER_PATTERNS = ("*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken")

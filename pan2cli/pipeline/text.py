@@ -14,10 +14,10 @@ from typing import Iterator, Mapping, NamedTuple
 
 import torch
 
+from pan2cli.checkpoints.json_files import read_json_object
+from pan2cli.checkpoints.keys import check_keys, listing
+from pan2cli.checkpoints.sharded import weight_shapes
 from pan2cli.errors import CheckpointError, InputError
-from pan2cli.jsonfile import read_json_object
-from pan2cli.statedict import key_problems, listing
-from pan2cli.weights import weight_shapes
 
 SYSTEM_MESSAGE = "You are a helpful assistant. Generate the video with the following instructions."
 # The conditioning is the hidden states *before* the text model's last two layers (no final norm: the DiT's
@@ -141,13 +141,13 @@ def language_model_prefix(
         ours = {
             k: s for k, s in shapes.items() if not k.startswith(_OTHER_PARTS + LANGUAGE_MODEL_PREFIXES[1:])
         }
-    problems = key_problems(ours, expected)
-    if problems:
-        where = f" (under {prefix!r})" if prefix else ""
-        raise CheckpointError(
-            f"{source} does not hold the language model its config.json describes{where}: {'; '.join(problems)}",
-            hint=_HINT,
-        )
+    where = f" under {prefix!r}" if prefix else ""
+    check_keys(
+        ours,
+        expected,
+        f"{source} does not hold the language model its config.json describes{where}",
+        hint=_HINT,
+    )
     return prefix
 
 

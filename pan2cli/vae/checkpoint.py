@@ -18,25 +18,26 @@ accepted (real files hold the whole VAE); any other key is an error that names i
 
 from __future__ import annotations
 
-import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 
+from pan2cli.checkpoints.files import ReadErrors, TensorFile, float_tensor, read_tensor_file
+from pan2cli.checkpoints.hub import hub_errors, hub_file
+from pan2cli.checkpoints.json_files import read_json_object
+from pan2cli.checkpoints.keys import check_keys, listing
 from pan2cli.errors import CheckpointError, InputError
-from pan2cli.hub import hub_errors
-from pan2cli.jsonfile import read_json_object
 from pan2cli.paths import looks_like_path
-from pan2cli.statedict import key_problems, listing
 from pan2cli.vae.config import DEFAULT_VAE_REPO, WanVAEConfig
 from pan2cli.vae.model import WanVAEDecoder
 
 DIFFUSERS_CONFIG = "config.json"
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 _VAE_HINT = "pass --vae with Wan2.2_VAE.pth, wan2.2_vae.safetensors, a diffusers vae/ folder or a Hugging Face repo id"
+_READ_ERRORS = ReadErrors(hint=_VAE_HINT)  # unreadable files are CheckpointErrors with this hint
 
 # Keys the decoder does not use but a whole-VAE file carries (the encoder will use them for image-to-video).
 _ACCEPTED_EXTRA_PREFIXES = ("encoder.", "quant_conv.")
@@ -112,87 +113,6 @@ def _key_names(keys: list[str]) -> str:
     raise CheckpointError(f"this is not a Wan VAE checkpoint (it holds {sample}, ...)", hint=_VAE_HINT)
 
 
-# -- reading files ----------------------------------------------------------------------------------
-@dataclass
-class _TensorFile:
-    """Shapes of every tensor in a file, and a loader for the ones we need (large files stay on disk)."""
-
-    shapes: dict[str, tuple[int, ...]]
-    dtypes: dict[str, torch.dtype]
-    load: Callable[[str], torch.Tensor]
-
-
-def _read_safetensors(path: Path) -> _TensorFile:
-    from safetensors import safe_open
-
-    try:
-        handle = safe_open(str(path), framework="pt", device="cpu")
-        shapes, dtypes = {}, {}
-        for key in handle.keys():
-            sliced = handle.get_slice(key)
-            shapes[key] = tuple(sliced.get_shape())
-            dtypes[key] = _SAFETENSORS_DTYPES.get(sliced.get_dtype(), torch.uint8)
-    except Exception as exc:  # safetensors raises its own SafetensorError and OSErrors
-        raise CheckpointError(
-            f"{path} could not be read as safetensors (truncated or not a safetensors file): {exc}",
-            hint=_VAE_HINT,
-        ) from exc
-
-    def load(key: str) -> torch.Tensor:
-        try:
-            return handle.get_tensor(key)
-        except Exception as exc:
-            raise CheckpointError(f"{path}: tensor {key} could not be read (truncated file?): {exc}") from exc
-
-    return _TensorFile(shapes, dtypes, load)
-
-
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-}
-
-
-def _read_torch_pickle(path: Path) -> _TensorFile:
-    try:
-        try:
-            # mmap keeps the 2.8 GB original file on disk; legacy (non-zip) pickles cannot be mapped.
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as exc:
-            if "mmap" not in str(exc):
-                raise
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise CheckpointError(
-            f"{path} holds objects other than plain tensors; pan2 loads checkpoints with weights_only=True",
-            hint=_VAE_HINT,
-        ) from exc
-    except Exception as exc:
-        raise CheckpointError(
-            f"{path} could not be read (truncated or not a checkpoint): {exc}", hint=_VAE_HINT
-        ) from exc
-    if isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
-        obj = obj["state_dict"]
-    if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise CheckpointError(f"{path} is not a state dict of tensors", hint=_VAE_HINT)
-    state = dict(obj)
-    return _TensorFile(
-        {k: tuple(v.shape) for k, v in state.items()},
-        {k: v.dtype for k, v in state.items()},
-        state.__getitem__,
-    )
-
-
-def _read_tensor_file(path: Path) -> _TensorFile:
-    if path.stat().st_size == 0:
-        raise CheckpointError(f"{path} is empty", hint=_VAE_HINT)
-    if path.suffix == ".safetensors":
-        return _read_safetensors(path)
-    return _read_torch_pickle(path)
-
-
 # -- locating a checkpoint ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class VAECheckpoint:
@@ -238,15 +158,14 @@ def _local_checkpoint(path: Path) -> VAECheckpoint:
 
 
 def _hub_checkpoint(repo_id: str, revision: str | None) -> VAECheckpoint:
-    from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     def fetch(subfolder: str | None) -> tuple[Path, Path]:
-        files = [
-            hf_hub_download(repo_id, name, subfolder=subfolder, revision=revision)
+        config, weights = (
+            hub_file(repo_id, name, subfolder=subfolder, revision=revision)
             for name in (DIFFUSERS_CONFIG, DIFFUSERS_WEIGHTS)
-        ]
-        return Path(files[0]), Path(files[1])
+        )
+        return config, weights
 
     local_hint = "pass --vae PATH to a local Wan2.2_VAE.pth, wan2.2_vae.safetensors or diffusers vae/ folder"
     with hub_errors(repo_id, revision, what="the VAE", local_hint=local_hint) as where:
@@ -303,19 +222,34 @@ def check_decoder_keys(
     Raises:
         CheckpointError: naming the missing, unexpected and mis-shaped keys.
     """
-    problems = key_problems(shapes, expected, _ACCEPTED_EXTRA_PREFIXES)
-    if not problems:
-        return
-    if not set(shapes) & set(expected):
+    if expected and not set(shapes) & set(expected):
         raise CheckpointError(
             f"{source} is not a Wan2.2 VAE checkpoint: none of the decoder's keys are in it "
             f"(it holds {listing(shapes, 5)})",
             hint=_VAE_HINT,
         )
-    raise CheckpointError(
-        f"{source} does not match the Wan2.2 VAE decoder ({'; '.join(problems)})",
+    check_keys(
+        shapes,
+        expected,
+        f"{source} does not match the Wan2.2 VAE decoder",
+        accepted_prefixes=_ACCEPTED_EXTRA_PREFIXES,
         hint="is it a Wan2.1 VAE or another model? " + _VAE_HINT,
     )
+
+
+def check_encoder_keys(
+    shapes: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], source: str
+) -> None:
+    """Every key of the encoder (`encoder.*`, `quant_conv.*`) present with its shape, and no other.
+
+    Args:
+        shapes: the checkpoint's encoder keys (diffusers names) -> shape.
+        expected: the encoder's own key -> shape.
+
+    Raises:
+        CheckpointError: naming the missing, unexpected and mis-shaped keys.
+    """
+    check_keys(shapes, expected, f"{source} does not match the Wan2.2 VAE encoder", hint=_VAE_HINT)
 
 
 def load_vae_decoder(
@@ -380,7 +314,7 @@ def load_decoder_weights(
             the TI2V-5B architecture with widths read from the tensors.
     """
     source = source or str(weights)
-    tensors = _read_tensor_file(Path(weights))
+    tensors = read_tensor_file(Path(weights), _READ_ERRORS)
     renamed = _our_names(tensors, config)
     if len(renamed) != len(tensors.shapes):
         raise CheckpointError(f"{source} holds the same tensor under two key names", hint=_VAE_HINT)
@@ -394,7 +328,7 @@ def load_decoder_weights(
     return _load_into(model, tensors, renamed, dtype=dtype, device=device, source=source)
 
 
-def _our_names(tensors: _TensorFile, config: WanVAEConfig | None) -> dict[str, str]:
+def _our_names(tensors: TensorFile, config: WanVAEConfig | None) -> dict[str, str]:
     """Our (diffusers) key -> the file's key, whichever naming the file uses."""
     num_res_blocks = (config or WanVAEConfig()).num_res_blocks
     if _key_names(list(tensors.shapes)) == "original":
@@ -402,16 +336,11 @@ def _our_names(tensors: _TensorFile, config: WanVAEConfig | None) -> dict[str, s
     return {k: k for k in tensors.shapes}
 
 
-def _load_into(model, tensors: _TensorFile, renamed: Mapping[str, str], *, dtype, device, source: str):
+def _load_into(model, tensors: TensorFile, renamed: Mapping[str, str], *, dtype, device, source: str):
     """Load the model's tensors (checked keys; `renamed` maps our names to the file's) in `dtype` on `device`."""
     state = {}
     for key in model.state_dict():
-        tensor = tensors.load(renamed[key])
-        if not tensor.is_floating_point():
-            raise CheckpointError(
-                f"{source}: tensor {renamed[key]} has dtype {tensor.dtype}, expected a float"
-            )
-        state[key] = tensor.to(dtype)
+        state[key] = float_tensor(tensors.load(renamed[key]), source, renamed[key]).to(dtype)
     model.load_state_dict(state, strict=True, assign=True)
     return model.to(device).eval().requires_grad_(False)
 
@@ -444,7 +373,7 @@ def load_vae_encoder(
     from pan2cli.vae.encoder import WanVAEEncoder
 
     ckpt = resolve_vae_checkpoint(spec, revision)
-    tensors = _read_tensor_file(Path(ckpt.weights))
+    tensors = read_tensor_file(Path(ckpt.weights), _READ_ERRORS)
     renamed = {
         ours: theirs
         for ours, theirs in _our_names(tensors, ckpt.config).items()
@@ -461,9 +390,5 @@ def load_vae_encoder(
     with torch.device("meta"):
         model = WanVAEEncoder(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    problems = key_problems({ours: tensors.shapes[orig] for ours, orig in renamed.items()}, expected)
-    if problems:
-        raise CheckpointError(
-            f"{ckpt.source} does not match the Wan2.2 VAE encoder ({'; '.join(problems)})", hint=_VAE_HINT
-        )
+    check_encoder_keys({ours: tensors.shapes[orig] for ours, orig in renamed.items()}, expected, ckpt.source)
     return _load_into(model, tensors, renamed, dtype=dtype, device=device, source=ckpt.source)

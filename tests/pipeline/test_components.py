@@ -16,7 +16,7 @@ from safetensors.torch import (  # bound before `no_tensor_reads` replaces safet
     save_file,
 )
 
-import pan2cli.hub
+import pan2cli.checkpoints.hub
 from pan2cli.dit.checkpoint import save_pan2_transformer
 from pan2cli.dit.model import PAN2Transformer3DModel
 from pan2cli.errors import CheckpointError, DownloadError, InputError
@@ -413,7 +413,9 @@ def fake_hub(monkeypatch, tmp_path):
         return hub
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(pan2cli.hub, "_unreachable", False)  # the fake hub answers: no reachability probe
+    monkeypatch.setattr(
+        pan2cli.checkpoints.hub, "_unreachable", False
+    )  # the fake hub answers: no reachability probe
     return install
 
 

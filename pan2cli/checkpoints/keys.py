@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
+from pan2cli.errors import CheckpointError
+
 
 def listing(keys: Iterable[str], limit: int = 8) -> str:
     """Up to `limit` keys, sorted, comma-separated, with a count of the rest."""
@@ -33,3 +35,22 @@ def key_problems(
             + listing(f"{k} {list(shapes[k])} (expected {list(expected[k])})" for k in misshaped)
         )
     return problems
+
+
+def check_keys(
+    shapes: Mapping[str, tuple[int, ...]],
+    expected: Mapping[str, tuple[int, ...]],
+    mismatch: str,
+    *,
+    accepted_prefixes: tuple[str, ...] = (),
+    hint: str | None = None,
+) -> None:
+    """Raise `CheckpointError("<mismatch> (<problems>)")` unless `shapes` loads strictly into `expected`.
+
+    Args:
+        mismatch: what does not match, e.g. "model.safetensors does not match the Wan2.2 VAE encoder".
+        accepted_prefixes: see `key_problems`.
+    """
+    problems = key_problems(shapes, expected, accepted_prefixes)
+    if problems:
+        raise CheckpointError(f"{mismatch} ({'; '.join(problems)})", hint=hint)

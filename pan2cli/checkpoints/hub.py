@@ -140,6 +140,18 @@ def hub_snapshot(repo_id: str, revision: str | None, allow_patterns: list[str]) 
         )
 
 
+def hub_file(repo_id: str, filename: str, *, subfolder: str | None, revision: str | None) -> Path:
+    """`hf_hub_download` of one file (cache, token and offline mode as usual): its path in the cache.
+
+    Raises:
+        huggingface_hub's `EntryNotFoundError` when the repo has no such file (the caller may look elsewhere).
+    """
+    from huggingface_hub import hf_hub_download
+
+    with _connection_errors():
+        return Path(hf_hub_download(repo_id, filename, subfolder=subfolder, revision=revision))
+
+
 def hub_list_files(repo_id: str, revision: str | None) -> set[str] | None:
     """Every file path of a repo at `revision`, or None when offline or the hub cannot be reached (the cache decides)."""
     if hub_offline():

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from pan2cli.checkpoints.json_files import read_json_object
+from pan2cli.checkpoints.keys import listing
 from pan2cli.errors import CheckpointError
-from pan2cli.jsonfile import read_json_object
-from pan2cli.statedict import listing
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -32,18 +32,9 @@ def index_weight_map(index: Path) -> dict[str, str]:
 
 def _local_tensor_shapes(paths: list[Path]) -> list[Shapes]:
     """Tensor name → shape of each file, from its header (memory-mapped; no tensor is read)."""
-    from safetensors import safe_open
+    from pan2cli.checkpoints.files import read_safetensors
 
-    out = []
-    for path in paths:
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
-                out.append({key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()})
-        except Exception as exc:  # safetensors raises its own SafetensorError and OSErrors
-            raise CheckpointError(
-                f"{path} could not be read as safetensors (truncated or not a safetensors file): {exc}"
-            ) from exc
-    return out
+    return [read_safetensors(path).shapes for path in paths]
 
 
 @dataclass(frozen=True)
