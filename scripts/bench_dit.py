@@ -215,12 +215,16 @@ def main() -> None:
                     step()
                     sync()
                     times.append(time.perf_counter() - begin)
-                kinds, top = profile_step(step, sync) if args.profile and device.type == "cuda" else (None, None)
+                kinds, top = (
+                    profile_step(step, sync) if args.profile and device.type == "cuda" else (None, None)
+                )
             seconds = min(times)
             if kinds and "host-to-device copies" in kinds:  # how much of the copying the compute hid
                 compute = sum(v for k, v in kinds.items() if k != "host-to-device copies")
                 copies = kinds["host-to-device copies"]
-                kinds["copy_hidden_fraction"] = round(max(0.0, min(1.0, (compute + copies - 1e3 * seconds) / copies)), 3)
+                kinds["copy_hidden_fraction"] = round(
+                    max(0.0, min(1.0, (compute + copies - 1e3 * seconds) / copies)), 3
+                )
             flops = forward_flops(config, video_tokens, args.text) + forward_flops(config, video_tokens, 12)
             row = {
                 "frames": frames, "variant": variant, "video_tokens": video_tokens, "text_tokens": args.text,
