@@ -9,7 +9,7 @@ its JSON sidecar and a `latents.pt`.
 
 Several processes (torchrun): with `ranks_share_jobs` (one prompt, every rank given the same jobs)
 every rank samples the same latents (rank 0's are broadcast) and the ranks of one machine split the
-decode by rows (`vae_decode_kernel_parallel`), rank 0 writing; otherwise (a sharded prompt file) each
+decode by rows (`decode_kernel_parallel`), rank 0 writing; otherwise (a sharded prompt file) each
 rank generates and writes its own jobs alone.
 """
 
@@ -29,6 +29,7 @@ import torch
 import pan2cli
 from pan2cli import distributed, launch
 from pan2cli.atomic import replace_into
+from pan2cli.config import RuntimeConfig
 from pan2cli.constants import video_frames
 from pan2cli.decode import decode_latents
 from pan2cli.dit.attention import attention_backend, attention_backends, attention_order
@@ -36,7 +37,6 @@ from pan2cli.errors import Pan2Error, out_of_memory
 from pan2cli.outputs import check_output_path
 from pan2cli.pipeline.components import PAN2Components, resolve_components
 from pan2cli.pipeline.conditioning import condition_latents
-from pan2cli.pipeline.config import PAN2PipelineConfig
 from pan2cli.pipeline.image import encode_image, fit_image, load_image
 from pan2cli.pipeline.sampling import denoise
 from pan2cli.pipeline.scheduler import flow_sigmas, uses_guidance
@@ -80,7 +80,7 @@ class VideoGenerator:
 
     Args:
         components: the located checkpoint (`resolve_components`).
-        config: run-time choices (`PAN2PipelineConfig`).
+        config: how the models run (`RuntimeConfig`).
         progress: optional progress factory `(description, total, unit) → context manager yielding advance(n)`.
         info: optional callable for one-line notes (fallbacks, load times).
         warn: optional callable for warnings that must be seen (a prompt cut to the text encoder's limit);
@@ -90,13 +90,13 @@ class VideoGenerator:
     def __init__(
         self,
         components: PAN2Components,
-        config: PAN2PipelineConfig | None = None,
+        config: RuntimeConfig | None = None,
         progress=None,
         info=None,
         warn=None,
     ):
         self.components = components
-        self.config = config or PAN2PipelineConfig()
+        self.config = config or RuntimeConfig()
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype(self.device)
         self.vae_dtype = self.config.torch_vae_dtype(self.device)
@@ -112,7 +112,7 @@ class VideoGenerator:
         cls,
         path_or_repo: str | Path | None = None,
         *,
-        config: PAN2PipelineConfig | None = None,
+        config: RuntimeConfig | None = None,
         revision: str | None = None,
         **kwargs,
     ) -> "VideoGenerator":
@@ -432,13 +432,13 @@ class VideoGenerator:
         cfg = self.config
         world = distributed.world_size()
         # Ranks split a decode by rows only when they share the job and sit on one machine.
-        parallel = cfg.vae_decode_kernel_parallel and shared and launch.env_local_world_size(world) == world
+        parallel = cfg.decode_kernel_parallel and shared and launch.env_local_world_size(world) == world
         decoder, note = open_decoder(
             self.components.folder("vae"),
             dtype=self.vae_dtype,
             device=self.device,
-            chunk_latent_frames=cfg.chunk_latent_frames or 4,
-            decode_kernel=cfg.vae_decode_kernel,
+            chunk_latent_frames=cfg.chunk_latent_frames,
+            decode_kernel=cfg.decode_kernel,
             split_rows=parallel,
             ranks_together=shared,
             say=self.info,

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from pan2cli.config import RuntimeConfig
 from pan2cli.errors import InputError
 from pan2cli.latents import normalize
-from pan2cli.pipeline import PAN2PipelineConfig, VideoGenerator
+from pan2cli.pipeline import VideoGenerator
 from pan2cli.vae.checkpoint import load_vae_encoder
 
 SMALL = dict(preset="pan2-5s", steps=2, frames=5, height=64, width=96)
@@ -35,7 +36,7 @@ def _mp4_frames(path) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def generator(tiny_pan2):
-    return VideoGenerator.from_pretrained(tiny_pan2, config=PAN2PipelineConfig(device="cpu"))
+    return VideoGenerator.from_pretrained(tiny_pan2, config=RuntimeConfig(device="cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -156,9 +157,7 @@ def test_text_to_video_condition_is_zero_and_guidance_one_skips_the_negative(gen
 
 
 def test_offload_gives_the_same_frames(tiny_pan2, generator):
-    offloaded = VideoGenerator.from_pretrained(
-        tiny_pan2, config=PAN2PipelineConfig(device="cpu", offload=True)
-    )
+    offloaded = VideoGenerator.from_pretrained(tiny_pan2, config=RuntimeConfig(device="cpu", offload=True))
     a = generator.generate("the door opens", **SMALL)
     b = offloaded.generate("the door opens", **SMALL)
     # Same weights, same ops; the streamed copies can round a GEMV's last bit differently on CPU.
@@ -171,10 +170,8 @@ def test_offload_gives_the_same_frames(tiny_pan2, generator):
 def test_offload_on_cuda_gives_the_same_latents(tiny_pan2):
     """`--offload` on a GPU: the blocks stream from pinned host memory to the GPU one after another, and the
     sample is the one of the resident model (the same bf16 kernels on the same weights: equal to the bit)."""
-    resident = VideoGenerator.from_pretrained(tiny_pan2, config=PAN2PipelineConfig(device="cuda"))
-    streamed = VideoGenerator.from_pretrained(
-        tiny_pan2, config=PAN2PipelineConfig(device="cuda", offload=True)
-    )
+    resident = VideoGenerator.from_pretrained(tiny_pan2, config=RuntimeConfig(device="cuda"))
+    streamed = VideoGenerator.from_pretrained(tiny_pan2, config=RuntimeConfig(device="cuda", offload=True))
     a = resident.generate("the door opens", **SMALL)
     b = streamed.generate("the door opens", **SMALL)
     assert torch.equal(a.latents, b.latents)

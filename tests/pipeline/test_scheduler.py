@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pan2cli.pipeline import PAN2PipelineConfig
+from pan2cli.config import RuntimeConfig
 from pan2cli.pipeline.generator import VideoGenerator
 from pan2cli.pipeline.scheduler import euler_step, flow_sigmas, guided, shift_sigma, uses_guidance
 from pan2cli.pipeline.settings import GenerationSettings
@@ -95,7 +95,7 @@ class _ToyModel:
 
 def _generator() -> VideoGenerator:
     components = SimpleNamespace(transformer_arguments={}, num_train_timesteps=1000)
-    return VideoGenerator(components, PAN2PipelineConfig(device="cpu"))
+    return VideoGenerator(components, RuntimeConfig(device="cpu"))
 
 
 def _settings(steps: int, guidance: float, shift: float, seed: int = 5) -> GenerationSettings:
