@@ -373,7 +373,7 @@ def _broken_repo(tiny_pan2, tmp_path, case):
         ("tokenizer without a chat template", "chat template"),
         ("empty prompt", "prompt is empty"),
         ("unreadable image", "could not be read as an image"),
-        ("frames not 1 mod 4", "not 1 + 4·k"),
+        ("frames not 1 mod 4", "must be 1 + 4*k"),
         ("size not multiple of 32", "multiple of 32"),
     ],
 )
@@ -443,10 +443,10 @@ def test_duration_rounds_to_the_nearest_frame_count(generator, duration, frames)
 def test_duration_sets_the_nearest_1_plus_4k_frames(duration, fps, frames):
     """`--duration` (and a prompt record's duration) → 4·round(duration·fps/4) + 1 at the preset's or the given fps,
     without loading a model: durations whose frame counts differ when rounded up or down (issue 18)."""
-    from pan2cli.pipeline.settings import resolve_settings
+    from pan2cli.config import settings_with
     from pan2cli.presets import load_preset
 
     preset = load_preset("pan2-5s")
     assert preset.fps == 24
-    settings = resolve_settings("a cat", preset, duration=duration, fps=fps)
+    settings = settings_with(preset, {"prompt": "a cat", "duration": duration, "fps": fps})
     assert settings.frames == frames and settings.fps == (fps or 24.0)
