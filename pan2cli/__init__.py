@@ -5,8 +5,12 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     # Lazy: `pan2 --version` and `pan2 decode` do not import the pipeline (transformers is heavy).
-    if name in ("VideoGenerator", "PAN2PipelineConfig"):
-        import pan2cli.pipeline
+    if name == "VideoGenerator":
+        from pan2cli.pipeline import VideoGenerator
 
-        return getattr(pan2cli.pipeline, name)
+        return VideoGenerator
+    if name == "RuntimeConfig":
+        from pan2cli.config import RuntimeConfig
+
+        return RuntimeConfig
     raise AttributeError(f"module 'pan2cli' has no attribute {name!r}")

@@ -3,8 +3,8 @@
 Builds, in a temporary folder, a repository in the IFM/PAN2 layout (scripts/make_random_pan2.py's writers):
 the PAN 2 transformer with fewer blocks (default 16 of 44, heads 32 x 128 as released), a Qwen3.5 text model
 of width 4096 with 4 layers, the tiny repo's tokenizer and the full-size random Wan2.2 VAE. Then runs
-704x1248, 121 frames, 4 steps, guidance 2.5 twice — `vae_decode_kernel="auto"`, `dit_fused_kernels=True`,
-`vae_decode_kernel_parallel=True`, then "off"/False/False — and prints each run's per-stage seconds and peak
+704x1248, 121 frames, 4 steps, guidance 2.5 twice — `decode_kernel="auto"`, `dit_fused_kernels=True`,
+`decode_kernel_parallel=True`, then "off"/False/False — and prints each run's per-stage seconds and peak
 GPU memory (the first run also pays the decode kernel's build, shown as the decoder load time). For the
 full-size model, time `pan2 generate` on `scripts/make_random_pan2.py`'s repository (docs/BENCHMARKS.md).
 
@@ -24,8 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pan2cli.config import RuntimeConfig  # noqa: E402
 from pan2cli.dit.checkpoint import save_pan2_transformer  # noqa: E402
-from pan2cli.pipeline import PAN2PipelineConfig, VideoGenerator  # noqa: E402
+from pan2cli.pipeline import VideoGenerator  # noqa: E402
 from pan2cli.pipeline.text import quiet_transformers  # noqa: E402
 from pan2cli.vae.config import WanVAEConfig  # noqa: E402
 from scripts.make_random_pan2 import random_text_model, random_transformer  # noqa: E402
@@ -47,9 +48,9 @@ def build_checkpoint(root: Path, layers: int, text_layers: int) -> None:
 
 
 def run(root: Path, switches: bool, args) -> dict:
-    config = PAN2PipelineConfig(
-        device="cuda", dtype="bf16", vae_decode_kernel="auto" if switches else "off",
-        vae_decode_kernel_parallel=switches, dit_fused_kernels=switches,
+    config = RuntimeConfig(
+        device="cuda", dtype="bf16", decode_kernel="auto" if switches else "off",
+        decode_kernel_parallel=switches, dit_fused_kernels=switches,
     )  # fmt: skip
     notes = []
     generator = VideoGenerator.from_pretrained(root, config=config, info=notes.append)

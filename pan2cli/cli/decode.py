@@ -23,7 +23,7 @@ import click
 from pan2cli.cli._launch import run_on_ranks
 from pan2cli.cli._options import device_option, dtype_option, gpus_option, quiet_option
 from pan2cli.cli._output import gib, info, progress_bar, result, status, warn
-from pan2cli.devices import resolve_device, resolve_dtype
+from pan2cli.config import DECODE_KERNEL_MODES, DEFAULT_CHUNK_LATENT_FRAMES, RuntimeConfig
 from pan2cli.errors import InputError
 from pan2cli.outputs import (
     DEFAULT_CRF,
@@ -33,11 +33,9 @@ from pan2cli.outputs import (
     check_output_path,
     default_output_path,
 )
-from pan2cli.vae.config import DECODE_KERNEL_MODES, DEFAULT_VAE_REPO
+from pan2cli.vae.config import DEFAULT_VAE_REPO
 
 if TYPE_CHECKING:
-    import torch
-
     from pan2cli.latents import LatentInput
 
 DEFAULT_FPS = 24.0
@@ -46,16 +44,13 @@ _SUFFIX_FORMATS = {".mp4": "mp4", ".pt": "pt"}
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    """`pan2 decode`'s parameters as parsed (see `decode_command`); each rank runs `_decode` with its own `device`."""
+    """`pan2 decode`'s parameters as parsed (see `decode_command`); each rank runs `_decode` with its own `runtime.device`."""
 
     latents: tuple[Path, ...]
     output: str | None
     vae: str | None
     revision: str | None
-    dtype: str | None
-    device: str | torch.device | None
-    decode_kernel: str
-    chunk_latent_frames: int
+    runtime: RuntimeConfig
     fps: float | None
     crf: int
     x264_preset: str
@@ -218,7 +213,7 @@ def _check_not_an_input(output: Path, inputs: list[Path]) -> None:
 @click.option(
     "--chunk-latent-frames",
     type=click.IntRange(min=1),
-    default=4,
+    default=DEFAULT_CHUNK_LATENT_FRAMES,
     show_default=True,
     help="Latent frames per decoder pass after the first (4 video frames each); smaller uses less memory, "
     "the output is the same.",
@@ -294,12 +289,19 @@ def decode_command(
       pan2 decode latents.pt --format png --device cpu --dtype fp32
       pan2 decode latents.pt -o video.mp4 --gpus 2
     """
+    runtime = RuntimeConfig(
+        device=device, dtype=dtype, decode_kernel=decode_kernel, chunk_latent_frames=chunk_latent_frames
+    )
     options = DecodeOptions(
-        latents=latents, output=output, vae=vae, revision=revision, dtype=dtype, device=device,
-        decode_kernel=decode_kernel, chunk_latent_frames=chunk_latent_frames, fps=fps, crf=crf, x264_preset=x264_preset, fmt=fmt, raw_latents=raw_latents,
-        overwrite=overwrite, quiet=quiet,
+        latents=latents, output=output, vae=vae, revision=revision, runtime=runtime, fps=fps, crf=crf,
+        x264_preset=x264_preset, fmt=fmt, raw_latents=raw_latents, overwrite=overwrite, quiet=quiet,
     )  # fmt: skip
-    run_on_ranks(ctx, gpus, device, lambda d: _decode(dataclasses.replace(options, device=d)))
+
+    def on_rank(rank_device) -> None:
+        device = None if rank_device is None else str(rank_device)
+        _decode(dataclasses.replace(options, runtime=dataclasses.replace(runtime, device=device)))
+
+    run_on_ranks(ctx, gpus, device, on_rank)
 
 
 def _decode(options: DecodeOptions):
@@ -326,10 +328,8 @@ def _decode(options: DecodeOptions):
         fmt, jobs = plan_outputs(sources, options.output, options.fmt)
         for job in jobs:
             check_output_path(job.output, options.overwrite)
-        device = (
-            options.device if isinstance(options.device, torch.device) else resolve_device(options.device)
-        )
-        torch_dtype = resolve_dtype(options.dtype, device)
+        device = options.runtime.torch_device()
+        torch_dtype = options.runtime.torch_dtype(device)
         if world > 1:
             for source in sources:
                 split_rows(source.latents.shape[-2], world)
@@ -349,8 +349,9 @@ def _decode(options: DecodeOptions):
         options.revision,
         dtype=torch_dtype,
         device=device,
-        chunk_latent_frames=options.chunk_latent_frames,
-        decode_kernel=options.decode_kernel,
+        chunk_latent_frames=options.runtime.chunk_latent_frames,
+        decode_kernel=options.runtime.decode_kernel,
+        split_rows=options.runtime.decode_kernel_parallel,
         stage=lambda message: status(message, quiet),
         say=lambda line: info(line, quiet),
     )

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-__all__ = ["GenerationResult", "PAN2PipelineConfig", "VideoGenerator"]
+__all__ = ["GenerationResult", "VideoGenerator"]
 
 
 def __getattr__(name: str):
     # Lazy: `pan2 generate --help` reads pan2cli.pipeline.components without loading torch and transformers.
-    if name == "PAN2PipelineConfig":
-        from pan2cli.pipeline.config import PAN2PipelineConfig
-
-        return PAN2PipelineConfig
     if name in ("GenerationResult", "VideoGenerator"):
         from pan2cli.pipeline import generator
 

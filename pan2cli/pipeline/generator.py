@@ -9,7 +9,7 @@ its JSON sidecar and a `latents.pt`.
 
 Several processes (torchrun): with `ranks_share_jobs` (one prompt, every rank given the same jobs)
 every rank samples the same latents (rank 0's are broadcast) and the ranks of one machine split the
-decode by rows (`vae_decode_kernel_parallel`), rank 0 writing; otherwise (a sharded prompt file) each
+decode by rows (`decode_kernel_parallel`), rank 0 writing; otherwise (a sharded prompt file) each
 rank generates and writes its own jobs alone.
 """
 
@@ -29,6 +29,7 @@ import torch
 import pan2cli
 from pan2cli import distributed, launch
 from pan2cli.atomic import replace_into
+from pan2cli.config import GenerationSettings, RuntimeConfig, settings_with
 from pan2cli.constants import video_frames
 from pan2cli.decode import decode_latents
 from pan2cli.dit.attention import attention_backend, attention_backends, attention_order
@@ -36,17 +37,10 @@ from pan2cli.errors import Pan2Error, out_of_memory
 from pan2cli.outputs import check_output_path
 from pan2cli.pipeline.components import PAN2Components, resolve_components
 from pan2cli.pipeline.conditioning import condition_latents
-from pan2cli.pipeline.config import PAN2PipelineConfig
 from pan2cli.pipeline.image import encode_image, fit_image, load_image
+from pan2cli.pipeline.jobs import GenerationJob, GenerationResult, sidecar_path
 from pan2cli.pipeline.sampling import denoise
 from pan2cli.pipeline.scheduler import flow_sigmas, uses_guidance
-from pan2cli.pipeline.settings import (
-    GenerationJob,
-    GenerationResult,
-    GenerationSettings,
-    resolve_settings,
-    sidecar_path,
-)
 from pan2cli.presets import DEFAULT_PRESET, Preset, load_preset
 from pan2cli.video import open_video_writer
 
@@ -80,7 +74,7 @@ class VideoGenerator:
 
     Args:
         components: the located checkpoint (`resolve_components`).
-        config: run-time choices (`PAN2PipelineConfig`).
+        config: how the models run (`RuntimeConfig`).
         progress: optional progress factory `(description, total, unit) → context manager yielding advance(n)`.
         info: optional callable for one-line notes (fallbacks, load times).
         warn: optional callable for warnings that must be seen (a prompt cut to the text encoder's limit);
@@ -90,13 +84,13 @@ class VideoGenerator:
     def __init__(
         self,
         components: PAN2Components,
-        config: PAN2PipelineConfig | None = None,
+        config: RuntimeConfig | None = None,
         progress=None,
         info=None,
         warn=None,
     ):
         self.components = components
-        self.config = config or PAN2PipelineConfig()
+        self.config = config or RuntimeConfig()
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype(self.device)
         self.vae_dtype = self.config.torch_vae_dtype(self.device)
@@ -112,7 +106,7 @@ class VideoGenerator:
         cls,
         path_or_repo: str | Path | None = None,
         *,
-        config: PAN2PipelineConfig | None = None,
+        config: RuntimeConfig | None = None,
         revision: str | None = None,
         **kwargs,
     ) -> "VideoGenerator":
@@ -132,14 +126,14 @@ class VideoGenerator:
         output: str | Path | None = None,
         save_latents: str | Path | None = None,
         overwrite: bool = False,
-        **overrides,
+        **settings,
     ) -> GenerationResult:
         """Generate one video.
 
         Args:
             prompt: the text.
-            preset: a preset name or `Preset` (defaults `pan2-10s`); `overrides` (negative_prompt, seed,
-                frames, duration, height, width, fps, steps, guidance, shift, image) replace its values.
+            preset: a preset name or `Preset` (defaults `pan2-10s`); `settings` (any `GenerationSettings`
+                field, and `duration` in seconds) replace its values (`settings_with`; None keeps the preset's).
             output: also write an MP4 there (and a JSON sidecar beside it).
             save_latents: also write the normalised latents (`pan2 decode` reads the file).
 
@@ -151,7 +145,7 @@ class VideoGenerator:
         """
         preset = preset if isinstance(preset, Preset) else load_preset(preset)
         job = GenerationJob(
-            resolve_settings(prompt, preset, **overrides),
+            settings_with(preset, {**settings, "prompt": prompt}),
             output=Path(output) if output is not None else None,
             latents_path=Path(save_latents) if save_latents is not None else None,
             overwrite=overwrite,
@@ -164,8 +158,7 @@ class VideoGenerator:
         return result
 
     def check_job(self, job: GenerationJob) -> None:
-        """Inputs that can be checked before any model loads: settings, start image, output paths."""
-        job.settings.check()
+        """Inputs that can be checked before any model loads (the settings are, on construction): start image, output paths."""
         if job.settings.image is not None:
             load_image(job.settings.image)
         if job.output is not None:
@@ -389,7 +382,7 @@ class VideoGenerator:
 
         Args:
             model: the PAN 2 transformer.
-            settings: steps, shift, guidance, seed, size.
+            settings: steps, flow_shift, guidance, seed, size.
             cond, uncond: `[1, L, text_embed_dim]` prompt and negative-prompt features (`uncond` None
                 when guidance ≤ 1: the conditional prediction alone, as the release does).
             image_latent: `[1, 48, 1, h, w]` normalised latent of the start image (image-to-video): it
@@ -403,7 +396,7 @@ class VideoGenerator:
         generator = torch.Generator(device="cpu").manual_seed(settings.seed)
         latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
         condition = condition_latents(shape, image_latent).to(self.device, self.dtype)  # [1, 49, T, h, w]
-        sigmas = flow_sigmas(settings.steps, settings.shift).tolist()
+        sigmas = flow_sigmas(settings.steps, settings.flow_shift).tolist()
         self.attention = self._attention_backend(model, shape, cond)
         with attention_backends():  # cuDNN SDPA first, falling through to flash, efficient, math
             latents = denoise(
@@ -432,13 +425,13 @@ class VideoGenerator:
         cfg = self.config
         world = distributed.world_size()
         # Ranks split a decode by rows only when they share the job and sit on one machine.
-        parallel = cfg.vae_decode_kernel_parallel and shared and launch.env_local_world_size(world) == world
+        parallel = cfg.decode_kernel_parallel and shared and launch.env_local_world_size(world) == world
         decoder, note = open_decoder(
             self.components.folder("vae"),
             dtype=self.vae_dtype,
             device=self.device,
-            chunk_latent_frames=cfg.chunk_latent_frames or 4,
-            decode_kernel=cfg.vae_decode_kernel,
+            chunk_latent_frames=cfg.chunk_latent_frames,
+            decode_kernel=cfg.decode_kernel,
             split_rows=parallel,
             ranks_together=shared,
             say=self.info,

@@ -25,7 +25,7 @@ _SLUG_CHARS = 48
 
 @dataclass(frozen=True)
 class PromptRecord:
-    """One video to generate from a prompt file; None fields take the preset's (or the command line's) value."""
+    """One video to generate from a prompt file; None fields take the command line's (or the preset's) value."""
 
     index: int
     prompt: str
@@ -35,6 +35,10 @@ class PromptRecord:
     image: Path | None = None
     seed: int | None = None
     name: str | None = None
+
+    def settings(self) -> dict[str, Any]:
+        """The settings this record gives, None where it gives none: the last layer of `settings_with`."""
+        return {name: getattr(self, name) for name in RECORD_FIELDS if name != "name"}
 
 
 def slugify(text: str, limit: int = _SLUG_CHARS) -> str:

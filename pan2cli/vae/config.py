@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from pan2cli.config import DECODE_KERNEL_MODES, DEFAULT_CHUNK_LATENT_FRAMES
 from pan2cli.constants import LATENT_CHANNELS, VAE_SPATIAL_FACTOR, VAE_TEMPORAL_FACTOR
 from pan2cli.errors import CheckpointError, InputError
 
@@ -32,7 +33,6 @@ WAN22_LATENTS_STD = (
 # meaning for us (ignored). Anything else is reported as unknown.
 _IGNORED_CONFIG_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "clip_output"}
 _RUNTIME_FIELDS = {"chunk_latent_frames", "decode_kernel", "decode_kernel_parallel"}
-DECODE_KERNEL_MODES = ("auto", "off", "require")
 # The VAE `pan2 decode` loads when --vae is not given (here, not in checkpoint.py: the CLI names it without torch).
 DEFAULT_VAE_REPO = "Wan-AI/Wan2.2-TI2V-5B-Diffusers"
 
@@ -85,7 +85,7 @@ class WanVAEConfig:
     dropout: float = 0.0
     latents_mean: tuple[float, ...] = WAN22_LATENTS_MEAN
     latents_std: tuple[float, ...] = WAN22_LATENTS_STD
-    chunk_latent_frames: int = 4
+    chunk_latent_frames: int = DEFAULT_CHUNK_LATENT_FRAMES
     decode_kernel: str = "auto"
     decode_kernel_parallel: bool = True
 

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from pan2cli import distributed
+from pan2cli.config import DEFAULT_CHUNK_LATENT_FRAMES
 from pan2cli.errors import out_of_memory
 from pan2cli.vae.checkpoint import load_vae_decoder
 from pan2cli.vae.kernel.choice import first_use_note, select_decode_path, start_loading_triton
@@ -27,7 +28,7 @@ def open_decoder(
     *,
     dtype: torch.dtype,
     device: torch.device,
-    chunk_latent_frames: int = 4,
+    chunk_latent_frames: int = DEFAULT_CHUNK_LATENT_FRAMES,
     decode_kernel: str = "auto",
     split_rows: bool = True,
     ranks_together: bool = True,

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from pan2cli.config import RuntimeConfig
 from pan2cli.errors import InputError
 from pan2cli.latents import normalize
-from pan2cli.pipeline import PAN2PipelineConfig, VideoGenerator
+from pan2cli.pipeline import VideoGenerator
 from pan2cli.vae.checkpoint import load_vae_encoder
 
 SMALL = dict(preset="pan2-5s", steps=2, frames=5, height=64, width=96)
@@ -35,7 +36,7 @@ def _mp4_frames(path) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def generator(tiny_pan2):
-    return VideoGenerator.from_pretrained(tiny_pan2, config=PAN2PipelineConfig(device="cpu"))
+    return VideoGenerator.from_pretrained(tiny_pan2, config=RuntimeConfig(device="cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -156,9 +157,7 @@ def test_text_to_video_condition_is_zero_and_guidance_one_skips_the_negative(gen
 
 
 def test_offload_gives_the_same_frames(tiny_pan2, generator):
-    offloaded = VideoGenerator.from_pretrained(
-        tiny_pan2, config=PAN2PipelineConfig(device="cpu", offload=True)
-    )
+    offloaded = VideoGenerator.from_pretrained(tiny_pan2, config=RuntimeConfig(device="cpu", offload=True))
     a = generator.generate("the door opens", **SMALL)
     b = offloaded.generate("the door opens", **SMALL)
     # Same weights, same ops; the streamed copies can round a GEMV's last bit differently on CPU.
@@ -171,10 +170,8 @@ def test_offload_gives_the_same_frames(tiny_pan2, generator):
 def test_offload_on_cuda_gives_the_same_latents(tiny_pan2):
     """`--offload` on a GPU: the blocks stream from pinned host memory to the GPU one after another, and the
     sample is the one of the resident model (the same bf16 kernels on the same weights: equal to the bit)."""
-    resident = VideoGenerator.from_pretrained(tiny_pan2, config=PAN2PipelineConfig(device="cuda"))
-    streamed = VideoGenerator.from_pretrained(
-        tiny_pan2, config=PAN2PipelineConfig(device="cuda", offload=True)
-    )
+    resident = VideoGenerator.from_pretrained(tiny_pan2, config=RuntimeConfig(device="cuda"))
+    streamed = VideoGenerator.from_pretrained(tiny_pan2, config=RuntimeConfig(device="cuda", offload=True))
     a = resident.generate("the door opens", **SMALL)
     b = streamed.generate("the door opens", **SMALL)
     assert torch.equal(a.latents, b.latents)
@@ -376,7 +373,7 @@ def _broken_repo(tiny_pan2, tmp_path, case):
         ("tokenizer without a chat template", "chat template"),
         ("empty prompt", "prompt is empty"),
         ("unreadable image", "could not be read as an image"),
-        ("frames not 1 mod 4", "not 1 + 4·k"),
+        ("frames not 1 mod 4", "must be 1 + 4*k"),
         ("size not multiple of 32", "multiple of 32"),
     ],
 )
@@ -446,10 +443,10 @@ def test_duration_rounds_to_the_nearest_frame_count(generator, duration, frames)
 def test_duration_sets_the_nearest_1_plus_4k_frames(duration, fps, frames):
     """`--duration` (and a prompt record's duration) → 4·round(duration·fps/4) + 1 at the preset's or the given fps,
     without loading a model: durations whose frame counts differ when rounded up or down (issue 18)."""
-    from pan2cli.pipeline.settings import resolve_settings
+    from pan2cli.config import settings_with
     from pan2cli.presets import load_preset
 
     preset = load_preset("pan2-5s")
     assert preset.fps == 24
-    settings = resolve_settings("a cat", preset, duration=duration, fps=fps)
+    settings = settings_with(preset, {"prompt": "a cat", "duration": duration, "fps": fps})
     assert settings.frames == frames and settings.fps == (fps or 24.0)

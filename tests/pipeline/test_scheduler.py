@@ -14,10 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pan2cli.pipeline import PAN2PipelineConfig
+from pan2cli.config import GenerationSettings, RuntimeConfig
 from pan2cli.pipeline.generator import VideoGenerator
 from pan2cli.pipeline.scheduler import euler_step, flow_sigmas, guided, shift_sigma, uses_guidance
-from pan2cli.pipeline.settings import GenerationSettings
 
 # Shift 3 on 4 steps: linspace 1, 0.75, 0.5, 0.25, 0 → 3σ/(1 + 2σ) = 3/3, 2.25/2.5, 1.5/2, 0.75/1.5, 0/1.
 SIGMAS_SHIFT_3 = [1.0, 0.9, 0.75, 0.5, 0.0]
@@ -95,7 +94,7 @@ class _ToyModel:
 
 def _generator() -> VideoGenerator:
     components = SimpleNamespace(transformer_arguments={}, num_train_timesteps=1000)
-    return VideoGenerator(components, PAN2PipelineConfig(device="cpu"))
+    return VideoGenerator(components, RuntimeConfig(device="cpu"))
 
 
 def _settings(steps: int, guidance: float, shift: float, seed: int = 5) -> GenerationSettings:
@@ -110,7 +109,8 @@ def _settings(steps: int, guidance: float, shift: float, seed: int = 5) -> Gener
         fps=24.0,
         steps=steps,
         guidance=guidance,
-        shift=shift,
+        flow_shift=shift,
+        sampler="euler",
     )
 
 

@@ -1,0 +1,282 @@
+"""What to generate and how to run it: `GenerationSettings`, `settings_with` (the one precedence) and `RuntimeConfig`.
+
+`GenerationSettings` is everything that decides one video; its fields are a preset file's keys (`pan2cli.presets`
+reads them into it). `settings_with` layers values over a base: preset < command-line flags < prompt-file
+record. `RuntimeConfig` is how the models run (device, dtypes, engines, chunk size, offload), which does not
+change the video. Every value is checked once, here (`RULES`), whichever way it arrived.
+
+torch-free: the CLI builds these before any model loads (`pan2 --help` does not import torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
+
+from pan2cli.constants import (
+    DTYPE_NAMES,
+    SIZE_MULTIPLE,
+    VAE_TEMPORAL_FACTOR,
+    latent_frames,
+    latent_shape,
+    valid_frames,
+    valid_seed,
+    valid_size,
+)
+from pan2cli.errors import InputError
+
+if TYPE_CHECKING:
+    import torch
+
+SAMPLERS = ("euler",)
+# The compiled CUDA decoder: "auto" where it applies, "off" the reference decoder, "require" fail when it cannot run.
+DECODE_KERNEL_MODES = ("auto", "off", "require")
+# Latent frames per VAE decoder pass after the first: the output does not depend on it, the memory does.
+DEFAULT_CHUNK_LATENT_FRAMES = 4
+
+
+class Rule(NamedTuple):
+    """What a field's value must be: its type(s), what that is called, and a requirement on the value."""
+
+    types: type | tuple[type, ...]
+    what: str
+    ok: Callable[[Any], bool] | None = None  # None: any value of the type; never called with None
+    requirement: str = ""
+
+
+def _positive_number(value: float) -> bool:
+    return math.isfinite(value) and value > 0
+
+
+_POSITIVE_NUMBER = Rule((int, float), "a number", _positive_number, "must be a finite number > 0")
+_DTYPE = Rule(
+    (str, type(None)), "a dtype name", lambda v: v in DTYPE_NAMES, f"must be one of: {', '.join(DTYPE_NAMES)}"
+)
+
+# Every checked field, by name: of GenerationSettings, of a preset (`pan2cli.presets.Preset`) and of RuntimeConfig.
+# bool is a subclass of int, but `frames = true` is a mistake, not 1: bools pass only where a bool is wanted.
+RULES: dict[str, Rule] = {
+    "prompt": Rule(str, "a string"),
+    "frames": Rule(
+        int,
+        "an integer",
+        valid_frames,
+        "must be 1 + 4*k (e.g. 121, 241, 481): the Wan2.2 VAE decodes 1 + 4*(latent frames - 1) frames",
+    ),
+    "height": Rule(int, "an integer", valid_size, f"must be a positive multiple of {SIZE_MULTIPLE}"),
+    "width": Rule(int, "an integer", valid_size, f"must be a positive multiple of {SIZE_MULTIPLE}"),
+    "fps": Rule((int, float), "a number", _positive_number, "must be > 0 and finite"),
+    "steps": Rule(int, "an integer", lambda v: v >= 1, "must be >= 1"),
+    "guidance": _POSITIVE_NUMBER,
+    "flow_shift": _POSITIVE_NUMBER,
+    "seed": Rule(int, "an integer", valid_seed, "must be between 0 and 2**64 - 1"),
+    "sampler": Rule(str, "a string", lambda v: v in SAMPLERS, f"must be one of: {', '.join(SAMPLERS)}"),
+    "negative_prompt": Rule(str, "a string"),
+    "image": Rule((str, os.PathLike, type(None)), "a path"),
+    # a preset's own
+    "name": Rule(str, "a string", lambda v: bool(v.strip()), "must not be empty"),
+    "description": Rule(str, "a string"),
+    # RuntimeConfig (a preset names its chunk too)
+    "chunk_latent_frames": Rule(int, "an integer", lambda v: v >= 1, "must be >= 1"),
+    "device": Rule((str, type(None)), "a device name"),
+    "dtype": _DTYPE,
+    "vae_dtype": _DTYPE,
+    "decode_kernel": Rule(
+        str,
+        "a string",
+        lambda v: v in DECODE_KERNEL_MODES,
+        f"must be one of: {', '.join(DECODE_KERNEL_MODES)}",
+    ),
+    "decode_kernel_parallel": Rule(bool, "True or False"),
+    "dit_fused_kernels": Rule(bool, "True or False"),
+    "offload": Rule(bool, "True or False"),
+}
+
+
+def value_problem(name: str, value: Any) -> str | None:
+    """What is wrong with `value` for field `name` (its type first, then its value), or None."""
+    types, what, ok, requirement = RULES[name]
+    types = types if isinstance(types, tuple) else (types,)
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+        return f"'{name}' must be {what}, got {type(value).__name__} {value!r}"
+    if ok is not None and value is not None and not ok(value):
+        return f"invalid '{name}' = {value!r}: {requirement}"
+    return None
+
+
+def _check_fields(obj: Any) -> None:
+    """Raise one InputError naming every invalid field of the dataclass `obj` (a field without a rule, a
+    preset's `source`, is its class's to check)."""
+    problems = [
+        problem
+        for field in dataclasses.fields(obj)
+        if field.name in RULES
+        and (problem := value_problem(field.name, getattr(obj, field.name))) is not None
+    ]
+    if problems:
+        raise InputError("; ".join(problems))
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationSettings:
+    """Everything that decides one video; the JSON sidecar records it. Checked on construction.
+
+    The fields between `prompt` and `image` are a preset file's keys, in its order.
+
+    Attributes:
+        prompt: The text ("" in a preset); surrounding whitespace is dropped.
+        frames: Video frames, 1 + 4 * (latent frames - 1), as the Wan2.2 VAE requires.
+        height, width: Video size in pixels, multiples of 32.
+        fps: Frames per second of the written video.
+        steps: Denoising steps.
+        guidance: Classifier-free guidance scale (≤ 1: no negative pass).
+        flow_shift: Timestep shift s of the flow-matching schedule σ' = s·σ/(1+(s−1)·σ).
+        seed: Random seed, 0 <= seed < 2**64.
+        sampler: Sampler name, one of `SAMPLERS`.
+        negative_prompt: Negative prompt for classifier-free guidance ("" for none).
+        image: Start image (image-to-video), or None.
+
+    Raises:
+        InputError: On construction, naming every field with the wrong type or an invalid value.
+    """
+
+    prompt: str = ""
+    frames: int
+    height: int
+    width: int
+    fps: float
+    steps: int
+    guidance: float
+    flow_shift: float
+    seed: int
+    sampler: str
+    negative_prompt: str
+    image: Path | None = None
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        object.__setattr__(self, "prompt", self.prompt.strip())
+        for name in ("guidance", "flow_shift"):
+            # Floats even when a file says `guidance = 3`, so that dumps are consistent.
+            object.__setattr__(self, name, float(getattr(self, name)))
+        if self.image is not None:
+            object.__setattr__(self, "image", Path(self.image))
+
+    @property
+    def latent_frames(self) -> int:
+        """Latent frames the VAE decodes into `frames` video frames."""
+        return latent_frames(self.frames)
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int, int, int]:
+        """Shape of the Wan2.2 VAE latent: `[1, 48, 1 + (F − 1)/4, H/16, W/16]`."""
+        return latent_shape(self.frames, self.height, self.width)
+
+    @property
+    def duration_s(self) -> float:
+        """Video length in seconds (`frames / fps`; 121 frames at 24 fps is 5.04 s)."""
+        return self.frames / self.fps
+
+
+SETTINGS_FIELDS = tuple(field.name for field in dataclasses.fields(GenerationSettings))
+
+
+def frames_for_duration(duration: float, fps: float) -> int:
+    """Video frames for `duration` seconds: `4·round(duration·fps/4) + 1` (5 s at 24 fps → 121)."""
+    return VAE_TEMPORAL_FACTOR * round(duration * fps / VAE_TEMPORAL_FACTOR) + 1
+
+
+def settings_with(base: GenerationSettings, *layers: Mapping[str, Any]) -> GenerationSettings:
+    """`base` with each layer's values over it, later layers winning: preset < flags < prompt-file record.
+
+    The one place settings take precedence. A None value never overrides. `duration` (seconds) stands for
+    `frames` = `frames_for_duration(duration, fps)` at the resulting fps; a layer giving either replaces an
+    earlier layer's length (a record's duration wins over `--frames`), and one layer may not give both.
+
+    Args:
+        base: The settings to start from, e.g. a `Preset` (its name and other preset fields are left behind).
+        layers: Mappings of `GenerationSettings` field names (and `duration`) to values.
+
+    Returns:
+        Plain, checked `GenerationSettings`.
+
+    Raises:
+        InputError: `frames` and `duration` in one layer, a duration that is no positive number, or an
+            invalid value.
+        TypeError: A name that is no setting.
+    """
+    values = {name: getattr(base, name) for name in SETTINGS_FIELDS}
+    duration = None
+    for layer in layers:
+        given = {name: value for name, value in layer.items() if value is not None}
+        if "frames" in given and "duration" in given:
+            raise InputError("--frames and --duration both set the length", hint="pass one of them")
+        if "frames" in given or "duration" in given:
+            duration = given.pop("duration", None)
+        values.update(given)
+    if duration is not None:
+        if (
+            isinstance(duration, bool)
+            or not isinstance(duration, (int, float))
+            or not _positive_number(duration)
+        ):
+            raise InputError(f"--duration {duration} must be a positive number of seconds")
+        if value_problem("fps", values["fps"]) is None:  # otherwise the check below names the fps
+            values["frames"] = frames_for_duration(duration, values["fps"])
+    return GenerationSettings(**values)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How the models run, not what they generate: the same video whatever these are (up to rounding).
+
+    Attributes:
+        device: `cuda`, `cuda:N` or `cpu`; None: cuda when available.
+        dtype: "bf16" or "fp32" for the DiT and the text encoder (the decoder of `pan2 decode`); None: bf16
+            on CUDA, fp32 on the CPU.
+        vae_dtype: The VAE's dtype in `pan2 generate`; None: the same as `dtype`.
+        decode_kernel: The compiled CUDA decoder, one of `DECODE_KERNEL_MODES`.
+        decode_kernel_parallel: When several processes decode one video, split its rows across them.
+        dit_fused_kernels: The Triton fusions of the MMDiT where they apply (CUDA with Triton,
+            power-of-two head_dim); the PyTorch ops elsewhere.
+        offload: Keep the DiT's blocks in (pinned) host memory and stream them to the device one at a
+            time: same output, a fraction of the memory.
+        chunk_latent_frames: Latent frames per VAE decoder pass after the first.
+
+    Raises:
+        InputError: On construction, naming every field with the wrong type or an invalid value.
+    """
+
+    device: str | None = None
+    dtype: str | None = None
+    vae_dtype: str | None = None
+    decode_kernel: str = "auto"
+    decode_kernel_parallel: bool = True
+    dit_fused_kernels: bool = True
+    offload: bool = False
+    chunk_latent_frames: int = DEFAULT_CHUNK_LATENT_FRAMES
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+    def torch_device(self) -> torch.device:
+        """The device to run on (checked: a CUDA device that does not exist is bad input)."""
+        from pan2cli.devices import resolve_device
+
+        return resolve_device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        """The DiT / text encoder dtype (the decoder's in `pan2 decode`) on `device`."""
+        from pan2cli.devices import resolve_dtype
+
+        return resolve_dtype(self.dtype, device)
+
+    def torch_vae_dtype(self, device: torch.device) -> torch.dtype:
+        """The VAE's dtype in `pan2 generate` on `device`."""
+        from pan2cli.devices import resolve_dtype
+
+        return resolve_dtype(self.vae_dtype if self.vae_dtype is not None else self.dtype, device)

@@ -1,0 +1,59 @@
+"""One video to make (`GenerationJob`: checked settings and where they go) and what making it gave (`GenerationResult`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pan2cli.config import GenerationSettings
+from pan2cli.errors import InputError
+from pan2cli.outputs import DEFAULT_CRF
+
+
+@dataclass
+class GenerationJob:
+    """One video: its settings and where it goes (all optional: frames are returned in memory)."""
+
+    settings: GenerationSettings
+    output: Path | None = None
+    latents_path: Path | None = None
+    sidecar: bool = True
+    overwrite: bool = False
+    crf: int = DEFAULT_CRF
+    return_frames: bool = True
+    metadata: dict = field(default_factory=dict)  # extra sidecar entries (preset, overrides, name)
+    redo_leftovers: bool = False  # replace a sidecar / latents file whose MP4 is missing (`--skip-existing`)
+
+    def __post_init__(self) -> None:
+        # A preset's settings have no prompt; a job's must (bad input before any model loads).
+        if not self.settings.prompt:
+            raise InputError(
+                "the prompt is empty",
+                hint='pass the text to generate from, e.g. pan2 generate "a cat on a skateboard"',
+            )
+
+
+@dataclass
+class GenerationResult:
+    """What one job produced: uint8 frames `[F, H, W, 3]` on the host (if asked), the normalised latents, per-stage seconds and peak GPU memory."""
+
+    job: GenerationJob
+    frames: torch.Tensor | None = None
+    latents: torch.Tensor | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    peak_gpu_gib: dict[str, float] = field(default_factory=dict)  # per stage, CUDA only
+    output: Path | None = None
+    sidecar: Path | None = None
+    latents_path: Path | None = None
+    error: BaseException | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def sidecar_path(output: Path) -> Path:
+    """`video.mp4` → `video.json`."""
+    return output.with_suffix(".json")
