@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pan2cli.triton_support import triton_interpreting
+from pan2cli.dit.row_kernels import check_token_rows, row_launch
 
 
 @triton.jit
@@ -62,22 +62,15 @@ def gated_residual(
     batch, n_tokens, dim = x.shape
     assert gate.shape == (batch, dim) and gate.stride(1) == 1, f"gate must be [{batch}, {dim}] along D"
     assert out.shape == x.shape and out.dtype == x.dtype, "out must match x in shape and dtype"
-    for name, t in (("x", x), ("update", update), ("out", out)):
-        assert t.stride(2) == 1 and (batch == 1 or t.stride(0) == n_tokens * t.stride(1)), (
-            f"{name} must be [B·N, D] rows"
-        )
-        assert t.is_cuda or triton_interpreting(), f"{name} must be a CUDA tensor (or set TRITON_INTERPRET=1)"
+    check_token_rows(batch, n_tokens, x=x, update=update, out=out)
     n_rows = batch * n_tokens
     if n_rows == 0:
         return
-    block_cols = triton.next_power_of_2(dim)
-    block_rows = block_rows or max(1, min(64, 8192 // block_cols))
-    assert block_rows & (block_rows - 1) == 0, f"block_rows {block_rows} must be a power of two"
-    grid = (triton.cdiv(n_rows, block_rows),)
+    grid, block_rows, block_cols, num_warps = row_launch(n_rows, dim, block_rows, num_warps)
     _gated_residual_kernel[grid](
         x, update, gate, out,
         n_rows, dim, n_tokens,
         x.stride(1), update.stride(1), out.stride(1), gate.stride(0),
         BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
-        num_warps=num_warps or min(8, max(1, block_rows * block_cols // 1024)),
+        num_warps=num_warps,
     )  # fmt: skip

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pan2cli.triton_support import triton_interpreting
+from pan2cli.dit.row_kernels import check_token_rows, row_launch
 
 
 @triton.jit
@@ -83,19 +83,12 @@ def layer_norm_modulate(
         f"{groups} modulation groups do not divide {n_tokens} tokens"
     )
     assert out.shape == x.shape and out.dtype == x.dtype, "out must match x in shape and dtype"
-    for name, t in (("x", x), ("out", out)):
-        assert t.stride(2) == 1 and (batch == 1 or t.stride(0) == n_tokens * t.stride(1)), (
-            f"{name} must be [B·N, D] rows"
-        )
-        assert t.is_cuda or triton_interpreting(), f"{name} must be a CUDA tensor (or set TRITON_INTERPRET=1)"
+    check_token_rows(batch, n_tokens, x=x, out=out)
     assert scale.stride(2) == 1 and shift.stride(2) == 1, "scale and shift must be contiguous along D"
     n_rows = batch * n_tokens
     if n_rows == 0:
         return
-    block_cols = triton.next_power_of_2(dim)
-    block_rows = block_rows or max(1, min(64, 8192 // block_cols))
-    assert block_rows & (block_rows - 1) == 0, f"block_rows {block_rows} must be a power of two"
-    grid = (triton.cdiv(n_rows, block_rows),)
+    grid, block_rows, block_cols, num_warps = row_launch(n_rows, dim, block_rows, num_warps)
     _layer_norm_modulate_kernel[grid](
         x, out, scale, shift,
         n_rows, dim, n_tokens // groups, groups,
@@ -103,5 +96,5 @@ def layer_norm_modulate(
         scale.stride(0), scale.stride(1), shift.stride(0), shift.stride(1),
         eps,
         BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
-        num_warps=num_warps or min(8, max(1, block_rows * block_cols // 1024)),
+        num_warps=num_warps,
     )  # fmt: skip

@@ -1,0 +1,30 @@
+"""What the row-wise Triton kernels share (LayerNorm + modulation, the gated residual): the `[B·N, D]` layout
+check and the launch shape, whole rows per program so that a row is read once and stays in registers."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from pan2cli.triton_support import triton_interpreting
+
+
+def check_token_rows(batch: int, n_tokens: int, **tensors: torch.Tensor) -> None:
+    """Each tensor `[B, N, D]` flattenable to `[B·N, D]` rows without a copy, on CUDA (or interpreted)."""
+    for name, t in tensors.items():
+        assert t.stride(2) == 1 and (batch == 1 or t.stride(0) == n_tokens * t.stride(1)), (
+            f"{name} must be [B·N, D] rows"
+        )
+        assert t.is_cuda or triton_interpreting(), f"{name} must be a CUDA tensor (or set TRITON_INTERPRET=1)"
+
+
+def row_launch(
+    n_rows: int, dim: int, block_rows: int | None, num_warps: int | None
+) -> tuple[tuple[int], int, int, int]:
+    """(grid, BLOCK_ROWS, BLOCK_COLS, num_warps): by default rows so that a program holds ~8192 elements
+    (2 rows at D = 4096), and `elements / 1024` warps clamped to [1, 8]."""
+    block_cols = triton.next_power_of_2(dim)
+    block_rows = block_rows or max(1, min(64, 8192 // block_cols))
+    assert block_rows & (block_rows - 1) == 0, f"block_rows {block_rows} must be a power of two"
+    warps = num_warps or min(8, max(1, block_rows * block_cols // 1024))
+    return (triton.cdiv(n_rows, block_rows),), block_rows, block_cols, warps
