@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pan2cli.dit.row_kernels import check_token_rows, row_launch
+from pan2cli.dit.row_kernels import check_token_rows, row_launch, row_tile
 
 
 @triton.jit
@@ -26,10 +26,7 @@ def _gated_residual_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    rows = (pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_COLS)
-    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    rows, cols, mask = row_tile(n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
     x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     update = tl.load(UPDATE + rows[:, None] * stride_update_row + cols[None, :], mask=mask, other=0.0)
     gate_row = (rows // rows_per_batch) * stride_gate_batch

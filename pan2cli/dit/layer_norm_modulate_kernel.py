@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pan2cli.dit.row_kernels import check_token_rows, row_launch
+from pan2cli.dit.row_kernels import check_token_rows, row_launch, row_tile
 
 
 @triton.jit
@@ -28,11 +28,7 @@ def _layer_norm_modulate_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    rows = (pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_COLS)
-    col_ok = cols < n_cols
-    mask = (rows < n_rows)[:, None] & col_ok[None, :]
+    rows, cols, mask = row_tile(n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
     x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     mean = tl.sum(x, axis=1) / n_cols
     centred = tl.where(mask, x - mean[:, None], 0.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 from pan2cli.triton_support import triton_interpreting
 
@@ -28,3 +29,11 @@ def row_launch(
     assert block_rows & (block_rows - 1) == 0, f"block_rows {block_rows} must be a power of two"
     warps = num_warps or min(8, max(1, block_rows * block_cols // 1024))
     return (triton.cdiv(n_rows, block_rows),), block_rows, block_cols, warps
+
+
+@triton.jit
+def row_tile(n_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """This program's rows (int64: B·N·D passes 2^31), the columns, and the mask of the valid elements."""
+    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_COLS)
+    return rows, cols, (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
