@@ -239,13 +239,17 @@ class RuntimeConfig:
         dtype: "bf16" or "fp32" for the DiT and the text encoder (the decoder of `pan2 decode`); None: bf16
             on CUDA, fp32 on the CPU.
         vae_dtype: The VAE's dtype in `pan2 generate`; None: the same as `dtype`.
-        decode_kernel: The compiled CUDA decoder, one of `DECODE_KERNEL_MODES`.
-        decode_kernel_parallel: When several processes decode one video, split its rows across them.
+        decode_kernel: The compiled CUDA decoder, one of `DECODE_KERNEL_MODES`: "auto" uses it wherever it
+            applies (CUDA, sm_90a/sm_100a/sm_103a, bf16), otherwise the reference with one line saying
+            why; "off" always the reference; "require" fails (exit 1) when the kernel cannot run.
+        decode_kernel_parallel: When several processes decode one video, split its rows across them
+            (one halo row exchanged per 3x3 convolution: exact); False: every rank decodes the whole video.
         dit_fused_kernels: The Triton fusions of the MMDiT where they apply (CUDA with Triton,
             power-of-two head_dim); the PyTorch ops elsewhere.
         offload: Keep the DiT's blocks in (pinned) host memory and stream them to the device one at a
             time: same output, a fraction of the memory.
-        chunk_latent_frames: Latent frames per VAE decoder pass after the first.
+        chunk_latent_frames: Latent frames per VAE decoder pass after the first (the first is one frame);
+            the output does not depend on it, larger chunks use more memory and give larger GEMMs.
 
     Raises:
         InputError: On construction, naming every field with the wrong type or an invalid value.

@@ -360,8 +360,8 @@ def worker_main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
 
     from pan2cli import distributed, launch
-    from pan2cli.decode import decode_latents
     from pan2cli.vae.checkpoint import load_vae_decoder
+    from pan2cli.vae.decoder import decode_latents
     from pan2cli.vae.kernel.choice import select_decode_path
     from pan2cli.vae.kernel.decoder import WanKernelDecoder
 

@@ -23,6 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from pan2cli.config import DEFAULT_CHUNK_LATENT_FRAMES
 from pan2cli.frames import frames_to_uint8, psnr
 from pan2cli.testing.random_weights import decoder_from_state, random_vae_state_dict
 from pan2cli.vae.config import WanVAEConfig
@@ -51,13 +52,13 @@ def diffusers_decoder(state, dtype):
 
 
 # -- the decode paths: each returns a function z -> iterator of uint8 (f, H, W, 3) chunks -------------
-def ours(decoder):
+def ours(decoder, chunk_latent_frames: int = DEFAULT_CHUNK_LATENT_FRAMES):
     def run(z):
         if hasattr(decoder, "decode_uint8_chunks"):
-            for frames in decoder.decode_uint8_chunks(z):
+            for frames in decoder.decode_uint8_chunks(z, chunk_latent_frames):
                 yield frames[0]
         else:
-            for video in decoder.decode_chunks(z):
+            for video in decoder.decode_chunks(z, chunk_latent_frames):
                 yield frames_to_uint8(video[0])
 
     return run
@@ -274,14 +275,12 @@ def main() -> None:
 
     def build_kernel(chunk: int, tail: int, fixed_order: bool):
         ref = reference_decoder(state, torch.bfloat16)
-        ref.config = ref.config.replace(chunk_latent_frames=chunk)
         kernel = WanKernelDecoder(ref, load_kernel(), tail_frames=tail, fixed_order_convs=fixed_order)
-        return ours(kernel), kernel
+        return ours(kernel, chunk), kernel
 
     def build_reference():
         ref = reference_decoder(state, torch.bfloat16)
-        ref.config = ref.config.replace(chunk_latent_frames=args.chunk_latent_frames)
-        return ours(ref), ref
+        return ours(ref, args.chunk_latent_frames), ref
 
     for variant in args.kernel_variants.split(","):
         parts = variant.split(":")

@@ -8,8 +8,8 @@ Usage: python scripts/bench_decode_multigpu.py [--gpus 2] [--latent-shape 1,48,3
 Launches itself under torch.distributed.run with `--gpus` processes (NCCL; NCCL_* settings such as
 NCCL_NVLS_ENABLE=0 pass through). Every rank builds the full-size decoder with random weights (γ and
 biases perturbed, `pan2cli.testing.random_weights`) in bf16 and the same random latents. The 1-GPU baseline
-is `pan2cli.decode.decode_latents` on rank 0 alone with the row split switched off
-(`decode_kernel_parallel=False`; the other ranks wait); the N-GPU run is the same function on every
+is `pan2cli.vae.decoder.decode_latents` on rank 0 alone with the row split switched off
+(`split_rows=False`; the other ranks wait); the N-GPU run is the same function on every
 rank with the split on (uint8 rows all-gathered per chunk). Both collect the uint8 frames on the host,
 as the CLI does before writing. Timing: median decode seconds over `--repeats` runs after one warm-up
 (`DecodeStats.seconds`, CUDA-synchronised). Memory: `max_memory_allocated` / `max_memory_reserved`
@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 
 from pan2cli import distributed
-from pan2cli.decode import decode_latents
 from pan2cli.launch import under_torchrun
 from pan2cli.testing.random_weights import random_decoder
 from pan2cli.vae.config import WanVAEConfig
+from pan2cli.vae.decoder import decode_latents
 from pan2cli.vae.kernel.choice import select_decode_path
 from pan2cli.vae.kernel.decoder import WanKernelDecoder
 from pan2cli.vae.model import WanVAEDecoder
@@ -139,12 +139,16 @@ def build_decoder(seed: int, device: torch.device, base_dim: int, fp32: bool = F
     return random_decoder(WanVAEConfig(decoder_base_dim=base_dim), seed=seed, dtype=dtype, device=device)
 
 
-def timed_runs(decoder, z, args, keep_frames: bool) -> tuple[list[float], dict, torch.Tensor | None]:
+def timed_runs(
+    decoder, z, args, keep_frames: bool, split_rows: bool = True
+) -> tuple[list[float], dict, torch.Tensor | None]:
     """One warm-up and `--repeats` decodes; returns the seconds, the last run's peak memory, the frames (if kept)."""
     seconds, frames = [], None
     for i in range(1 + args.repeats):
         writer = FrameCollector() if keep_frames else None
-        stats = decode_latents(decoder, z, writer, chunk_latent_frames=args.chunk_latent_frames)
+        stats = decode_latents(
+            decoder, z, writer, chunk_latent_frames=args.chunk_latent_frames, split_rows=split_rows
+        )
         if i > 0:
             seconds.append(stats.seconds)
         if writer is not None and i == 0:
@@ -222,11 +226,9 @@ def trace_run(args: argparse.Namespace, decoder, z, rank: int) -> None:
     trace = StageTrace(decoder)
     one = []
     if rank == 0:
-        decoder.config = decoder.config.replace(decode_kernel_parallel=False)
         trace.enabled = True
-        decode_latents(decoder, z, None, chunk_latent_frames=args.chunk_latent_frames)
+        decode_latents(decoder, z, None, chunk_latent_frames=args.chunk_latent_frames, split_rows=False)
         one, trace.records = trace.records, []
-        decoder.config = decoder.config.replace(decode_kernel_parallel=True)
     dist.barrier()
     trace.enabled = True
     decode_latents(decoder, z, None, chunk_latent_frames=args.chunk_latent_frames)
@@ -263,9 +265,7 @@ def worker(args: argparse.Namespace) -> None:
         # 1. One GPU: rank 0 alone, row split off (same function, no collectives); the others wait.
         base = None
         if rank == 0:
-            decoder.config = decoder.config.replace(decode_kernel_parallel=False)
-            base = timed_runs(decoder, z, args, keep_frames=True)
-            decoder.config = decoder.config.replace(decode_kernel_parallel=True)
+            base = timed_runs(decoder, z, args, keep_frames=True, split_rows=False)
             print(f"1 GPU: {', '.join(f'{s:.3f}' for s in base[0])} s", flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()

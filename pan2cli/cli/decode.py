@@ -309,9 +309,8 @@ def _decode(options: DecodeOptions):
     import torch
 
     from pan2cli import distributed, launch
-    from pan2cli.decode import decode_latents
     from pan2cli.latents import load_latents
-    from pan2cli.vae.decoder import open_decoder
+    from pan2cli.vae.decoder import decode_latents, open_decoder
     from pan2cli.vae.kernel.decoder import WanKernelDecoder
     from pan2cli.vae.parallel import split_rows
     from pan2cli.video import open_video_writer
@@ -349,9 +348,7 @@ def _decode(options: DecodeOptions):
         options.revision,
         dtype=torch_dtype,
         device=device,
-        chunk_latent_frames=options.runtime.chunk_latent_frames,
         decode_kernel=options.runtime.decode_kernel,
-        split_rows=options.runtime.decode_kernel_parallel,
         stage=lambda message: status(message, quiet),
         say=lambda line: info(line, quiet),
     )
@@ -389,7 +386,13 @@ def _decode(options: DecodeOptions):
                 first="first frame",
             ) as advance:
                 stats = decode_latents(
-                    decoder, z, writer, normalized=not options.raw_latents, on_chunk=advance
+                    decoder,
+                    z,
+                    writer,
+                    normalized=not options.raw_latents,
+                    chunk_latent_frames=options.runtime.chunk_latent_frames,
+                    split_rows=options.runtime.decode_kernel_parallel,
+                    on_chunk=advance,
                 )
         if not main:
             continue

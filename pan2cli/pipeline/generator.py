@@ -31,7 +31,6 @@ from pan2cli import distributed, launch
 from pan2cli.atomic import replace_into
 from pan2cli.config import GenerationSettings, RuntimeConfig, settings_with
 from pan2cli.constants import video_frames
-from pan2cli.decode import decode_latents
 from pan2cli.dit.attention import attention_backend, attention_backends, attention_order
 from pan2cli.errors import Pan2Error, out_of_memory
 from pan2cli.outputs import check_output_path
@@ -42,6 +41,7 @@ from pan2cli.pipeline.jobs import GenerationJob, GenerationResult, sidecar_path
 from pan2cli.pipeline.sampling import denoise
 from pan2cli.pipeline.scheduler import flow_sigmas, uses_guidance
 from pan2cli.presets import DEFAULT_PRESET, Preset, load_preset
+from pan2cli.vae.decoder import decode_latents, open_decoder
 from pan2cli.video import open_video_writer
 
 # Progress hook: (description, total, unit) → context manager yielding `advance(n)`.
@@ -420,8 +420,6 @@ class VideoGenerator:
         )
 
     def _load_decoder(self, shared: bool):
-        from pan2cli.vae.decoder import open_decoder
-
         cfg = self.config
         world = distributed.world_size()
         # Ranks split a decode by rows only when they share the job and sit on one machine.
@@ -430,9 +428,7 @@ class VideoGenerator:
             self.components.folder("vae"),
             dtype=self.vae_dtype,
             device=self.device,
-            chunk_latent_frames=cfg.chunk_latent_frames,
             decode_kernel=cfg.decode_kernel,
-            split_rows=parallel,
             ranks_together=shared,
             say=self.info,
         )
@@ -452,7 +448,9 @@ class VideoGenerator:
             for result in todo:
                 if decodes:
                     self._run_job(
-                        result, "decode", lambda result=result: self._decode_one(decoder, result, writes)
+                        result,
+                        "decode",
+                        lambda result=result: self._decode_one(decoder, result, writes, parallel),
                     )
                 if writes and result.error is None:
                     self._run_job(result, "write", lambda result=result: self._write_extras(result))
@@ -462,7 +460,7 @@ class VideoGenerator:
             if on_result is not None:
                 on_result(result)
 
-    def _decode_one(self, decoder, result: GenerationResult, writes: bool) -> None:
+    def _decode_one(self, decoder, result: GenerationResult, writes: bool, parallel: bool) -> None:
         job, settings = result.job, result.job.settings
         writing = (
             open_video_writer(job.output, "mp4", settings.fps, crf=job.crf, overwrite=job.overwrite)
@@ -474,7 +472,13 @@ class VideoGenerator:
             total = video_frames(result.latents.shape[2])
             with self.progress("Decoding", total, "frames") as advance:
                 decode_latents(
-                    decoder, result.latents, sink if writes else None, normalized=True, on_chunk=advance
+                    decoder,
+                    result.latents,
+                    sink if writes else None,
+                    normalized=True,
+                    chunk_latent_frames=self.config.chunk_latent_frames,
+                    split_rows=parallel,
+                    on_chunk=advance,
                 )
         result.frames = sink.frames()
         result.output = job.output if writes else None

@@ -258,8 +258,6 @@ def load_vae_decoder(
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
-    chunk_latent_frames: int = 4,
-    decode_kernel: str = "auto",
 ) -> WanVAEDecoder:
     """Locate, check and load a Wan2.2 VAE decoder.
 
@@ -267,23 +265,12 @@ def load_vae_decoder(
         spec, revision: see `resolve_vae_checkpoint`.
         dtype: parameter dtype (`torch.float32`, `torch.bfloat16`, `torch.float64`).
         device: where the decoder runs.
-        chunk_latent_frames: latent frames per decoder pass after the first.
-        decode_kernel: "auto" | "off" | "require", stored in the config for `select_decode_path`.
 
     Returns:
         The reference decoder in eval mode, on `device`, in `dtype`.
     """
     ckpt = resolve_vae_checkpoint(spec, revision)
-    decoder = load_decoder_weights(
-        ckpt.weights,
-        ckpt.config,
-        dtype=dtype,
-        device=device,
-        source=ckpt.source,
-        chunk_latent_frames=chunk_latent_frames,
-    )
-    decoder.config = decoder.config.replace(decode_kernel=decode_kernel)
-    return decoder
+    return load_decoder_weights(ckpt.weights, ckpt.config, dtype=dtype, device=device, source=ckpt.source)
 
 
 def _single_file_config(shapes: Mapping[str, tuple[int, ...]]) -> WanVAEConfig:
@@ -305,7 +292,6 @@ def load_decoder_weights(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     source: str | None = None,
-    chunk_latent_frames: int = 4,
 ) -> WanVAEDecoder:
     """Build the decoder and load its tensors from one weights file (any accepted key names).
 
@@ -320,7 +306,6 @@ def load_decoder_weights(
         raise CheckpointError(f"{source} holds the same tensor under two key names", hint=_VAE_HINT)
     if config is None:
         config = _single_file_config({ours: tensors.shapes[orig] for ours, orig in renamed.items()})
-    config = config.replace(chunk_latent_frames=chunk_latent_frames)
     with torch.device("meta"):
         model = WanVAEDecoder(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}

@@ -1,4 +1,4 @@
-"""`WanVAEConfig`: the Wan2.2 (TI2V-5B) VAE architecture plus the decoder's run-time options.
+"""`WanVAEConfig`: the Wan2.2 (TI2V-5B) VAE architecture (run-time options live in `pan2cli.config.RuntimeConfig`).
 
 Field names equal the keys of diffusers' `vae/config.json` (misspellings such as `temperal_downsample`
 included), so a config file maps onto this class one to one.
@@ -10,9 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from pan2cli.config import DECODE_KERNEL_MODES, DEFAULT_CHUNK_LATENT_FRAMES
 from pan2cli.constants import LATENT_CHANNELS, VAE_SPATIAL_FACTOR, VAE_TEMPORAL_FACTOR
-from pan2cli.errors import CheckpointError, InputError
+from pan2cli.errors import CheckpointError
 
 # Per-channel statistics of the Wan2.2 latent space (docs: wan22_vae.md §6). The DiT produces
 # normalised latents; the decoder wants `z * std + mean`.
@@ -32,14 +31,13 @@ WAN22_LATENTS_STD = (
 # Keys of a diffusers config.json that describe the architecture (read), and keys that carry no
 # meaning for us (ignored). Anything else is reported as unknown.
 _IGNORED_CONFIG_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "clip_output"}
-_RUNTIME_FIELDS = {"chunk_latent_frames", "decode_kernel", "decode_kernel_parallel"}
 # The VAE `pan2 decode` loads when --vae is not given (here, not in checkpoint.py: the CLI names it without torch).
 DEFAULT_VAE_REPO = "Wan-AI/Wan2.2-TI2V-5B-Diffusers"
 
 
 @dataclass(frozen=True)
 class WanVAEConfig:
-    """Architecture of the Wan2.2 VAE and the decoder's run-time options.
+    """Architecture of the Wan2.2 VAE.
 
     Args:
         base_dim (`int`, defaults to 160): encoder width (not used by the decoder).
@@ -57,16 +55,6 @@ class WanVAEConfig:
         scale_factor_spatial / scale_factor_temporal (`int`, defaults to 16 / 4).
         dropout (`float`, defaults to 0.0): unused at inference.
         latents_mean / latents_std (`tuple[float]`, 48 values): latent normalisation statistics.
-        chunk_latent_frames (`int`, defaults to 4): latent frames per decoder pass after the first
-            (the first pass is always one frame). The output does not depend on it; larger chunks
-            use more memory and give larger GEMMs.
-        decode_kernel (`str`, defaults to "auto"): the compiled CUDA decoder: "auto" uses it wherever it
-            applies (CUDA, sm_90a/sm_100a/sm_103a, bf16) and otherwise the reference with one line saying
-            why; "off" always the reference; "require" fails (exit 1) when the kernel cannot run.
-        decode_kernel_parallel (`bool`, defaults to True): when several processes decode together
-            (torchrun, `--gpus N`), split every frame by rows across them, exchanging one halo row
-            per 3x3 convolution (exact); False makes every rank decode the whole video. No effect
-            in a single process.
     """
 
     base_dim: int = 160
@@ -85,9 +73,6 @@ class WanVAEConfig:
     dropout: float = 0.0
     latents_mean: tuple[float, ...] = WAN22_LATENTS_MEAN
     latents_std: tuple[float, ...] = WAN22_LATENTS_STD
-    chunk_latent_frames: int = DEFAULT_CHUNK_LATENT_FRAMES
-    decode_kernel: str = "auto"
-    decode_kernel_parallel: bool = True
 
     def __post_init__(self) -> None:
         # Normalise lists from JSON into tuples so the config stays hashable and frozen.
@@ -115,19 +100,6 @@ class WanVAEConfig:
             )
         if any(s <= 0 for s in self.latents_std):
             raise CheckpointError("latents_std must be positive")
-        if not isinstance(self.chunk_latent_frames, int) or self.chunk_latent_frames < 1:
-            raise InputError(
-                f"chunk_latent_frames must be a whole number ≥ 1, got {self.chunk_latent_frames!r}",
-                hint="pass --chunk-latent-frames 4 (the default) or another positive number",
-            )
-        if self.decode_kernel not in DECODE_KERNEL_MODES:
-            raise InputError(
-                f"decode_kernel must be one of {', '.join(DECODE_KERNEL_MODES)}, got {self.decode_kernel!r}"
-            )
-        if not isinstance(self.decode_kernel_parallel, bool):
-            raise InputError(
-                f"decode_kernel_parallel must be True or False, got {self.decode_kernel_parallel!r}"
-            )
 
     # -- derived ---------------------------------------------------------------------------------
     @property
@@ -158,7 +130,7 @@ class WanVAEConfig:
                 f"{source} describes a {class_name}, not a Wan VAE (AutoencoderKLWan)",
                 hint="pass --vae with a Wan2.2 VAE: Wan2.2_VAE.pth, wan2.2_vae.safetensors or a diffusers vae/ folder",
             )
-        arch_fields = {f.name for f in dataclasses.fields(cls)} - _RUNTIME_FIELDS
+        arch_fields = {f.name for f in dataclasses.fields(cls)}
         known = {k: v for k, v in config.items() if k in arch_fields}
         if "is_residual" not in config:
             # Older diffusers configs (Wan2.1) have no is_residual key; its default there is False.
@@ -175,8 +147,6 @@ class WanVAEConfig:
         """The diffusers `config.json` dict for this architecture (used to write test checkpoints)."""
         out: dict[str, Any] = {"_class_name": "AutoencoderKLWan"}
         for f in dataclasses.fields(self):
-            if f.name in _RUNTIME_FIELDS:
-                continue
             value = getattr(self, f.name)
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pan2cli.config import DEFAULT_CHUNK_LATENT_FRAMES
 from pan2cli.vae.config import WanVAEConfig
 
 if TYPE_CHECKING:
@@ -318,6 +319,9 @@ def unpatchify(x: torch.Tensor, patch_size: int) -> torch.Tensor:
 
 def chunk_bounds(latent_frames: int, chunk_latent_frames: int) -> list[tuple[int, int]]:
     """Latent-frame ranges of the decoder passes: `[0, 1)` first (mandatory), then chunks of the given size."""
+    if not isinstance(chunk_latent_frames, int) or chunk_latent_frames < 1:
+        # a run-time argument (RuntimeConfig checks the CLI's); 0 would loop forever
+        raise ValueError(f"chunk_latent_frames must be a whole number ≥ 1, got {chunk_latent_frames!r}")
     bounds = [(0, 1)] if latent_frames else []
     start = 1
     while start < latent_frames:
@@ -331,7 +335,7 @@ class WanVAEDecoder(nn.Module):
     """The decoder half of the Wan2.2 VAE (`post_quant_conv` + `decoder`), decoding chunk by chunk.
 
     Args:
-        config (`WanVAEConfig`): architecture and run-time options (`chunk_latent_frames`).
+        config (`WanVAEConfig`): the architecture.
     """
 
     def __init__(self, config: WanVAEConfig):
@@ -353,14 +357,18 @@ class WanVAEDecoder(nn.Module):
 
     @torch.inference_mode()
     def decode_chunks(
-        self, z: torch.Tensor, chunk_latent_frames: int | None = None, rows: RowSplit | None = None
+        self,
+        z: torch.Tensor,
+        chunk_latent_frames: int = DEFAULT_CHUNK_LATENT_FRAMES,
+        rows: RowSplit | None = None,
     ) -> Iterator[torch.Tensor]:
         """Decode un-normalised latents chunk by chunk.
 
         Args:
             z: `(B, z_dim, T, h, w)` latents already un-normalised (`z·std + mean`); moved to the
                 model's device and dtype.
-            chunk_latent_frames: latent frames per pass after the first; defaults to the config's.
+            chunk_latent_frames: latent frames per pass after the first (the output does not depend on it;
+                larger chunks use more memory and give larger GEMMs).
             rows: this process's band of latent rows when several decode the video together (every
                 process of `rows`' group must call this with the same `z`); None decodes whole frames.
 
@@ -373,19 +381,21 @@ class WanVAEDecoder(nn.Module):
             raise ValueError(
                 f"expected latents of shape (B, {self.config.z_dim}, T, H, W), got {tuple(z.shape)}"
             )
-        n = chunk_latent_frames or self.config.chunk_latent_frames
         if rows is not None:
             z = rows.take(z)  # every later op keeps the row mapping: band [a, b) → [2a, 2b) at ×2
         with _ieee_fp32():
             x = self.post_quant_conv(z.to(self.device, self.dtype))
         cache: CausalCache = {}
-        for start, stop in chunk_bounds(x.shape[2], n):
+        for start, stop in chunk_bounds(x.shape[2], chunk_latent_frames):
             with _ieee_fp32():
                 out = self.decoder(x[:, :, start:stop], cache, first_chunk=start == 0, rows=rows)
             yield unpatchify(out, self.config.patch_size).clamp_(-1.0, 1.0)
 
     def decode_uint8_chunks(
-        self, z: torch.Tensor, chunk_latent_frames: int | None = None, rows: RowSplit | None = None
+        self,
+        z: torch.Tensor,
+        chunk_latent_frames: int = DEFAULT_CHUNK_LATENT_FRAMES,
+        rows: RowSplit | None = None,
     ) -> Iterator[torch.Tensor]:
         """`decode_chunks` as uint8 frames `(B, f, 16h, 16w, 3)` on the decoder's device (the kernel path's signature)."""
         from pan2cli.frames import frames_to_uint8
@@ -393,6 +403,6 @@ class WanVAEDecoder(nn.Module):
         for video in self.decode_chunks(z, chunk_latent_frames, rows=rows):
             yield torch.stack([frames_to_uint8(v) for v in video])
 
-    def decode(self, z: torch.Tensor, chunk_latent_frames: int | None = None) -> torch.Tensor:
+    def decode(self, z: torch.Tensor, chunk_latent_frames: int = DEFAULT_CHUNK_LATENT_FRAMES) -> torch.Tensor:
         """Decode a whole video at once: `(B, 3, 1 + 4·(T − 1), 16h, 16w)`; see `decode_chunks`."""
         return torch.cat(list(self.decode_chunks(z, chunk_latent_frames)), dim=2)

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from pan2cli import distributed
 from pan2cli.errors import InputError
-from pan2cli.vae.config import WanVAEConfig
 
 
 def split_rows(height: int, parts: int) -> tuple[int, ...]:
@@ -129,15 +128,16 @@ class RowSplit:
         return distributed.all_gather_uneven(x, dim, self._sizes_at(x.shape[dim]))
 
 
-def row_split_for(config: WanVAEConfig, height: int) -> RowSplit | None:
+def row_split_for(height: int, enabled: bool = True) -> RowSplit | None:
     """The row split for latents of `height` rows in the current process group, or None to decode whole frames.
 
-    None in a single process or when `config.decode_kernel_parallel` is off.
+    None in a single process or when not `enabled` (`RuntimeConfig.decode_kernel_parallel` off: every
+    rank then decodes the whole video).
 
     Raises:
         InputError: fewer latent rows than ranks.
     """
     world = distributed.world_size()
-    if world == 1 or not config.decode_kernel_parallel:
+    if world == 1 or not enabled:
         return None
     return RowSplit(split_rows(height, world), distributed.rank())

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import pan2cli.decode as decode_module  # the CLI imports decode_latents from here when it runs
+import pan2cli.vae.decoder as decode_module  # the CLI imports decode_latents from here when it runs
 from pan2cli.frames import frames_to_uint8
 from pan2cli.latents import unnormalize
 from pan2cli.vae.checkpoint import load_vae_decoder
@@ -38,11 +38,11 @@ def _expected_frames(
 
     (A different chunking would be another summation order, which CPUs and BLAS kernels round differently.)
     """
-    decoder = load_vae_decoder(vae, chunk_latent_frames=chunk_latent_frames)
+    decoder = load_vae_decoder(vae)
     z = latents[None]
     if normalized:
         z = unnormalize(z, decoder.config.latents_mean, decoder.config.latents_std)
-    return frames_to_uint8(decoder.decode(z)[0])
+    return frames_to_uint8(decoder.decode(z, chunk_latent_frames)[0])
 
 
 def test_mp4_has_the_right_frames_size_and_fps(run_cli, tiny_vae, latents_file, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from datetime import timedelta
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pan2cli import distributed, launch
+from pan2cli.config import RuntimeConfig
 from pan2cli.errors import InputError
 from pan2cli.testing.random_weights import random_vae_state_dict
 from pan2cli.vae.config import WanVAEConfig
@@ -39,7 +41,7 @@ def _split_decode(rank: int, world: int, init_file: str, shape, chunk: int, out_
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         decoder = _decoder()
-        rows = row_split_for(decoder.config, shape[-2])
+        rows = row_split_for(shape[-2])
         assert rows is not None and rows.sizes == split_rows(shape[-2], world)
         chunks = [
             rows.gather_rows(video, dim=3)
@@ -100,8 +102,8 @@ def test_halo_without_neighbours_pads_zeros():
 
 
 def test_no_split_in_one_process_or_when_switched_off():
-    assert row_split_for(SMALL, 44) is None
-    assert row_split_for(SMALL.replace(decode_kernel_parallel=False), 44) is None
+    assert row_split_for(44) is None
+    assert row_split_for(44, enabled=False) is None
     assert distributed.agree_all(True) is True and distributed.agree_all(False) is False
 
 
@@ -110,11 +112,11 @@ def test_two_ranks_split_the_rows_unless_switched_off(monkeypatch):
     still decodes whole frames (one process's check cannot see that: it returns None before the option)."""
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
     monkeypatch.setattr(distributed, "rank", lambda: 1)
-    rows = row_split_for(SMALL, 44)
+    rows = row_split_for(44)
     assert rows is not None and (rows.sizes, rows.rank, rows.start, rows.stop) == ((22, 22), 1, 22, 44)
-    assert row_split_for(SMALL.replace(decode_kernel_parallel=False), 44) is None
+    assert row_split_for(44, enabled=False) is None
     with pytest.raises(InputError, match="cannot be split over 2"):
-        row_split_for(SMALL, 1)
+        row_split_for(1)
 
 
 def test_collective_timeout_defaults_to_300_s(monkeypatch):
@@ -164,9 +166,11 @@ def test_the_process_group_waits_the_collective_timeout(monkeypatch):
 
 
 def test_decode_kernel_parallel_is_a_runtime_option():
+    """The row split is `RuntimeConfig`'s (and `decode_latents`' `split_rows`), not the architecture's."""
+    assert "decode_kernel_parallel" in {f.name for f in dataclasses.fields(RuntimeConfig)}
     assert "decode_kernel_parallel" not in SMALL.to_diffusers_config()
-    with pytest.raises(InputError):
-        WanVAEConfig(decode_kernel_parallel="yes")
+    with pytest.raises(TypeError):
+        WanVAEConfig(decode_kernel_parallel=True)
 
 
 def test_strip_option_removes_both_spellings():

@@ -7,6 +7,7 @@ first use, and compiling the convolutions ahead (`pan2 kernels build`).
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,10 @@ from pan2cli.vae.kernel.build import (
     mark_convs_compiled,
     why_not_applicable,
 )
+
+if TYPE_CHECKING:
+    from pan2cli.vae.decoder import Decoder
+    from pan2cli.vae.model import WanVAEDecoder
 
 # The architecture fields that decide which convolution shapes a decoder launches.
 _LAYER_FIELDS = (
@@ -100,12 +105,12 @@ def compile_convolutions(device: torch.device | None = None) -> None:
     select_decode_path(reference, "require")
 
 
-def select_decode_path(decoder, mode: str | None = None):
+def select_decode_path(decoder: WanVAEDecoder, mode: str = "auto") -> tuple[Decoder, str | None]:
     """The decoder to run: the compiled kernel path where it applies, else the reference one.
 
     Args:
         decoder: a loaded `WanVAEDecoder`.
-        mode: "auto" | "off" | "require"; default the decoder config's `decode_kernel`.
+        mode: "auto" | "off" | "require" (`RuntimeConfig.decode_kernel`, `--decode-kernel`).
 
     Returns:
         `(decoder, note)`: a `WanKernelDecoder` or the reference itself, and one line saying why the
@@ -115,7 +120,6 @@ def select_decode_path(decoder, mode: str | None = None):
         InputError: "require" where the kernel cannot apply (CPU, fp32, another GPU).
         KernelBuildError: "require" and the build failed.
     """
-    mode = mode or decoder.config.decode_kernel
     if mode == "off":
         return decoder, None
     reason = why_not_applicable(decoder.device, decoder.dtype)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pan2cli.config import DEFAULT_CHUNK_LATENT_FRAMES
 from pan2cli.triton_support import triton_available
 from pan2cli.vae.kernel import conv
 from pan2cli.vae.model import WanResample, WanVAEDecoder, chunk_bounds
@@ -493,7 +494,10 @@ class WanKernelDecoder:
 
     @torch.inference_mode()
     def decode_uint8_chunks(
-        self, z: torch.Tensor, chunk_latent_frames: int | None = None, rows: RowSplit | None = None
+        self,
+        z: torch.Tensor,
+        chunk_latent_frames: int = DEFAULT_CHUNK_LATENT_FRAMES,
+        rows: RowSplit | None = None,
     ) -> Iterator[torch.Tensor]:
         """Decode un-normalised latents `(B, z_dim, T, h, w)`; yields uint8 `(B, f, 16h, 16w, 3)` on the GPU.
 
@@ -501,14 +505,13 @@ class WanKernelDecoder:
         halo rows before every 3x3 convolution and the whole frame's keys/values in the attention;
         the frames it yields are its band (`rows.gather_rows` puts them together).
         """
-        n = chunk_latent_frames or self.config.chunk_latent_frames
         self._history, self._rings = {}, {}
         self._rows = rows
         self._fixed_order_width = 2 * z.shape[-1]
         if rows is not None:
             z = rows.take(z)
         try:
-            for start, stop in chunk_bounds(z.shape[2], n):
+            for start, stop in chunk_bounds(z.shape[2], chunk_latent_frames):
                 x = self._post_quant_conv(z[:, :, start:stop])
                 yield from self._decoder_chunk(x, first_chunk=start == 0)
         finally:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pan2cli.config import DEFAULT_CHUNK_LATENT_FRAMES
 from pan2cli.frames import psnr
 from pan2cli.testing.random_weights import decoder_from_state
 from pan2cli.vae.model import WanVAEDecoder
@@ -67,7 +68,7 @@ def _latents(t: int, h: int, w: int, seed: int) -> torch.Tensor:
     return torch.randn(1, 48, t, h, w, generator=torch.Generator().manual_seed(seed))
 
 
-def _frames(decoder, z: torch.Tensor, chunk_latent_frames: int | None = None) -> torch.Tensor:
+def _frames(decoder, z: torch.Tensor, chunk_latent_frames: int = DEFAULT_CHUNK_LATENT_FRAMES) -> torch.Tensor:
     """uint8 `(B, F, H, W, 3)` on the GPU: the decoder's chunks put together along time."""
     return torch.cat(list(decoder.decode_uint8_chunks(z, chunk_latent_frames)), dim=1)
 

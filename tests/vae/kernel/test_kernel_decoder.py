@@ -91,14 +91,15 @@ def test_phase_weights_equal_upsample_then_conv():
 
 @pytest.fixture(scope="module")
 def reference():
-    config = WanVAEConfig(base_dim=16, decoder_base_dim=16, chunk_latent_frames=2)
+    config = WanVAEConfig(base_dim=16, decoder_base_dim=16)
     state = random_vae_state_dict(config, seed=2, encoder=False)
     model = WanVAEDecoder(config)
     model.load_state_dict(state)
     return model
 
 
-def _uint8(decoder, z, n=None) -> torch.Tensor:
+def _uint8(decoder, z, n: int = 2) -> torch.Tensor:
+    """uint8 frames of either path, in chunks of `n` latent frames (2: more than one chunk in these short latents)."""
     if isinstance(decoder, WanKernelDecoder):
         return torch.cat([f[0].cpu() for f in decoder.decode_uint8_chunks(z, n)]).int()
     return torch.cat([frames_to_uint8(v[0]).cpu() for v in decoder.decode_chunks(z, n)]).int()
@@ -210,13 +211,13 @@ def _kernel_split_decode(rank: int, world: int, init_file: str, shape, out_prefi
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        config = WanVAEConfig(base_dim=16, decoder_base_dim=16, chunk_latent_frames=2)
+        config = WanVAEConfig(base_dim=16, decoder_base_dim=16)
         reference = WanVAEDecoder(config)
         reference.load_state_dict(random_vae_state_dict(config, seed=2, encoder=False))
         kernel = WanKernelDecoder(_bf16(reference), EMULATED_OPS)
         z = torch.randn(shape, generator=torch.Generator().manual_seed(5))
-        rows = row_split_for(config, shape[-2])
-        frames = [rows.gather_rows(f[0], dim=1) for f in kernel.decode_uint8_chunks(z, rows=rows)]
+        rows = row_split_for(shape[-2])
+        frames = [rows.gather_rows(f[0], dim=1) for f in kernel.decode_uint8_chunks(z, 2, rows=rows)]
         torch.save(torch.cat(frames), f"{out_prefix}{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -248,3 +249,11 @@ def test_kernel_path_split_across_processes_equals_one_process(tmp_path, referen
         assert difference.max().item() <= 8, f"rank {rank}"
         assert difference.float().mean().item() <= 1.0, f"rank {rank}"  # measured ≤ 0.6
         assert (got - truth).abs().float().mean().item() <= 1.1 * expected_error + 0.05, f"rank {rank}"
+
+
+def test_both_decode_paths_are_decoders(reference):
+    """`decode_latents` takes either path through the `Decoder` protocol (config, device, dtype, decode_uint8_chunks)."""
+    from pan2cli.vae.decoder import Decoder
+
+    assert isinstance(reference, Decoder)
+    assert isinstance(WanKernelDecoder(_bf16(reference), EMULATED_OPS), Decoder)
