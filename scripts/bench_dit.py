@@ -72,6 +72,10 @@ def parse_args() -> argparse.Namespace:
         "--memory-gib", type=float,
         help="cap this process's GPU memory (torch.cuda.set_per_process_memory_fraction), e.g. 79.6 for an 80 GB card",
     )  # fmt: skip
+    parser.add_argument(
+        "--sequence-only", action="store_true",
+        help="under torchrun: both CFG passes sequence-parallel over all ranks, not CFG-parallel (SP measured alone)",
+    )  # fmt: skip
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="a tiny config (dry run)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -192,7 +196,8 @@ def main() -> None:
 
                 def step():
                     latents, condition = hidden[:, :48].float(), hidden[:, 48:]
-                    denoise(model, latents, condition, cond, uncond, [0.9, 0.8], 2.5, 1000, split=True)
+                    denoise(model, latents, condition, cond, uncond, [0.9, 0.8], 2.5, 1000, split=True,
+                            cfg_parallel=not args.sequence_only)  # fmt: skip
 
             else:
 

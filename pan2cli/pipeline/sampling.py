@@ -74,6 +74,7 @@ def denoise(
     num_train_timesteps: int,
     *,
     split: bool = False,
+    cfg_parallel: bool = True,
     on_step: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """Run the Euler steps from `latents` and return the final latents (float32, on their device).
@@ -87,12 +88,14 @@ def denoise(
         sigmas: the schedule, σ_0 … σ_N (`flow_sigmas`); the timestep is σ·num_train_timesteps.
         split: share this video's passes among the processes of the default group (module docstring);
             every rank calls this with the same arguments.
+        cfg_parallel: with `split` and guidance, give the two passes to the two halves of the ranks; False
+            runs both passes sequence-parallel over all ranks (to measure sequence parallelism alone).
         on_step: called with 1 after each step (progress).
     """
     dtype = condition.dtype  # the model's: the latents enter with the condition in one dtype
     use_uncond = uses_guidance(guidance) and uncond is not None
     world = distributed.world_size() if split else 1
-    groups = split_ranks(world, 2 if use_uncond else 1)
+    groups = split_ranks(world, 2 if use_uncond and cfg_parallel else 1)
     with (
         _split_model(model, groups, model.config.num_attention_heads) if world > 1 else nullcontext(0) as mine
     ):
