@@ -226,7 +226,7 @@ def _jobs(
 @click.option(
     "--offload",
     is_flag=True,
-    help="Keep the DiT's blocks in pinned host memory and stream them to the GPU one by one (PAN 2 on an 80 GB GPU); same frames, slower.",
+    help="Keep the DiT's blocks in pinned host memory and stream them to the GPU one by one (PAN 2 on an 80 GB GPU); same frames; measured 0.4 % slower on an H200 capped at 80 GB (the copies hide behind the compute).",
 )
 @click.option(
     "--dit-fused-kernels/--no-dit-fused-kernels",
@@ -303,7 +303,8 @@ def generate_command(
     guidance, the Wan2.2 VAE decode. Settings come from the preset; options override them. Each video
     is written as an MP4 with a JSON sidecar (settings, model, seconds per stage); the paths are
     printed on stdout. With --prompts, a failing prompt is reported and the batch goes on (exit 1 at
-    the end if any failed).
+    the end if any failed). On one H200 a denoising step takes about 4.4 s for 5 s of video, 12 s for
+    10 s and 38 s for 20 s (50 steps: about 4, 10 and 31 minutes).
 
     \b
     Examples:
