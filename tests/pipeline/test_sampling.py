@@ -151,6 +151,9 @@ def _heads_check(rank: int, world: int, init_file: str) -> None:
     try:
         with pytest.raises(InputError, match="needs a multiple of 3 heads, the model has 32"):
             SequenceParallel().check_heads(32)
+        # check_heads sends nothing: without this, a fast rank could close its sockets while a slow one is
+        # still connecting its gloo mesh ("Connection closed by peer" on a loaded machine)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
