@@ -46,6 +46,7 @@ class Rule(NamedTuple):
     what: str
     ok: Callable[[Any], bool] | None = None  # None: any value of the type; never called with None
     requirement: str = ""
+    hint: str | None = None  # what to pass instead, shown under the error
 
 
 def _positive_number(value: float) -> bool:
@@ -57,6 +58,8 @@ _DTYPE = Rule(
     (str, type(None)), "a dtype name", lambda v: v in DTYPE_NAMES, f"must be one of: {', '.join(DTYPE_NAMES)}"
 )
 
+_SIZE_HINT = "PAN 2's own size is 704x1248 (height x width, --size HxW); sizes are multiples of 32"
+
 # Every checked field, by name: of GenerationSettings, of a preset (`pan2cli.presets.Preset`) and of RuntimeConfig.
 # bool is a subclass of int, but `frames = true` is a mistake, not 1: bools pass only where a bool is wanted.
 RULES: dict[str, Rule] = {
@@ -66,9 +69,14 @@ RULES: dict[str, Rule] = {
         "an integer",
         valid_frames,
         "must be 1 + 4*k (e.g. 121, 241, 481): the Wan2.2 VAE decodes 1 + 4*(latent frames - 1) frames",
+        "121 frames are 5 s at 24 fps, 241 are 10 s, 481 are 20 s; --duration SECONDS picks the frames",
     ),
-    "height": Rule(int, "an integer", valid_size, f"must be a positive multiple of {SIZE_MULTIPLE}"),
-    "width": Rule(int, "an integer", valid_size, f"must be a positive multiple of {SIZE_MULTIPLE}"),
+    "height": Rule(
+        int, "an integer", valid_size, f"must be a positive multiple of {SIZE_MULTIPLE}", _SIZE_HINT
+    ),
+    "width": Rule(
+        int, "an integer", valid_size, f"must be a positive multiple of {SIZE_MULTIPLE}", _SIZE_HINT
+    ),
     "fps": Rule((int, float), "a number", _positive_number, "must be > 0 and finite"),
     "steps": Rule(int, "an integer", lambda v: v >= 1, "must be >= 1"),
     "guidance": _POSITIVE_NUMBER,
@@ -99,7 +107,7 @@ RULES: dict[str, Rule] = {
 
 def value_problem(name: str, value: Any) -> str | None:
     """What is wrong with `value` for field `name` (its type first, then its value), or None."""
-    types, what, ok, requirement = RULES[name]
+    types, what, ok, requirement, _ = RULES[name]
     types = types if isinstance(types, tuple) else (types,)
     if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
         return f"'{name}' must be {what}, got {type(value).__name__} {value!r}"
@@ -109,16 +117,17 @@ def value_problem(name: str, value: Any) -> str | None:
 
 
 def _check_fields(obj: Any) -> None:
-    """Raise one InputError naming every invalid field of the dataclass `obj` (a field without a rule, a
-    preset's `source`, is its class's to check)."""
-    problems = [
-        problem
+    """Raise one InputError naming every invalid field of the dataclass `obj`, with their rules' hints (a
+    field without a rule, a preset's `source`, is its class's to check)."""
+    problems = {
+        field.name: problem
         for field in dataclasses.fields(obj)
         if field.name in RULES
         and (problem := value_problem(field.name, getattr(obj, field.name))) is not None
-    ]
+    }
     if problems:
-        raise InputError("; ".join(problems))
+        hints = dict.fromkeys(RULES[name].hint for name in problems if RULES[name].hint)  # each once
+        raise InputError("; ".join(problems.values()), hint="; ".join(hints) or None)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -122,6 +122,15 @@ def test_settings_are_checked_once_on_construction_naming_every_problem():
         assert problem in message
     with pytest.raises(InputError, match="'image' must be a path"):
         settings_with(PRESET, {"image": 3})
+    # what to pass instead, once per rule: frames name the durations, the two sizes one size hint
+    assert "--duration" in info.value.hint and info.value.hint.count("704x1248") == 1
+
+
+def test_a_size_error_hints_once_for_both_sides():
+    with pytest.raises(InputError) as info:
+        settings_with(PRESET, {"height": 700, "width": 1240})
+    assert "'height' = 700" in str(info.value) and "'width' = 1240" in str(info.value)
+    assert info.value.hint.count("704x1248") == 1 and "--duration" not in info.value.hint
 
 
 def test_settings_normalise_prompt_numbers_and_image():
