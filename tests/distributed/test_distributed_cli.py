@@ -110,6 +110,22 @@ def _python(*args, env, cwd, **kwargs):
     )
 
 
+def _decode_args(latents, vae, *extra, device: str = "cpu") -> list[str]:
+    """`python -m pan2cli decode LATENTS --vae VAE --device DEVICE EXTRA...` without the interpreter."""
+    return ["-m", "pan2cli", "decode", str(latents), "--vae", str(vae), "--device", device, *map(str, extra)]
+
+
+def _hooked_env(tmp_path: Path, hook_code: str, **extra: str) -> tuple[Path, dict[str, str]]:
+    """`_env` with a `sitecustomize.py` holding `hook_code` first on PYTHONPATH (every rank runs it); the hook
+    folder is `tmp_path / "hook"`, where hooks may also leave files."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(hook_code)
+    env = _env(tmp_path, **extra)
+    env["PYTHONPATH"] = f"{hook}{os.pathsep}{env['PYTHONPATH']}"
+    return hook, env
+
+
 def _error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("Error:")]
 
@@ -122,33 +138,13 @@ def latents(latents_file):
 def test_gpus_on_cpu_writes_the_frames_of_one_process(tiny_vae, latents, tmp_path):
     env = _env(tmp_path)
     one = _python(
-        "-m",
-        "pan2cli",
-        "decode",
-        latents,
-        "--vae",
-        tiny_vae,
-        "--device",
-        "cpu",
-        "-o",
-        "one.pt",
+        *_decode_args(latents, tiny_vae, "-o", "one.pt"),
         env=env,
         cwd=tmp_path,
     )
     assert one.returncode == 0, one.stderr
     two = _python(
-        "-m",
-        "pan2cli",
-        "decode",
-        latents,
-        "--vae",
-        tiny_vae,
-        "--device",
-        "cpu",
-        "--gpus",
-        "2",
-        "-o",
-        "two.pt",
+        *_decode_args(latents, tiny_vae, "--gpus", "2", "-o", "two.pt"),
         env=env,
         cwd=tmp_path,
     )
@@ -164,7 +160,7 @@ def test_gpus_on_cpu_writes_the_frames_of_one_process(tiny_vae, latents, tmp_pat
     # 3. The same command under a user's own torchrun.
     direct = _python(
         "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "pan2cli", "decode", latents, "--vae", tiny_vae, "--device", "cpu", "-o", "three.pt",
+        *_decode_args(latents, tiny_vae, "-o", "three.pt"),
         env=env, cwd=tmp_path,
     )  # fmt: skip
     assert direct.returncode == 0, direct.stderr
@@ -190,18 +186,7 @@ def test_bad_input_under_gpus_exits_2_with_one_error_line(tiny_vae, tmp_path, ki
             torch.randn(48, 2, 1, 3, generator=torch.Generator().manual_seed(0)), path
         )  # one latent row for two ranks
     proc = _python(
-        "-m",
-        "pan2cli",
-        "decode",
-        path,
-        "--vae",
-        tiny_vae,
-        "--device",
-        "cpu",
-        "--gpus",
-        "2",
-        "-o",
-        "out.pt",
+        *_decode_args(path, tiny_vae, "--gpus", "2", "-o", "out.pt"),
         env=_env(tmp_path),
         cwd=tmp_path,
     )
@@ -221,24 +206,15 @@ def test_one_rank_failing_stops_all_with_its_code(tiny_vae, latents, tmp_path, f
     run that needed it to end fails as a hang; and the healthy rank must have chosen its own exit code (a
     quiet exit after its peer's failure, or the end it gives itself on torchrun's SIGTERM), which a rank
     that torchrun SIGKILLs 30 s after its SIGTERM never does."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(_FAILING_RANK + _RECORD_EXITS)
-    env = _env(tmp_path, PAN2_TEST_FAIL_RANK=failing_rank, PAN2_TEST_EXITS=str(hook), PAN2_DIST_TIMEOUT="150")
-    env["PYTHONPATH"] = f"{hook}{os.pathsep}{env['PYTHONPATH']}"
+    hook, env = _hooked_env(
+        tmp_path,
+        _FAILING_RANK + _RECORD_EXITS,
+        PAN2_TEST_FAIL_RANK=failing_rank,
+        PAN2_TEST_EXITS=str(tmp_path / "hook"),
+        PAN2_DIST_TIMEOUT="150",
+    )
     proc = _python(
-        "-m",
-        "pan2cli",
-        "decode",
-        latents,
-        "--vae",
-        tiny_vae,
-        "--device",
-        "cpu",
-        "--gpus",
-        "2",
-        "-o",
-        "out.mp4",
+        *_decode_args(latents, tiny_vae, "--gpus", "2", "-o", "out.mp4"),
         env=env,
         cwd=tmp_path,
     )
@@ -262,26 +238,8 @@ def test_one_rank_failing_stops_all_with_its_code(tiny_vae, latents, tmp_path, f
 def test_ctrl_c_stops_every_rank_and_removes_the_partial_output(
     tiny_vae, latents, tmp_path, signum, code, line
 ):
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(_FAILING_RANK)
-    env = _env(tmp_path, PAN2_TEST_FAIL_RANK="1", PAN2_TEST_FAIL_KIND="hang")
-    env["PYTHONPATH"] = f"{hook}{os.pathsep}{env['PYTHONPATH']}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pan2cli",
-        "decode",
-        str(latents),
-        "--vae",
-        str(tiny_vae),
-        "--device",
-        "cpu",
-        "--gpus",
-        "2",
-        "-o",
-        "out.mp4",
-    ]
+    _, env = _hooked_env(tmp_path, _FAILING_RANK, PAN2_TEST_FAIL_RANK="1", PAN2_TEST_FAIL_KIND="hang")
+    cmd = [sys.executable, *_decode_args(latents, tiny_vae, "--gpus", "2", "-o", "out.mp4")]
     proc = subprocess.Popen(
         cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -315,22 +273,23 @@ def test_a_rank_killed_stops_all_and_is_named(tiny_vae, latents_file, tmp_path, 
     No clock (issue 18): the survivor must have ended before torchrun's SIGKILL, 30 s after its SIGTERM.
     Observed without timing: the survivor chose its own exit code (`_RECORD_EXITS`), which a rank that
     torchrun has to SIGKILL never does; `communicate`'s timeout only guards against a hang."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(_RANK_TO_KILL + _RECORD_EXITS)
-    latents = latents_file(
-        (48, 3, 4, 3), seed=1
-    )  # 2 latent rows per rank; 2 chunks with --chunk-latent-frames 2
-    env = _env(
+    hook, env = _hooked_env(
         tmp_path,
-        PAN2_TEST_PIDS=str(hook),
-        PAN2_TEST_EXITS=str(hook),
+        _RANK_TO_KILL + _RECORD_EXITS,
+        PAN2_TEST_PIDS=str(tmp_path / "hook"),
+        PAN2_TEST_EXITS=str(tmp_path / "hook"),
         PAN2_TEST_VICTIM=victim,
         PAN2_TEST_SURVIVOR=survivor,
     )
-    env["PYTHONPATH"] = f"{hook}{os.pathsep}{env['PYTHONPATH']}"
-    cmd = [sys.executable, "-m", "pan2cli", "decode", str(latents), "--vae", str(tiny_vae), "--device", device, "--gpus", "2",
-           "--chunk-latent-frames", "2", "-o", "out.mp4"]  # fmt: skip
+    latents = latents_file(
+        (48, 3, 4, 3), seed=1
+    )  # 2 latent rows per rank; 2 chunks with --chunk-latent-frames 2
+    cmd = [
+        sys.executable,
+        *_decode_args(
+            latents, tiny_vae, "--gpus", 2, "--chunk-latent-frames", 2, "-o", "out.mp4", device=device
+        ),
+    ]
     proc = subprocess.Popen(
         cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
