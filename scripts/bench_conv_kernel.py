@@ -1,10 +1,12 @@
-"""The fixed-order Triton conv against cuDNN on the decoder's low-resolution layers (one GPU).
+"""Our fixed-order convs (CUTLASS and Triton) against cuDNN on every conv layer of the decoder (one GPU).
 
-Usage: python scripts/bench_conv_kernel.py [--repeats 20]
+Usage: python scripts/bench_conv_kernel.py [--repeats 20] [--engines cudnn,cutlass] [--triton-tiles] [--layers up2,up3]
 
-For each layer shape (channels-last bf16, as the kernel decode path calls them): cuDNN through ATen and
-the Triton kernel with a few tile configurations; milliseconds per call (CUDA events, median of
-`--repeats` after a warm-up), TFLOP/s, and whether the outputs agree (max |diff|, bf16).
+For each layer shape (channels-last bf16, as the kernel decode path calls them, at a 704x1248 decode's
+sizes): cuDNN through ATen, the CUTLASS conv with each tile configuration of the build, and the Triton
+kernel (its own tiles; `--triton-tiles` adds a sweep); milliseconds per call (CUDA events, median of
+`--repeats` after a warm-up), TFLOP/s, and max |diff| against cuDNN (bf16). The last table weights
+each layer by its share of a decode's FLOPs (docs: wan22_vae.md section 8.1).
 """
 
 from __future__ import annotations
@@ -16,15 +18,21 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from pan2cli.vae.kernel.conv import conv_channels_last
+from pan2cli.vae.kernel.conv import conv_channels_last, conv_cutlass
 
-# (name, input shape, C_out, kernel, pad_w)
+# (name, input shape, C_out, kernel, pad_w, TFLOP of this layer class in a 5 s 704x1248 decode)
 LAYERS = [
-    ("mid/up0 3x3x3, chunk of 4", (1, 6, 46, 78, 1024), 1024, (3, 3, 3), 1),
-    ("up1 3x3x3, chunk of 8", (1, 10, 90, 156, 1024), 1024, (3, 3, 3), 1),
-    ("up0 time conv (3,1,1)", (1, 6, 44, 78, 1024), 2048, (3, 1, 1), 0),
-    ("up0 phase conv 2x2, 8 frames", (8, 46, 78, 1024), 4096, (2, 2), 1),
-    ("up1 phase conv 2x2, 2 frames", (2, 90, 156, 1024), 4096, (2, 2), 1),
+    ("mid/up0 3x3x3, chunk of 4", (1, 6, 46, 78, 1024), 1024, (3, 3, 3), 1, 24.097 + 36.145),
+    ("up1 3x3x3, chunk of 8", (1, 10, 90, 156, 1024), 1024, (3, 3, 3), 1, 284.500),
+    ("up0 time conv (3,1,1)", (1, 6, 44, 78, 1024), 2048, (3, 1, 1), 0, 1.296),
+    ("up1 time conv (3,1,1)", (1, 3, 88, 156, 1024), 2048, (3, 1, 1), 0, 10.364),
+    ("up0 phase conv 2x2, 8 frames", (8, 46, 78, 1024), 4096, (2, 2), 1, 15.806 * 4 / 9),
+    ("up1 phase conv 2x2, 2 frames", (2, 90, 156, 1024), 4096, (2, 2), 1, 125.408 * 4 / 9),
+    ("up2 conv1 1024->512, tail 2", (1, 4, 178, 312, 1024), 512, (3, 3, 3), 1, 665.359 * 2 / 11),
+    ("up2 512->512, tail 2", (1, 4, 178, 312, 512), 512, (3, 3, 3), 1, 665.359 * 9 / 11),
+    ("up2 phase conv 2x2, 2 frames", (2, 178, 312, 512), 2048, (2, 2), 1, 125.408 * 4 / 9),
+    ("up3 conv1 512->256, tail 2", (1, 4, 354, 624, 512), 256, (3, 3, 3), 1, 665.359 * 2 / 11),
+    ("up3 256->256, tail 2", (1, 4, 354, 624, 256), 256, (3, 3, 3), 1, 665.359 * 9 / 11),
 ]
 # (BLOCK_M, BLOCK_N, warps, stages[, BLOCK_K]); None: the layer's own (`pan2cli.vae.kernel.conv._tiles`)
 TILES = [
@@ -63,10 +71,24 @@ def _time(fn, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--triton-tiles", action="store_true", help="also sweep the Triton kernel's tiles")
+    parser.add_argument(
+        "--engines", default="cudnn,cutlass,triton", help="comma-separated subset of cudnn, cutlass, triton"
+    )
+    parser.add_argument("--layers", default="", help="comma-separated name prefixes (default: every layer)")
     args = parser.parse_args()
+    from pan2cli.vae.kernel.build import load_kernel
+
+    ops = load_kernel()
+    configs = ops.cutlass_conv_configs
+    print(f"CUTLASS tile configurations of this build: {', '.join(configs) or 'none'}")
     print("| layer | engine | ms | TFLOP/s | max abs diff vs cuDNN |")
     print("| --- | --- | ---: | ---: | ---: |")
-    for name, shape, c_out, kernel, pad_w in LAYERS:
+    wanted = [p for p in args.layers.split(",") if p]
+    best: dict[str, dict[str, tuple[float, float]]] = {}  # engine -> layer -> (TFLOP/s, decode TFLOP)
+    for name, shape, c_out, kernel, pad_w, decode_tflop in LAYERS:
+        if wanted and not any(name.startswith(p) for p in wanted):
+            continue
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         c_in = shape[-1]
         fmt = torch.channels_last_3d if len(kernel) == 3 else torch.channels_last
@@ -77,8 +99,20 @@ def main() -> None:
         flop = 2.0 * expected.numel() * c_in * torch.tensor(kernel).prod().item()
         ms = _time(cudnn, args.repeats)
         print(f"| {name} | cuDNN | {ms:.3f} | {flop / ms / 1e9:.0f} | 0 |", flush=True)
+        best.setdefault("cuDNN", {})[name] = (flop / ms / 1e9, decode_tflop)
+        engines = args.engines.split(",")
+        if "cutlass" in engines and c_in % 64 == 0 and c_out % 64 == 0:
+            for config in configs:
+                run = partial(conv_cutlass, ops, x, w, None, pad_w, config)
+                diff = (run().float() - expected.float()).abs().max().item()
+                ms = _time(run, args.repeats)
+                tflops = flop / ms / 1e9
+                print(f"| {name} | CUTLASS {config} | {ms:.3f} | {tflops:.0f} | {diff:.3g} |", flush=True)
+                best.setdefault(f"CUTLASS {config}", {})[name] = (tflops, decode_tflop)
+        if "triton" not in engines:
+            continue
         own = conv_channels_last(x, w, pad_w=pad_w)
-        for tiles in TILES:
+        for tiles in TILES if args.triton_tiles else TILES[:1]:
             run = partial(conv_channels_last, x, w, pad_w=pad_w, tiles=tiles)
             got = run()
             diff = (got.float() - expected.float()).abs().max().item()
@@ -86,6 +120,16 @@ def main() -> None:
             ms = _time(run, args.repeats)
             label = f"Triton {tiles or 'own tiles'}"
             print(f"| {name} | {label} | {ms:.3f} | {flop / ms / 1e9:.0f} | {diff:.3g}{same} |", flush=True)
+            if tiles is None:
+                best.setdefault("Triton", {})[name] = (flop / ms / 1e9, decode_tflop)
+    # A decode's conv time if every layer class ran at the rate measured here (layers an engine cannot
+    # run are left out of its row, and of cuDNN's row beside it).
+    print("\n| engine | layers | decode TFLOP | seconds at these rates | TFLOP/s averaged over the decode |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for engine, rows in best.items():
+        tflop = sum(t for _, t in rows.values())
+        seconds = sum(t / (r / 1e3) for r, t in rows.values())
+        print(f"| {engine} | {len(rows)} | {tflop:.1f} | {seconds:.3f} | {tflop / seconds * 1e3:.0f} |")
 
 
 if __name__ == "__main__":

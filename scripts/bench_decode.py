@@ -118,6 +118,7 @@ class _CountingOps:
     def __init__(self, ops):
         self.ops = ops
         self.bytes = {"rms_norm": 0, "phase_interleave": 0, "head_to_uint8": 0}
+        self.flop = 0.0  # of the CUTLASS convs
 
     def rms_norm_silu(self, x, gamma, bias, residual, sum_out, out, silu, history, normalize):
         tensors = 2 + (residual is not None) + (sum_out is not None)
@@ -135,6 +136,13 @@ class _CountingOps:
     def head_to_uint8(self, y, bias, out):
         self.bytes["head_to_uint8"] += y.numel() * 2 + out.numel()
         return self.ops.head_to_uint8(y, bias, out)
+
+    def conv_cutlass(self, x, weight, bias, out, pad_w, config):
+        self.flop += 2.0 * out.numel() * weight[0].numel()
+        return self.ops.conv_cutlass(x, weight, bias, out, pad_w, config)
+
+    def __getattr__(self, name):  # everything else (cutlass_conv_configs) is the extension's
+        return getattr(self.ops, name)
 
 
 def profile_kernel_path(run, z, kernel=None) -> list[tuple[str, float]]:
@@ -159,6 +167,8 @@ def profile_kernel_path(run, z, kernel=None) -> list[tuple[str, float]]:
         total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
         if "implicit_gemm_conv" in name:
             group = "fixed-order convs (Triton, low resolution)"
+        elif "convuniversal" in name or "persistent_conv" in name:
+            group = "fixed-order convs (CUTLASS)"
         elif any(s in name for s in ("conv", "xmma", "cutlass", "implicit", "gemm", "sm90", "cudnn", "nhwc")):
             group = "convolutions / GEMMs (cuDNN, cuBLAS)"
         elif "rms_norm" in name:
@@ -179,6 +189,14 @@ def profile_kernel_path(run, z, kernel=None) -> list[tuple[str, float]]:
                 if op in name:
                     kernel_seconds[op] = kernel_seconds.get(op, 0.0) + total / 1e6
     rows = sorted(groups.items(), key=lambda kv: -kv[1])
+    cutlass_seconds = groups.get("fixed-order convs (CUTLASS)")
+    if counting is not None and cutlass_seconds:
+        rows.append(
+            (
+                f"  CUTLASS convs: {counting.flop / 1e12:.0f} TFLOP at {counting.flop / cutlass_seconds / 1e12:.0f} TFLOP/s",
+                0.0,
+            )
+        )
     if counting is not None:
         for op, moved in counting.bytes.items():
             if kernel_seconds.get(op):
@@ -199,10 +217,10 @@ def main() -> None:
     parser.add_argument(
         "--kernel-variants",
         default="4:2",
-        help="comma-separated CHUNK:TAIL[:bench][:det][:cudnn] of the kernel path (latent frames per chunk : "
-        "video frames per pass through the high-resolution stages [: torch.backends.cudnn.benchmark] "
-        "[: cudnn.deterministic] [: cuDNN also for the low-resolution convs instead of the fixed-order kernel]); "
-        "one row each",
+        help="comma-separated CHUNK:TAIL[:bench][:det][:triton][:cudnn][:cfg=NAME] of the kernel path (latent "
+        "frames per chunk : video frames per pass through the high-resolution stages [: torch.backends.cudnn.benchmark] "
+        "[: cudnn.deterministic] [: no CUTLASS conv: the Triton conv at low resolution, cuDNN above] [: cuDNN for "
+        "every conv] [: one CUTLASS tile configuration for every layer]); one row each",
     )
     parser.add_argument("--skip-diffusers", action="store_true", help="only our two paths")
     parser.add_argument("--skip-reference", action="store_true", help="no timing of our bf16 reference")
@@ -273,9 +291,16 @@ def main() -> None:
         print(name, json.dumps(row), flush=True)
         return run, keep
 
-    def build_kernel(chunk: int, tail: int, fixed_order: bool):
+    def build_kernel(chunk: int, tail: int, fixed_order: bool, cutlass: bool, config: str | None):
         ref = reference_decoder(state, torch.bfloat16)
-        kernel = WanKernelDecoder(ref, load_kernel(), tail_frames=tail, fixed_order_convs=fixed_order)
+        kernel = WanKernelDecoder(
+            ref,
+            load_kernel(),
+            tail_frames=tail,
+            fixed_order_convs=fixed_order,
+            cutlass_convs=None if cutlass else False,
+            cutlass_config=config,
+        )
         return ours(kernel, chunk), kernel
 
     def build_reference():
@@ -288,12 +313,16 @@ def main() -> None:
         autotune = "bench" in parts[2:]
         deterministic = "det" in parts[2:]
         fixed_order = "cudnn" not in parts[2:]
+        cutlass = fixed_order and "triton" not in parts[2:]
+        config = next((p.removeprefix("cfg=") for p in parts[2:] if p.startswith("cfg=")), None)
         torch.backends.cudnn.benchmark = autotune
         torch.backends.cudnn.deterministic = deterministic
         flags = (", cudnn.benchmark" if autotune else "") + (", cudnn.deterministic" if deterministic else "")
         flags += "" if fixed_order else ", cuDNN for every conv"
+        flags += "" if cutlass or not fixed_order else ", no CUTLASS: Triton + cuDNN convs"
+        flags += f", CUTLASS {config} everywhere" if config else ""
         name = f"pan2cli kernel (bf16, chunk {chunk}, tail {tail}{flags})"
-        kernel_run, kernel = measure(name, lambda: build_kernel(chunk, tail, fixed_order))
+        kernel_run, kernel = measure(name, lambda: build_kernel(chunk, tail, fixed_order, cutlass, config))
         if args.profile:
             results.setdefault("profile", {})[name] = profile = profile_kernel_path(kernel_run, z, kernel)
             for group, seconds in profile:

@@ -6,6 +6,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <string>
+#include <vector>
+
 #include "decode_kernels.h"
 
 namespace {
@@ -153,6 +156,61 @@ void head_to_uint8(const Tensor& y, const Tensor& bias, Tensor out) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Implicit-GEMM conv (conv_cutlass*.cu). x [N, D, H, W, C] bf16 with (W, C) dense and 16-byte aligned
+// strides; weight [K, C, KT, KH, KW] bf16 in channels-last memory ([K, KT, KH, KW, C] dense); bias [K]
+// fp32; out [N, D-KT+1, H-KH+1, W+2*pad_w-KW+1, K] bf16 contiguous. `config` indexes cutlass_conv_configs().
+void conv_cutlass(const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor out, int64_t pad_w,
+                  int64_t config) {
+    CHECK_BF16_CUDA(x, "x");
+    CHECK_BF16_CUDA(weight, "weight");
+    CHECK_BF16_CUDA(out, "out");
+    TORCH_CHECK(x.dim() == 5 && weight.dim() == 5 && out.dim() == 5, "x, weight and out must be 5-D");
+    const int64_t C = x.size(4), K = weight.size(0);
+    TORCH_CHECK(C % 64 == 0 && K % 8 == 0, "channels: C must be a multiple of 64 and K of 8, got ", C, ", ", K);
+    TORCH_CHECK(weight.size(1) == C, "weight has ", weight.size(1), " input channels, x has ", C);
+    TORCH_CHECK(x.stride(4) == 1 && x.stride(3) == C, "x must be dense over (W, C), got strides ", x.strides());
+    for (int i = 0; i < 3; ++i)
+        TORCH_CHECK(x.stride(i) % 8 == 0, "x: strides must be multiples of 8 elements, got ", x.strides());
+    const Tensor w = weight.permute({0, 2, 3, 4, 1});
+    TORCH_CHECK(w.is_contiguous(), "weight must be channels-last");
+    CHECK_F32_VECTOR(bias, "bias", K);
+    const int64_t KT = weight.size(2), KH = weight.size(3), KW = weight.size(4);
+    TORCH_CHECK(out.is_contiguous() && out.size(0) == x.size(0) && out.size(1) == x.size(1) - KT + 1 &&
+                    out.size(2) == x.size(2) - KH + 1 && out.size(3) == x.size(3) + 2 * pad_w - KW + 1 &&
+                    out.size(4) == K,
+                "out ", out.sizes(), " does not match the conv of x ", x.sizes(), " and weight ", weight.sizes());
+    wan22::ConvParams p{};
+    p.x = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
+    for (int i = 0; i < 4; ++i) p.x_strides[i] = x.stride(i);
+    p.n = static_cast<int>(x.size(0));
+    p.d = static_cast<int>(x.size(1));
+    p.h = static_cast<int>(x.size(2));
+    p.w = static_cast<int>(x.size(3));
+    p.c = static_cast<int>(C);
+    p.weight = reinterpret_cast<const __nv_bfloat16*>(w.data_ptr());
+    p.k = static_cast<int>(K);
+    p.kt = static_cast<int>(KT);
+    p.kh = static_cast<int>(KH);
+    p.kw = static_cast<int>(KW);
+    p.bias = bias.data_ptr<float>();
+    p.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+    p.pad_w = static_cast<int>(pad_w);
+    if (out.numel() == 0) return;
+    const c10::cuda::CUDAGuard guard(x.device());
+    const size_t bytes = wan22::conv_cutlass_workspace(p, static_cast<int>(config));
+    Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
+    const char* error = wan22::conv_cutlass(p, static_cast<int>(config), bytes ? workspace.data_ptr() : nullptr,
+                                            bytes, c10::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(error == nullptr, "conv_cutlass (", x.sizes(), " * ", weight.sizes(), "): ", error);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::vector<std::string> cutlass_conv_configs() {
+    int count = 0;
+    const char* const* names = wan22::cutlass_conv_configs(&count);
+    return std::vector<std::string>(names, names + count);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -164,4 +222,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("shortcut"), py::arg("out"), py::arg("factor_t"), py::arg("frame_offset"));
     m.def("head_to_uint8", &head_to_uint8, "conv_out epilogue: bias, unpatchify, clamp, uint8", py::arg("y"),
           py::arg("bias"), py::arg("out"));
+    m.def("conv_cutlass", &conv_cutlass, "implicit-GEMM conv (CUTLASS, fixed summation order) + bias into `out`",
+          py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("pad_w"), py::arg("config"));
+    m.def("cutlass_conv_configs", &cutlass_conv_configs,
+          "the conv tile configurations of this build, in `config` order (empty without CUTLASS)");
 }

@@ -3,6 +3,7 @@
 // channels; a "frame" is H*W rows.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -62,5 +63,26 @@ struct HeadParams {
     int frames, height, width;
 };
 void head_to_uint8(const HeadParams& p, cudaStream_t stream);
+
+// Implicit-GEMM convolution (conv_cutlass*.cu): y = conv(x, weight) + bias, fp32 accumulation in one fixed
+// order per layer and configuration, one bf16 rounding. Channels-last bf16; H of x already holds the
+// halo rows, only W is zero-padded (pad_w columns each side); stride 1, no dilation.
+struct ConvParams {
+    const __nv_bfloat16* x;  // [N, D, H, W, C], strides in elements (C contiguous, a multiple of 64)
+    int64_t x_strides[4];    // N, D, H, W strides
+    int n, d, h, w, c;
+    const __nv_bfloat16* weight;  // [K, KT, KH, KW, C] dense
+    int k, kt, kh, kw;
+    const float* bias;   // [K] fp32; zeros for a layer without bias (acc + 0 is acc)
+    __nv_bfloat16* out;  // [N, D - KT + 1, H - KH + 1, W + 2 pad_w - KW + 1, K] dense
+    int pad_w;
+};
+// The tile configurations compiled into this build ("128x128", ...), in the order of `config` below;
+// empty where the build had no CUTLASS (then conv_cutlass returns an error).
+const char* const* cutlass_conv_configs(int* count);
+// nullptr on success, else the reason the configuration cannot run the problem.
+const char* conv_cutlass(const ConvParams& p, int config, void* workspace, size_t workspace_bytes,
+                         cudaStream_t stream);
+size_t conv_cutlass_workspace(const ConvParams& p, int config);
 
 }  // namespace wan22

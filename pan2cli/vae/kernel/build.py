@@ -39,7 +39,34 @@ EXTENSION = "wan22_vae_decode"
 # Compute capability -> the arch-specific target we compile for (wgmma/TMA need the `a` variants).
 SUPPORTED_ARCHS = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
 
+# Arch -> the CUTLASS conv collectives compiled for it (conv_cutlass.cuh): sm90 (TMA + wgmma) or sm100
+# (tcgen05). sm_103a has none yet: its convs run in the Triton kernel.
+CUTLASS_CONV_TARGETS = {"sm_90a": 90, "sm_100a": 100}
+
 _loaded: dict[str, SimpleNamespace] = {}
+
+
+def cutlass_include_dirs() -> list[Path]:
+    """The CUTLASS headers of the pinned `nvidia-cutlass` wheel (its `cutlass_library/source`), or []
+    where it is not installed (the build then has no CUTLASS conv, and the Triton conv runs instead).
+    Found without importing the package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    source = Path(next(iter(spec.submodule_search_locations))) / "source"
+    dirs = [source / "include", source / "tools" / "util" / "include"]
+    return dirs if all(d.is_dir() for d in dirs) else []
+
+
+def _cutlass_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nvidia-cutlass")
+    except PackageNotFoundError:
+        return "none"
 
 
 @dataclass(frozen=True)
@@ -79,8 +106,14 @@ class KernelSpec:
     def cuda_flags(self) -> list[str]:
         number = self.arch.removeprefix("sm_")
         # Only the present GPU's arch: `-gencode` keeps nvcc from adding a plain sm_XX pass that rejects
-        # arch-specific instructions.
-        return ["-O3", "-std=c++17", f"-gencode=arch=compute_{number},code={self.arch}", "--use_fast_math"]
+        # arch-specific instructions. NDEBUG: a device-side assert is a function call, across which ptxas
+        # serialises CUTLASS's wgmma pipeline (warning C7510, a large slowdown).
+        flags = ["-O3", "-std=c++17", f"-gencode=arch=compute_{number},code={self.arch}", "--use_fast_math"]
+        flags.append("-DNDEBUG")
+        conv = CUTLASS_CONV_TARGETS.get(self.arch)
+        if conv is not None and cutlass_include_dirs():
+            flags.append(f"-DPAN2_CUTLASS_CONV={conv}")
+        return flags
 
 
 def kernel_sources() -> tuple[Path, ...]:
@@ -102,6 +135,7 @@ def kernel_spec(arch: str) -> KernelSpec:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     digest.update(" ".join(KernelSpec(arch, (), "").cuda_flags).encode())
+    digest.update(_cutlass_version().encode())  # other headers, another build
     return KernelSpec(arch, sources, digest.hexdigest()[:16])
 
 
@@ -221,6 +255,7 @@ def load_kernel(device: torch.device | None = None) -> SimpleNamespace:
                         sources=[str(p) for p in spec.sources if p.suffix in (".cu", ".cpp")],
                         extra_cflags=["-O3", "-std=c++17"],
                         extra_cuda_cflags=spec.cuda_flags,
+                        extra_include_paths=[str(d) for d in cutlass_include_dirs()],
                         build_directory=str(spec.build_dir),
                         verbose=True,
                     )

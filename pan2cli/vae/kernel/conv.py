@@ -1,4 +1,12 @@
-"""Implicit-GEMM convolution (Triton) whose every output has one fixed reduction order.
+"""Implicit-GEMM convolutions whose every output has one fixed reduction order: CUTLASS, and Triton.
+
+Two engines, chosen per layer (`cutlass_applies`, then the decoder's resolution rule), never by the problem's size:
+
+* `cutlass`: the compiled extension's warp-specialised conv (kernels/wan22_vae_decode/conv_cutlass.cuh:
+  TMA im2col loads, wgmma, one tile configuration per layer, no split-K) for every layer whose input and
+  output channels are multiples of 64, on GPUs it is built for (sm_90a; sm_100a compiles);
+* `triton`: the kernel below, for the 48-channel inputs (conv_in, post_quant_conv) and where the
+  extension has no CUTLASS conv. Its order:
 
 cuDNN picks its algorithm per problem shape, and on the decoder's low-resolution 1024-channel layers it
 picks others for a band of rows (a rank's share under a row split) or for another number of frames (a
@@ -27,6 +35,65 @@ from __future__ import annotations
 import torch
 
 from pan2cli.triton_support import triton_interpreting
+
+
+def cutlass_applies(c_in: int, c_out: int, cutlass_configs: tuple[str, ...]) -> bool:
+    """Whether a layer runs in the CUTLASS engine: the build has it, and whole 64-channel reduction steps
+    and 16-byte output rows. By channel counts only, which a row split, a chunk size or a video size never
+    change: every rank and every chunk run a layer in the same engine and tile, hence the same bits."""
+    return bool(cutlass_configs) and c_in % 64 == 0 and c_out % 64 == 0
+
+
+def cutlass_config(c_out: int, configs: tuple[str, ...], override: str | None = None) -> int:
+    """Index (into the build's `cutlass_conv_configs`) of the tile configuration of a layer with `c_out`
+    output channels. By the layer only (module docstring). `override` names one (benchmarks)."""
+    name = override or ("128x256p" if "128x256p" in configs else configs[0])
+    return configs.index(name)
+
+
+def conv_cutlass(
+    ops,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    pad_w: int = 0,
+    config: str | None = None,
+) -> torch.Tensor:
+    """`conv_channels_last`'s function in the CUTLASS engine (same arguments; `ops` the loaded extension).
+
+    Summation order: over K = (channel, kw, kh, kt) in the collective's order, 64 channels a step, one
+    tile per layer: a function of the layer alone (bit-identical for any N, D, H, W). The bias is added
+    in fp32 to the fp32 sum, then one bf16 rounding (as the Triton engine does).
+    """
+    two_d = x.dim() == 4
+    if two_d:
+        x, weight = x.unsqueeze(1), weight.unsqueeze(2)
+    b, t_in, h_in, w_in, _ = x.shape
+    c_out, _, kt, kh, kw = weight.shape
+    out = torch.empty(
+        b,
+        t_in - kt + 1,
+        h_in - kh + 1,
+        w_in + 2 * pad_w - kw + 1,
+        c_out,
+        dtype=torch.bfloat16,
+        device=x.device,
+    )
+    if bias is None:
+        bias = _zeros(c_out, x.device)
+    ops.conv_cutlass(x, weight, bias, out, pad_w, cutlass_config(c_out, ops.cutlass_conv_configs, config))
+    return out.squeeze(1) if two_d else out
+
+
+_zero_bias: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _zeros(c_out: int, device: torch.device) -> torch.Tensor:
+    """A layer without bias adds fp32 zeros: acc + 0 is acc, so the output is the plain rounded sum."""
+    key = (c_out, device)
+    if key not in _zero_bias:
+        _zero_bias[key] = torch.zeros(c_out, dtype=torch.float32, device=device)
+    return _zero_bias[key]
 
 
 def block_k(c_in: int) -> int:

@@ -2,9 +2,11 @@
 
 Same function as `WanVAEDecoder` (docs/wan22_vae.md), organised so that the time goes to convolutions:
 
-* activations are channels-last bf16 `(B, T, H, W, C)` end to end; convolutions run in cuDNN through
-  ATen on channels-last views (fp32 accumulation) or, at low resolution, in `conv.py`, with zero
-  width padding implicit in the conv and explicit halo rows;
+* activations are channels-last bf16 `(B, T, H, W, C)` end to end; convolutions run in the fixed-order
+  engines of `conv.py` (CUTLASS for every layer of 64k channels where the build has it; Triton for the
+  48-channel inputs, and at low resolution where it has not) or in cuDNN through ATen on channels-last
+  views (conv_out; the high resolutions without CUTLASS), with zero width padding implicit in the conv
+  and explicit halo rows;
 * every causal conv reads one buffer `(B, 2 + t, H, W, C)` whose first two frames are its history: the
   fused RMS norm + SiLU kernel writes the chunk straight behind them (no `cat`, no `pad`); conv biases,
   residual adds and the next norm are one kernel (`rms_norm_silu` with `bias`, `residual`, `sum_out`);
@@ -13,8 +15,8 @@ Same function as `WanVAEDecoder` (docs/wan22_vae.md), organised so that the time
   upsampled frame;
 * the head is conv_out then one kernel for bias + unpatchify + clamp + uint8.
 
-Numerics: bf16 storage, fp32 accumulation in the convolutions (cuDNN at the two highest resolutions; the
-fixed-order Triton kernel of `conv.py` below them, whose sums do not depend on the problem's shape)
+Numerics: bf16 storage, fp32 accumulation in the convolutions (the fixed-order engines of `conv.py`,
+whose sums do not depend on the problem's shape; cuDNN for conv_out and where they do not apply)
 and fp32 math in every norm and epilogue, one bf16 rounding per stored tensor. Frames leave as uint8 `(B, f, 16h, 16w, 3)`.
 """
 
@@ -104,6 +106,11 @@ class WanKernelDecoder:
             the fixed-order Triton kernel (`pan2cli.vae.kernel.conv`), so that chunk sizes and row splits
             round alike; cuDNN otherwise (~7 % faster on an H200, but chunk sizes and splits then differ by
             a few uint8 levels with random weights). Default: on for CUDA where Triton is installed.
+            Layers that run in CUTLASS (below) are fixed-order either way.
+        cutlass_convs: run every conv of 64k input and output channels in the extension's CUTLASS conv
+            (fixed order at every resolution). Default: where the build has it (`ops.cutlass_conv_configs`).
+        cutlass_config: one tile configuration for every CUTLASS layer instead of each layer's own
+            (benchmarks; any fixed choice keeps the summation order per layer).
     """
 
     # A resampler's stacked phase output is 4x its output frame at the input resolution (227 MB per
@@ -116,6 +123,8 @@ class WanKernelDecoder:
         ops,
         tail_frames: int = 2,
         fixed_order_convs: bool | None = None,
+        cutlass_convs: bool | None = None,
+        cutlass_config: str | None = None,
     ):
         self.config = reference.config
         self.device = reference.device
@@ -126,6 +135,13 @@ class WanKernelDecoder:
         if fixed_order_convs is None:
             fixed_order_convs = self.device.type == "cuda" and triton_available()
         self.fixed_order_convs = fixed_order_convs
+        configs = tuple(getattr(ops, "cutlass_conv_configs", ()))
+        if cutlass_convs is False:
+            configs = ()
+        elif cutlass_convs and not configs:
+            raise ValueError("cutlass_convs=True, but the loaded kernel build has no CUTLASS convolution")
+        self._cutlass_configs = configs
+        self.cutlass_config = cutlass_config
         self._fixed_order_width = 0  # set per decode: twice the latent width
         # The structure we walk; the weights are copied below in the kernel's layout, so the caller can
         # drop the reference (and its copy of the weights).
@@ -230,13 +246,25 @@ class WanKernelDecoder:
             history.copy_(buf[:, t : t + 2])
 
     def _fixed_order(self, width: int, c_in: int) -> bool:
-        """Whether a conv on frames `width` wide runs in the fixed-order kernel (`conv.py`) or in cuDNN.
+        """Whether a conv on frames `width` wide runs in the fixed-order Triton kernel (`conv.py`) or in cuDNN
+        (layers that CUTLASS runs are decided before this, `_engine`).
 
         The latent and 2x-latent resolutions (1024 channels): there cuDNN's algorithm, hence its rounding,
         changes with the band height and the frame count. Decided by the width, which a row split leaves
         whole, so every rank and every chunk size decide alike.
         """
         return self.fixed_order_convs and width <= self._fixed_order_width and conv.applies(c_in)
+
+    def _engine(self, width: int, c_in: int, c_out: int) -> str:
+        """ "cutlass", "triton" or "cudnn" for a conv: by channels and width only (`_fixed_order`)."""
+        if conv.cutlass_applies(c_in, c_out, self._cutlass_configs):
+            return "cutlass"
+        return "triton" if self._fixed_order(width, c_in) else "cudnn"
+
+    def _fixed_order_conv(self, engine: str, x, weight, bias=None, pad_w: int = 0) -> torch.Tensor:
+        if engine == "cutlass":
+            return conv.conv_cutlass(self.ops, x, weight, bias, pad_w=pad_w, config=self.cutlass_config)
+        return conv.conv_channels_last(x, weight, bias, pad_w=pad_w)
 
     def _conv(
         self, buf: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fresh: bool = False
@@ -250,8 +278,9 @@ class WanKernelDecoder:
             buf, weight = buf[:, 2:], weight[:, :, 2:].contiguous(memory_format=torch.channels_last_3d)
         # 3x3 convs read halo rows from the buffer (padding W only); (3, 1, 1) convs need none.
         pad_w = weight.shape[4] // 2
-        if self._fixed_order(buf.shape[3], buf.shape[4]):
-            return conv.conv_channels_last(buf, weight, bias, pad_w=pad_w)
+        engine = self._engine(buf.shape[3], buf.shape[4], weight.shape[0])
+        if engine != "cudnn":
+            return self._fixed_order_conv(engine, buf, weight, bias, pad_w=pad_w)
         bias = None if bias is None else bias.to(torch.bfloat16)
         out = F.conv3d(buf.permute(0, 4, 1, 2, 3), weight, bias, padding=(0, 0, pad_w))
         return out.permute(0, 2, 3, 4, 1)
@@ -378,14 +407,15 @@ class WanKernelDecoder:
         # batch (cuDNN's algorithm, hence its rounding, depends on it).
         full_h = h if self._rows is None else self._rows.total_rows(h)
         group = max(1, self.phase_bytes_per_pass // ((full_h + 1) * (w + 1) * 4 * c * 2)) if b == 1 else t
-        fixed_order = self._fixed_order(w, c)
+        phase_weight = self._w(prefix + ".phases")
+        engine = self._engine(w, c, phase_weight.shape[0])
         for f in range(0, t, group):
-            if fixed_order:
-                phases = conv.conv_channels_last(frames[f : f + group], self._w(prefix + ".phases"), pad_w=1)
+            if engine != "cudnn":
+                phases = self._fixed_order_conv(engine, frames[f : f + group], phase_weight, pad_w=1)
             else:
                 phases = F.conv2d(
                     frames[f : f + group].permute(0, 3, 1, 2),
-                    self._w(prefix + ".phases"),
+                    phase_weight,
                     None,
                     padding=(0, 1),
                 )
@@ -471,8 +501,9 @@ class WanKernelDecoder:
         (a 1x1x1 conv: per chunk is the same function, and nothing of the size of the video is kept)."""
         x = z.to(self.device, torch.bfloat16).permute(0, 2, 3, 4, 1).contiguous()  # (B, t, h, w, z)
         w = self._w("post_quant_conv.weight")
-        if self._fixed_order(x.shape[3], x.shape[4]):  # the row split and chunk size must not change its GEMM
-            return conv.conv_channels_last(x, w, self._w("post_quant_conv.bias"))
+        engine = self._engine(x.shape[3], x.shape[4], w.shape[0])
+        if engine != "cudnn":  # the row split and chunk size must not change its GEMM
+            return self._fixed_order_conv(engine, x, w, self._w("post_quant_conv.bias"))
         return F.linear(
             x, w.reshape(w.shape[0], w.shape[1]), self._w("post_quant_conv.bias").to(torch.bfloat16)
         )

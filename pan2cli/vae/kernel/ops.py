@@ -22,12 +22,16 @@ _OP_SCHEMAS = {
     "int factor_t, int frame_offset) -> ()",
     # out [N, 2H, 2W, 3] uint8 = round((clamp(unpatchify(y [N, H, W, 12] bf16 + bias [12] fp32)) + 1) * 127.5).
     "head_to_uint8": "head_to_uint8(Tensor y, Tensor bias, Tensor(a!) out) -> ()",
+    # out [N, D-KT+1, H-KH+1, W+2*pad_w-KW+1, K] bf16 = conv(x [N, D, H, W, C] bf16, weight [K, C, KT, KH, KW]
+    # bf16 channels-last) + bias [K] fp32: fp32 accumulation in a fixed order, one bf16 rounding.
+    # `config` indexes the build's tile configurations (`cutlass_conv_configs`).
+    "conv_cutlass": "conv_cutlass(Tensor x, Tensor weight, Tensor bias, Tensor(a!) out, int pad_w, int config) -> ()",
 }
 _library: list[torch.library.Library] = []  # the `pan2` op namespace, defined once per process
 
 
 def register_ops(module: ModuleType) -> SimpleNamespace:
-    """Expose the extension's three ops as `torch.ops.pan2.*`, with shape-only fakes for `torch.compile`.
+    """Expose the extension's ops as `torch.ops.pan2.*`, with shape-only fakes for `torch.compile`.
 
     Registered through `torch.library.Library` (schema, CUDA kernel, fake), not `torch.library.custom_op`:
     a custom op's first call imports torch's whole compiler stack (torch._dynamo, sympy: about 3 s,
@@ -45,7 +49,10 @@ def register_ops(module: ModuleType) -> SimpleNamespace:
             torch.library.register_fake(f"pan2::{name}", lambda *args, **kwargs: None, lib=library)
         _library.append(library)
     _extension.append(module)
-    return SimpleNamespace(**{name: getattr(torch.ops.pan2, name) for name in _OP_SCHEMAS})
+    ops = {name: getattr(torch.ops.pan2, name) for name in _OP_SCHEMAS}
+    # The conv tile configurations compiled in (none: a build without the CUTLASS headers, or a stand-in).
+    configs = getattr(module, "cutlass_conv_configs", None)
+    return SimpleNamespace(**ops, cutlass_conv_configs=tuple(configs()) if configs else ())
 
 
 def _calling_the_extension(name: str):

@@ -42,9 +42,31 @@ def kernel_status(device: torch.device | None = None) -> KernelStatus:
         if built
         else f"compiled kernel ({arch}, bf16): built on first use (about a minute), or now with `pan2 kernels build`"
     )
-    convs = (
-        "cuDNN at the two highest resolutions, the fixed-order Triton kernel below (chunk sizes and GPU splits round alike)"
-        if triton_available()
-        else "cuDNN everywhere: Triton is not installed, so chunk sizes and GPU splits may round a few levels apart"
+    return KernelStatus(arch, built, spec.build_dir, path, conv_engines(spec), convs_compiled(arch))
+
+
+def conv_engines(spec) -> str:
+    """Which engine runs each group of the decoder's convolutions with this build (`WanKernelDecoder._engine`)."""
+    triton = triton_available()
+    small = (
+        "the fixed-order Triton kernel for conv_in and post_quant_conv (48 input channels)"
+        if triton
+        else "cuDNN for conv_in and post_quant_conv (Triton is not installed)"
     )
-    return KernelStatus(arch, built, spec.build_dir, path, convs, convs_compiled(arch))
+    if any(flag.startswith("-DPAN2_CUTLASS_CONV=") for flag in spec.cuda_flags):
+        kernel = (
+            "our persistent warp-specialised CUTLASS conv (TMA im2col loads, wgmma; 128x256 tiles)"
+            if spec.arch == "sm_90a"
+            else "CUTLASS's implicit-GEMM conv (tcgen05; 128x128 tiles)"
+        )
+        return (
+            f"{kernel} for every 3x3x3, time and phase conv at every resolution (fixed summation order: chunk "
+            f"sizes and GPU splits round alike); {small}; cuDNN for conv_out (12 output channels)"
+        )
+    if triton:
+        return (
+            "cuDNN at the two highest resolutions and for conv_out, the fixed-order Triton kernel below (chunk "
+            "sizes and GPU splits round alike); no CUTLASS conv in this build (nvidia-cutlass not installed, or "
+            f"{spec.arch} has none)"
+        )
+    return "cuDNN everywhere: Triton is not installed, so chunk sizes and GPU splits may round a few levels apart"

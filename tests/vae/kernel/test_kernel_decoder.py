@@ -147,10 +147,14 @@ def test_fixed_order_convs_are_as_accurate_as_pytorch_convs(reference, monkeypat
 
         ops = load_kernel()
     truth = _uint8(reference, z)
-    fixed = WanKernelDecoder(_bf16(reference).to(device), ops, fixed_order_convs=True)
+    # The Triton engine for every layer it takes (a build without CUTLASS): CUTLASS would take the
+    # layers of 64k channels (tests/vae/kernel/test_conv_cutlass.py).
+    fixed = WanKernelDecoder(_bf16(reference).to(device), ops, fixed_order_convs=True, cutlass_convs=False)
     got = _uint8(fixed, z.to(device), 2)
     pytorch = _uint8(
-        WanKernelDecoder(_bf16(reference).to(device), ops, fixed_order_convs=False), z.to(device), 2
+        WanKernelDecoder(_bf16(reference).to(device), ops, fixed_order_convs=False, cutlass_convs=False),
+        z.to(device),
+        2,
     )
     assert widths and max(widths) == 2 * z.shape[-1]  # latent and 2x-latent convs ran in the kernel, no wider
     fixed_error = (got - truth).abs().float().mean().item()
@@ -192,10 +196,14 @@ def test_compiled_kernels_are_as_accurate_as_the_bf16_reference(reference, shape
 
 
 @pytest.mark.gpu
-def test_compiled_kernel_chunk_size_invariance(reference):
+@pytest.mark.parametrize("cutlass", [True, False], ids=["cutlass-convs", "triton-cudnn-convs"])
+def test_compiled_kernel_chunk_size_invariance(reference, cutlass):
     from pan2cli.vae.kernel.build import load_kernel
 
-    kernel = WanKernelDecoder(_bf16(reference).cuda(), load_kernel())
+    ops = load_kernel()
+    if cutlass and not ops.cutlass_conv_configs:
+        pytest.skip("this GPU's build has no CUTLASS conv")
+    kernel = WanKernelDecoder(_bf16(reference).cuda(), ops, cutlass_convs=cutlass)
     z = torch.randn(1, 48, 9, 4, 6, device="cuda")
     outputs = [_uint8(kernel, z, n) for n in (1, 2, 4, 8)]
     for out in outputs[1:]:

@@ -93,13 +93,23 @@ def test_build_log_keeps_the_whole_output_also_when_it_is_echoed(tmp_path, capfd
 
 
 def test_status_names_the_conv_engines(monkeypatch, tmp_path):
-    """On a kernel target, `pan2 kernels status` says whether the low-resolution convs run in the
-    fixed-order Triton kernel or, without Triton, in cuDNN with the rounding caveat."""
+    """On a kernel target, `pan2 kernels status` names the engine of each group of convolutions: the
+    CUTLASS conv where the build has it (sm_90a: our persistent kernel; sm_100a: CUTLASS's), else the
+    fixed-order Triton kernel at low resolution, else cuDNN with the rounding caveat."""
     monkeypatch.setenv("PAN2_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(status, "current_arch", lambda device=None: "sm_90a")
     for module in (build, status):
         monkeypatch.setattr(module, "triton_available", lambda: True)
-    assert "fixed-order Triton" in status.kernel_status().convs
+    monkeypatch.setattr(build, "cutlass_include_dirs", lambda: [tmp_path])
+    convs = status.kernel_status().convs
+    assert "persistent warp-specialised CUTLASS conv" in convs and "every resolution" in convs
+    assert "Triton kernel for conv_in and post_quant_conv" in convs and "cuDNN for conv_out" in convs
+    monkeypatch.setattr(status, "current_arch", lambda device=None: "sm_100a")
+    assert "CUTLASS's implicit-GEMM conv (tcgen05" in status.kernel_status().convs
+    monkeypatch.setattr(status, "current_arch", lambda device=None: "sm_90a")
+    monkeypatch.setattr(build, "cutlass_include_dirs", lambda: [])
+    convs = status.kernel_status().convs
+    assert "fixed-order Triton kernel below" in convs and "no CUTLASS conv" in convs
     for module in (build, status):
         monkeypatch.setattr(module, "triton_available", lambda: False)
     report = status.kernel_status()
