@@ -77,6 +77,14 @@ def main() -> None:
     )
     parser.add_argument("--layers", default="", help="comma-separated name prefixes (default: every layer)")
     args = parser.parse_args()
+    layer_tables(args.repeats, args.engines, args.layers, args.triton_tiles)
+
+
+def layer_tables(repeats: int, engines: str, layers: str = "", triton_tiles: bool = False) -> None:
+    """Print the per-layer table and the decode-weighted summary (also `bench_decode.py --conv-layers`)."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(repeats=repeats, engines=engines, layers=layers, triton_tiles=triton_tiles)
     from pan2cli.vae.kernel.build import load_kernel
 
     ops = load_kernel()

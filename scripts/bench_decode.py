@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -226,6 +228,12 @@ def main() -> None:
     parser.add_argument("--skip-reference", action="store_true", help="no timing of our bf16 reference")
     parser.add_argument("--profile", action="store_true", help="CUDA time of the kernel path by kernel group")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument(
+        "--conv-layers",
+        action="store_true",
+        help="first, per conv layer: our CUTLASS conv against cuDNN (and Triton) on the same shapes, in TFLOP/s "
+        "(scripts/bench_conv_kernel.py's table)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA GPU")
@@ -250,6 +258,11 @@ def main() -> None:
     load_kernel()
     results["kernel_load_seconds"] = time.perf_counter() - start
     print(f"kernel build/load: {results['kernel_load_seconds']:.1f} s", flush=True)
+    if args.conv_layers:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_conv_kernel import layer_tables
+
+        layer_tables(repeats=10, engines="cudnn,cutlass,triton")
 
     # fp32 reference, TF32 off (our reference switches it off itself in fp32)
     ref32 = reference_decoder(state, torch.float32)
