@@ -75,27 +75,37 @@ struct Config {
     using Conv = cutlass::conv::device::ConvUniversalAdapter<Kernel>;
 };
 
-template <class Cfg>
-typename Cfg::Conv::Arguments arguments(const ConvParams& p) {
-    using Problem = typename Cfg::Problem;
+// The conv problem of `p` (the activation's strides as given, the filter dense, W padded only).
+template <class Problem>
+Problem conv_problem(const ConvParams& p) {
     const int64_t c = p.c;
-    Problem problem(cutlass::conv::Mode::kCrossCorrelation,
-                    {p.n, p.d, p.h, p.w, p.c}, {p.x_strides[0], p.x_strides[1], p.x_strides[2], p.x_strides[3], 1},
-                    {p.k, p.kt, p.kh, p.kw, p.c}, {p.kt * p.kh * p.kw * c, p.kh * p.kw * c, p.kw * c, c, 1},
-                    {0, 0, p.pad_w}, {0, 0, p.pad_w}, {1, 1, 1}, {1, 1, 1}, 1);
-    typename Cfg::Kernel::StrideD stride_out{};
-    // The output is dense [N, D', H', W', K]: the M modes (W', H', D', N) take its strides, innermost first.
-    cute::for_each(cute::make_seq<cute::rank<0>(typename Cfg::Kernel::StrideD{})>{}, [&](auto i) {
+    return Problem(cutlass::conv::Mode::kCrossCorrelation,
+                   {p.n, p.d, p.h, p.w, p.c}, {p.x_strides[0], p.x_strides[1], p.x_strides[2], p.x_strides[3], 1},
+                   {p.k, p.kt, p.kh, p.kw, p.c}, {p.kt * p.kh * p.kw * c, p.kh * p.kw * c, p.kw * c, c, 1},
+                   {0, 0, p.pad_w}, {0, 0, p.pad_w}, {1, 1, 1}, {1, 1, 1}, 1);
+}
+
+// The epilogue's arguments: the dense output [N, D', H', W', K], whose M modes (W', H', D', N) take its
+// strides innermost first, no source tensor, acc + bias.
+template <class Epilogue, class Problem>
+typename Epilogue::Arguments epilogue_arguments(const ConvParams& p, const Problem& problem) {
+    typename Epilogue::StrideD stride_out{};
+    cute::for_each(cute::make_seq<cute::rank<0>(typename Epilogue::StrideD{})>{}, [&](auto i) {
         cute::get<0, i>(stride_out) = problem.stride_C[Problem::RankT - 2 - i];
     });
-    typename Cfg::Conv::Arguments args{
-        problem,
-        {reinterpret_cast<const Element*>(p.x), reinterpret_cast<const Element*>(p.weight)},
-        {{}, nullptr, stride_out, reinterpret_cast<Element*>(p.out), stride_out}};
-    args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.beta = 0.0f;
-    args.epilogue.thread.bias_ptr = p.bias;
+    typename Epilogue::Arguments args{{}, nullptr, stride_out, reinterpret_cast<Element*>(p.out), stride_out};
+    args.thread.alpha = 1.0f;
+    args.thread.beta = 0.0f;
+    args.thread.bias_ptr = p.bias;
     return args;
+}
+
+template <class Cfg>
+typename Cfg::Conv::Arguments arguments(const ConvParams& p) {
+    const auto problem = conv_problem<typename Cfg::Problem>(p);
+    return {problem,
+            {reinterpret_cast<const Element*>(p.x), reinterpret_cast<const Element*>(p.weight)},
+            epilogue_arguments<typename Cfg::Epilogue>(p, problem)};
 }
 
 // nullptr on success, else what CUTLASS refused.

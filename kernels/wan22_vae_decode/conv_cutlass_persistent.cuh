@@ -224,21 +224,10 @@ const char* run_persistent(const ConvParams& p, cudaStream_t stream) {
     using Mainloop = typename Cfg::Mainloop;
     using Epilogue = typename Cfg::Epilogue;
     using Problem = typename Cfg::Problem;
-    const int64_t c = p.c;
-    Problem problem(cutlass::conv::Mode::kCrossCorrelation,
-                    {p.n, p.d, p.h, p.w, p.c}, {p.x_strides[0], p.x_strides[1], p.x_strides[2], p.x_strides[3], 1},
-                    {p.k, p.kt, p.kh, p.kw, p.c}, {p.kt * p.kh * p.kw * c, p.kh * p.kw * c, p.kw * c, c, 1},
-                    {0, 0, p.pad_w}, {0, 0, p.pad_w}, {1, 1, 1}, {1, 1, 1}, 1);
-    typename Epilogue::StrideD stride_out{};
-    cute::for_each(cute::make_seq<cute::rank<0>(typename Epilogue::StrideD{})>{}, [&](auto i) {
-        cute::get<0, i>(stride_out) = problem.stride_C[Problem::RankT - 2 - i];
-    });
+    const auto problem = conv_problem<Problem>(p);
     typename Mainloop::Arguments mainloop_args{reinterpret_cast<const Element*>(p.x),
                                                reinterpret_cast<const Element*>(p.weight)};
-    typename Epilogue::Arguments epilogue_args{{}, nullptr, stride_out, reinterpret_cast<Element*>(p.out), stride_out};
-    epilogue_args.thread.alpha = 1.0f;
-    epilogue_args.thread.beta = 0.0f;
-    epilogue_args.thread.bias_ptr = p.bias;
+    const auto epilogue_args = epilogue_arguments<Epilogue>(p, problem);
     const auto transformed = cutlass::conv::detail::get_transformed_problem_shape_MNKL(problem);
     if (!Mainloop::can_implement(problem, mainloop_args) || !Epilogue::can_implement(transformed, epilogue_args)) {
         return "the problem is not supported by this tile configuration";
