@@ -82,9 +82,7 @@ def main() -> None:
 
 def layer_tables(repeats: int, engines: str, layers: str = "", triton_tiles: bool = False) -> None:
     """Print the per-layer table and the decode-weighted summary (also `bench_decode.py --conv-layers`)."""
-    from types import SimpleNamespace
-
-    args = SimpleNamespace(repeats=repeats, engines=engines, layers=layers, triton_tiles=triton_tiles)
+    engine_names = engines.split(",")
     from pan2cli.vae.kernel.build import load_kernel
 
     ops = load_kernel()
@@ -92,7 +90,7 @@ def layer_tables(repeats: int, engines: str, layers: str = "", triton_tiles: boo
     print(f"CUTLASS tile configurations of this build: {', '.join(configs) or 'none'}")
     print("| layer | engine | ms | TFLOP/s | max abs diff vs cuDNN |")
     print("| --- | --- | ---: | ---: | ---: |")
-    wanted = [p for p in args.layers.split(",") if p]
+    wanted = [p for p in layers.split(",") if p]
     best: dict[str, dict[str, tuple[float, float]]] = {}  # engine -> layer -> (TFLOP/s, decode TFLOP)
     for name, shape, c_out, kernel, pad_w, decode_tflop in LAYERS:
         if wanted and not any(name.startswith(p) for p in wanted):
@@ -105,27 +103,26 @@ def layer_tables(repeats: int, engines: str, layers: str = "", triton_tiles: boo
         cudnn = partial(_cudnn, x, w, pad_w)
         expected = cudnn()
         flop = 2.0 * expected.numel() * c_in * torch.tensor(kernel).prod().item()
-        ms = _time(cudnn, args.repeats)
+        ms = _time(cudnn, repeats)
         print(f"| {name} | cuDNN | {ms:.3f} | {flop / ms / 1e9:.0f} | 0 |", flush=True)
         best.setdefault("cuDNN", {})[name] = (flop / ms / 1e9, decode_tflop)
-        engines = args.engines.split(",")
-        if "cutlass" in engines and c_in % 64 == 0 and c_out % 64 == 0:
+        if "cutlass" in engine_names and c_in % 64 == 0 and c_out % 64 == 0:
             for config in configs:
                 run = partial(conv_cutlass, ops, x, w, None, pad_w, config)
                 diff = (run().float() - expected.float()).abs().max().item()
-                ms = _time(run, args.repeats)
+                ms = _time(run, repeats)
                 tflops = flop / ms / 1e9
                 print(f"| {name} | CUTLASS {config} | {ms:.3f} | {tflops:.0f} | {diff:.3g} |", flush=True)
                 best.setdefault(f"CUTLASS {config}", {})[name] = (tflops, decode_tflop)
-        if "triton" not in engines:
+        if "triton" not in engine_names:
             continue
         own = conv_channels_last(x, w, pad_w=pad_w)
-        for tiles in TILES if args.triton_tiles else TILES[:1]:
+        for tiles in TILES if triton_tiles else TILES[:1]:
             run = partial(conv_channels_last, x, w, pad_w=pad_w, tiles=tiles)
             got = run()
             diff = (got.float() - expected.float()).abs().max().item()
             same = "" if tiles is None else (", = own tiles" if torch.equal(got, own) else ", ≠ own tiles")
-            ms = _time(run, args.repeats)
+            ms = _time(run, repeats)
             label = f"Triton {tiles or 'own tiles'}"
             print(f"| {name} | {label} | {ms:.3f} | {flop / ms / 1e9:.0f} | {diff:.3g}{same} |", flush=True)
             if tiles is None:

@@ -2,7 +2,7 @@
 // dispatch between them: "128x128" is CUTLASS's own (non-persistent) conv kernel, "128x256p" our
 // persistent cooperative kernel over the same collectives (conv_cutlass_persistent.cuh; sm90 only), the
 // decode's default. Measured on an H200 (docs/KERNEL_NOTES.md): 256x128p and 128x256 with clusters of
-// // two (filter multicast) ran the decode no faster, so they are not built (PersistentConfig takes them).
+// two (filter multicast) ran the decode no faster, so they are not built (PersistentConfig takes them).
 // Which configuration a layer uses is the caller's choice, fixed per layer (pan2cli/vae/kernel/conv.py),
 // never by the problem's size: that is what keeps its summation order.
 #include "conv_cutlass.cuh"
@@ -32,17 +32,13 @@ const Entry kConfigs[] = {
 #endif
 };
 constexpr int kCount = sizeof(kConfigs) / sizeof(kConfigs[0]);
-const char* const kNames[] = {
-    "128x128",
-#if PAN2_CUTLASS_CONV == 90
-    "128x256p",
-#endif
-};
 }  // namespace
 
 const char* const* cutlass_conv_configs(int* count) {
+    static const char* names[kCount];  // the entries' names, in `config` order
+    for (int i = 0; i < kCount; ++i) names[i] = kConfigs[i].name;
     *count = kCount;
-    return kNames;
+    return names;
 }
 
 const char* conv_cutlass(const ConvParams& p, int config, void* workspace, size_t bytes, cudaStream_t stream) {

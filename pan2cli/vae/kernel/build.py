@@ -108,8 +108,13 @@ class KernelSpec:
         # Only the present GPU's arch: `-gencode` keeps nvcc from adding a plain sm_XX pass that rejects
         # arch-specific instructions. NDEBUG: a device-side assert is a function call, across which ptxas
         # serialises CUTLASS's wgmma pipeline (warning C7510, a large slowdown).
-        flags = ["-O3", "-std=c++17", f"-gencode=arch=compute_{number},code={self.arch}", "--use_fast_math"]
-        flags.append("-DNDEBUG")
+        flags = [
+            "-O3",
+            "-std=c++17",
+            f"-gencode=arch=compute_{number},code={self.arch}",
+            "--use_fast_math",
+            "-DNDEBUG",
+        ]
         conv = CUTLASS_CONV_TARGETS.get(self.arch)
         if conv is not None and cutlass_include_dirs():
             flags.append(f"-DPAN2_CUTLASS_CONV={conv}")

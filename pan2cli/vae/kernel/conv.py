@@ -44,9 +44,9 @@ def cutlass_applies(c_in: int, c_out: int, cutlass_configs: tuple[str, ...]) -> 
     return bool(cutlass_configs) and c_in % 64 == 0 and c_out % 64 == 0
 
 
-def cutlass_config(c_out: int, configs: tuple[str, ...], override: str | None = None) -> int:
-    """Index (into the build's `cutlass_conv_configs`) of the tile configuration of a layer with `c_out`
-    output channels. By the layer only (module docstring). `override` names one (benchmarks)."""
+def cutlass_config(configs: tuple[str, ...], override: str | None = None) -> int:
+    """Index (into the build's `cutlass_conv_configs`) of the tile configuration every layer runs with: one
+    for all, never chosen by the problem's size (module docstring). `override` names one (benchmarks)."""
     name = override or ("128x256p" if "128x256p" in configs else configs[0])
     return configs.index(name)
 
@@ -68,21 +68,19 @@ def conv_cutlass(
     two_d = x.dim() == 4
     if two_d:
         x, weight = x.unsqueeze(1), weight.unsqueeze(2)
+    out = _output(x, weight, pad_w)
+    if bias is None:
+        bias = _zeros(weight.shape[0], x.device)
+    ops.conv_cutlass(x, weight, bias, out, pad_w, cutlass_config(ops.cutlass_conv_configs, config))
+    return out.squeeze(1) if two_d else out
+
+
+def _output(x: torch.Tensor, weight: torch.Tensor, pad_w: int) -> torch.Tensor:
+    """The uninitialised `(B, T_out, H_out, W_out, C_out)` bf16 output of a 3-D conv of `x` by `weight`."""
     b, t_in, h_in, w_in, _ = x.shape
     c_out, _, kt, kh, kw = weight.shape
-    out = torch.empty(
-        b,
-        t_in - kt + 1,
-        h_in - kh + 1,
-        w_in + 2 * pad_w - kw + 1,
-        c_out,
-        dtype=torch.bfloat16,
-        device=x.device,
-    )
-    if bias is None:
-        bias = _zeros(c_out, x.device)
-    ops.conv_cutlass(x, weight, bias, out, pad_w, cutlass_config(c_out, ops.cutlass_conv_configs, config))
-    return out.squeeze(1) if two_d else out
+    shape = (b, t_in - kt + 1, h_in - kh + 1, w_in + 2 * pad_w - kw + 1, c_out)
+    return torch.empty(shape, dtype=torch.bfloat16, device=x.device)
 
 
 _zero_bias: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -160,8 +158,8 @@ def conv_channels_last(
     assert x.stride(0) % c_in == 0 and x.stride(1) % c_in == 0, x.stride()
     w = weight.permute(0, 2, 3, 4, 1)
     assert w.is_contiguous(), "weight must be channels-last"
-    t_out, h_out, w_out = t_in - kt + 1, h_in - kh + 1, w_in + 2 * pad_w - kw + 1
-    out = torch.empty(b, t_out, h_out, w_out, c_out, dtype=torch.bfloat16, device=x.device)
+    out = _output(x, weight, pad_w)
+    _, t_out, h_out, w_out, _ = out.shape
     m = b * t_out * h_out * w_out
     tiles = tiles or _tiles(c_out)
     if m:

@@ -27,12 +27,14 @@ def test_cutlass_runs_layers_of_64k_channels_only():
     assert not conv.cutlass_applies(1024, 1024, ())  # a build without CUTLASS
 
 
-def test_a_layers_tile_configuration_depends_on_the_layer_alone():
-    configs = ("128x128", "128x256p")
-    assert conv.cutlass_config(1024, configs) == conv.cutlass_config(1024, configs)
-    assert conv.cutlass_config(512, configs, override="128x128") == 0
+def test_every_layer_runs_one_tile_configuration():
+    """The persistent 128x256 kernel where the build has it (sm_90a), else the build's one (sm_100a);
+    never a choice by problem size. `override` picks another (benchmarks)."""
+    assert conv.cutlass_config(("128x128", "128x256p")) == 1
+    assert conv.cutlass_config(("128x128",)) == 0
+    assert conv.cutlass_config(("128x128", "128x256p"), override="128x128") == 0
     with pytest.raises(ValueError):
-        conv.cutlass_config(512, configs, override="256x256")
+        conv.cutlass_config(("128x128", "128x256p"), override="256x256")
 
 
 def test_the_build_defines_the_cutlass_conv_only_where_it_has_a_collective():
