@@ -1,12 +1,14 @@
 """Our fixed-order convs (CUTLASS and Triton) against cuDNN on every conv layer of the decoder (one GPU).
 
 Usage: python scripts/bench_conv_kernel.py [--repeats 20] [--engines cudnn,cutlass] [--triton-tiles] [--layers up2,up3]
+       [--kernel-names] [--configs 128x256p,256x128p]
 
 For each layer shape (channels-last bf16, as the kernel decode path calls them, at a 704x1248 decode's
 sizes): cuDNN through ATen, the CUTLASS conv with each tile configuration of the build, and the Triton
 kernel (its own tiles; `--triton-tiles` adds a sweep); milliseconds per call (CUDA events, median of
 `--repeats` after a warm-up), TFLOP/s, and max |diff| against cuDNN (bf16). The last table weights
-each layer by its share of a decode's FLOPs (docs: wan22_vae.md section 8.1).
+each layer by its share of a decode's FLOPs (docs: wan22_vae.md section 8.1). `--kernel-names` adds the
+CUDA kernels each call launches (cuDNN's names give its tile, cluster and warp-group shapes).
 """
 
 from __future__ import annotations
@@ -68,6 +70,17 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _kernel_names(fn) -> str:
+    """The CUDA kernels one call of `fn` launches (torch.profiler), names shortened to 160 characters."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages() if (getattr(e, "device_time_total", 0) or 0) > 0]
+    return "; ".join(name[:160] for name in names)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
@@ -76,18 +89,31 @@ def main() -> None:
         "--engines", default="cudnn,cutlass,triton", help="comma-separated subset of cudnn, cutlass, triton"
     )
     parser.add_argument("--layers", default="", help="comma-separated name prefixes (default: every layer)")
+    parser.add_argument(
+        "--kernel-names", action="store_true", help="print the CUDA kernels each engine launches per layer"
+    )
+    parser.add_argument(
+        "--configs", default="", help="CUTLASS tile configurations (default: every one built)"
+    )
     args = parser.parse_args()
-    layer_tables(args.repeats, args.engines, args.layers, args.triton_tiles)
+    layer_tables(args.repeats, args.engines, args.layers, args.triton_tiles, args.kernel_names, args.configs)
 
 
-def layer_tables(repeats: int, engines: str, layers: str = "", triton_tiles: bool = False) -> None:
+def layer_tables(
+    repeats: int,
+    engines: str,
+    layers: str = "",
+    triton_tiles: bool = False,
+    kernel_names: bool = False,
+    configs: str = "",
+) -> None:
     """Print the per-layer table and the decode-weighted summary (also `bench_decode.py --conv-layers`)."""
     engine_names = engines.split(",")
     from pan2cli.vae.kernel.build import load_kernel
 
     ops = load_kernel()
-    configs = ops.cutlass_conv_configs
-    print(f"CUTLASS tile configurations of this build: {', '.join(configs) or 'none'}")
+    print(f"CUTLASS tile configurations of this build: {', '.join(ops.cutlass_conv_configs) or 'none'}")
+    configs = [c for c in configs.split(",") if c] or ops.cutlass_conv_configs
     print("| layer | engine | ms | TFLOP/s | max abs diff vs cuDNN |")
     print("| --- | --- | ---: | ---: | ---: |")
     wanted = [p for p in layers.split(",") if p]
@@ -105,6 +131,8 @@ def layer_tables(repeats: int, engines: str, layers: str = "", triton_tiles: boo
         flop = 2.0 * expected.numel() * c_in * torch.tensor(kernel).prod().item()
         ms = _time(cudnn, repeats)
         print(f"| {name} | cuDNN | {ms:.3f} | {flop / ms / 1e9:.0f} | 0 |", flush=True)
+        if kernel_names:
+            print(f"  cuDNN kernels: {_kernel_names(cudnn)}", flush=True)
         best.setdefault("cuDNN", {})[name] = (flop / ms / 1e9, decode_tflop)
         if "cutlass" in engine_names and c_in % 64 == 0 and c_out % 64 == 0:
             for config in configs:
@@ -113,6 +141,8 @@ def layer_tables(repeats: int, engines: str, layers: str = "", triton_tiles: boo
                 ms = _time(run, repeats)
                 tflops = flop / ms / 1e9
                 print(f"| {name} | CUTLASS {config} | {ms:.3f} | {tflops:.0f} | {diff:.3g} |", flush=True)
+                if kernel_names:
+                    print(f"  CUTLASS {config} kernels: {_kernel_names(run)}", flush=True)
                 best.setdefault(f"CUTLASS {config}", {})[name] = (tflops, decode_tflop)
         if "triton" not in engine_names:
             continue

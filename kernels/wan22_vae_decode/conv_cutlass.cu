@@ -1,10 +1,10 @@
 // The implicit-GEMM conv's configurations (one translation unit each: conv_cutlass_<tile>.cu) and the
-// dispatch between them: "128x128" is CUTLASS's own (non-persistent) conv kernel, "128x256p" our
-// persistent cooperative kernel over the same collectives (conv_cutlass_persistent.cuh; sm90 only), the
-// decode's default. Measured on an H200 (docs/KERNEL_NOTES.md): 256x128p and 128x256 with clusters of
-// two (filter multicast) ran the decode no faster, so they are not built (PersistentConfig takes them).
+// dispatch between them: "128x128" is CUTLASS's own (non-persistent) conv kernel; the "...p" ones are our
+// persistent cooperative kernel over the same collectives (conv_cutlass_persistent.cuh; sm90 only), "-MxN"
+// naming a cluster of M x N CTAs that share tiles by TMA multicast. The decode's default is 256x128p-1x2
+// (cuDNN's tile and cluster on these layers); the others stay for benchmarks (docs/KERNEL_NOTES.md).
 // Which configuration a layer uses is the caller's choice, fixed per layer (pan2cli/vae/kernel/conv.py),
-// never by the problem's size: that is what keeps its summation order.
+// never by the problem's size; all of them sum every output in the same order (measured bit for bit).
 #include "conv_cutlass.cuh"
 
 namespace wan22 {
@@ -16,6 +16,10 @@ namespace wan22 {
 PAN2_DECLARE(conv_cutlass_128x128)
 #if PAN2_CUTLASS_CONV == 90
 PAN2_DECLARE(conv_cutlass_128x256p)
+PAN2_DECLARE(conv_cutlass_256x128p)
+PAN2_DECLARE(conv_cutlass_256x128p_1x2)
+PAN2_DECLARE(conv_cutlass_256x128p_2x1)
+PAN2_DECLARE(conv_cutlass_128x256p_2x1)
 #endif
 #undef PAN2_DECLARE
 
@@ -29,6 +33,10 @@ const Entry kConfigs[] = {
     {"128x128", conv_cutlass_128x128, conv_cutlass_128x128_workspace},
 #if PAN2_CUTLASS_CONV == 90
     {"128x256p", conv_cutlass_128x256p, conv_cutlass_128x256p_workspace},
+    {"256x128p", conv_cutlass_256x128p, conv_cutlass_256x128p_workspace},
+    {"256x128p-1x2", conv_cutlass_256x128p_1x2, conv_cutlass_256x128p_1x2_workspace},
+    {"256x128p-2x1", conv_cutlass_256x128p_2x1, conv_cutlass_256x128p_2x1_workspace},
+    {"128x256p-2x1", conv_cutlass_128x256p_2x1, conv_cutlass_128x256p_2x1_workspace},
 #endif
 };
 constexpr int kCount = sizeof(kConfigs) / sizeof(kConfigs[0]);

@@ -3,5 +3,5 @@
 #include "conv_cutlass_persistent.cuh"
 
 #if defined(PAN2_CUTLASS_CONV) && PAN2_CUTLASS_CONV == 90
-PAN2_DEFINE_PERSISTENT_CONV(conv_cutlass_128x256p, 128, 256, 1)
+PAN2_DEFINE_PERSISTENT_CONV(conv_cutlass_128x256p, 128, 256, 1, 1)
 #endif

@@ -8,10 +8,14 @@
 // (64 rows each of the 128-row tile, or 128 of 256) multiply with wgmma and then store through the
 // TMA epilogue (acc + bias in fp32, one bf16 rounding).
 //
-// Tile order: tile group g covers output rows (g / n_tiles) * cluster_m + rank and channels g % n_tiles;
-// with clusters of 2 the two CTAs take vertically adjacent tiles of the same channels and share the
-// filter tile by TMA multicast. Cluster c takes groups c, c + clusters, ... The order only decides which
-// SM computes a tile, never how an output is summed (the K loop is the collective's, per layer).
+// Tile order: a tile group is cluster_m x cluster_n tiles: group g covers row tiles
+// (g / n_groups) * cluster_m + rank_m and channel tiles (g % n_groups) * cluster_n + rank_n. CTAs of a
+// cluster along M take vertically adjacent tiles of the same channels and share the filter tile by TMA
+// multicast; along N they take the same pixels and share the activation (im2col) tile: each CTA loads
+// its share of the shared tile and the TMA writes it into both CTAs' shared memory, so L2 serves it
+// once (less L2 traffic, less power, higher clocks under the H200's power limit: cuDNN's 256x128 kernel
+// runs in clusters of two). Cluster c takes groups c, c + clusters, ... The order only decides which SM
+// computes a tile, never how an output is summed (the K loop is the collective's, per layer).
 #pragma once
 
 #include "conv_cutlass.cuh"
@@ -30,10 +34,11 @@ struct PersistentConvKernel {
     using TileShape = typename Mainloop::TileShape;
     using TiledMma = typename Mainloop::TiledMma;
     using ClusterShape = typename Mainloop::DispatchPolicy::ClusterShape;
-    // CTAs of a cluster take vertically adjacent tiles (same channels): each loads half of the filter tile
-    // and the TMA multicasts it to both, halving the filter's L2 reads.
+    // A cluster's CTAs take adjacent tiles: along M they share the filter tile, along N the activation tile.
     static constexpr int kClusterM = cute::size<0>(ClusterShape{});
-    static_assert(cute::size<1>(ClusterShape{}) == 1 && cute::size<2>(ClusterShape{}) == 1);
+    static constexpr int kClusterN = cute::size<1>(ClusterShape{});
+    static constexpr int kClusterSize = kClusterM * kClusterN;
+    static_assert(cute::size<2>(ClusterShape{}) == 1);
     using Problem = cutlass::conv::ConvProblemShape<kFprop, Mainloop::DispatchPolicy::NumSpatialDimensions>;
     using ProblemMNKL = decltype(cutlass::conv::detail::get_problem_shape_MNKL_helper<Mainloop>(
         Problem{}, cute::true_type{}));
@@ -108,13 +113,16 @@ struct PersistentConvKernel {
 
         // The barriers' initialisation is visible to every warp (of the cluster: multicast loads and
         // consumer releases cross CTAs).
-        if constexpr (kClusterM > 1) {
+        if constexpr (kClusterSize > 1) {
             cute::cluster_arrive_relaxed();
             cute::cluster_wait();
         } else {
             __syncthreads();
         }
         const int rank = int(cute::block_rank_in_cluster());
+        // The launch's cluster is (kClusterM, kClusterN, 1) CTAs, as the collective and the pipeline take it
+        // (the pipeline signals by the CTA's (x, y) in its cluster); grid (clusters * kClusterM, kClusterN).
+        const int rank_m = rank % kClusterM, rank_n = rank / kClusterM;  // = blockIdx.x % kClusterM, blockIdx.y
         const int cluster = int(blockIdx.x) / kClusterM;
         const int clusters = int(gridDim.x) / kClusterM;
 
@@ -124,18 +132,22 @@ struct PersistentConvKernel {
         auto load_inputs = mainloop.load_init(problem, params.mainloop);
         Tensor gA = get<0>(load_inputs);  // (BLK_M, BLK_K, m, k)
         const int k_tiles = size<3>(gA);
-        // A cluster walks tile groups (kClusterM vertically adjacent tiles, one channel block); every CTA of
-        // it runs the same number of tiles (a tile past the last row loads zeros and stores nothing).
-        const int groups = (params.m_tiles + kClusterM - 1) / kClusterM * params.n_tiles;
+        // A cluster walks tile groups (kClusterM x kClusterN adjacent tiles); every CTA of it runs the same
+        // number of tiles (a tile past the last row loads zeros and stores nothing; n_tiles is a multiple of
+        // kClusterN, checked at launch).
+        const int n_groups = params.n_tiles / kClusterN;
+        const int groups = (params.m_tiles + kClusterM - 1) / kClusterM * n_groups;
+        auto tile_of = [&](int group) {
+            auto m = idx2crd(group / n_groups * kClusterM + rank_m, shape<2>(gA));
+            return make_coord(m, group % n_groups * kClusterN + rank_n, _, Int<0>{});
+        };
 
         if (warp_group == 0) {
             cutlass::arch::warpgroup_reg_dealloc<kLoadRegisters>();
             if (is_loader) {
                 auto state = cutlass::make_producer_start_state<MainloopPipeline>();
                 for (int group = cluster; group < groups; group += clusters) {
-                    auto m = idx2crd(group / params.n_tiles * kClusterM + rank, shape<2>(gA));
-                    auto n = group % params.n_tiles;
-                    auto coord = make_coord(m, n, _, Int<0>{});
+                    auto coord = tile_of(group);
                     mainloop.load(params.mainloop, mainloop_pipeline, state, load_inputs, coord,
                                   cute::make_coord_iterator(shape<3>(gA)), k_tiles, cutlass::canonical_lane_idx(), rank,
                                   shared.tensors.mainloop);
@@ -151,9 +163,7 @@ struct PersistentConvKernel {
             typename Epilogue::LoadPipelineState epi_load_state;
             auto epi_store_state = cutlass::make_producer_start_state<EpiStorePipeline>();
             for (int group = cluster; group < groups; group += clusters) {
-                auto m = idx2crd(group / params.n_tiles * kClusterM + rank, shape<2>(gA));
-                auto n = group % params.n_tiles;
-                auto coord = make_coord(m, n, _, Int<0>{});
+                auto coord = tile_of(group);
                 Tensor accumulators = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
                 mainloop.mma(mainloop_pipeline, mainloop_state, accumulators, k_tiles, mma_thread,
                              shared.tensors.mainloop, params.mainloop);
@@ -178,10 +188,10 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     Kernel{}(params, smem);
 }
 
-template <int TileM, int TileN, int ClusterM>
+template <int TileM, int TileN, int ClusterM, int ClusterN = 1>
 struct PersistentConfig {
     using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Shape<cute::_64>>;
-    using Cluster = cute::Shape<cute::Int<ClusterM>, cute::_1, cute::_1>;
+    using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
     // The cooperative epilogue stores 128-row sub-tiles with both MMA warp groups.
     using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
         Arch, cutlass::arch::OpClassTensorOp, Tile, Cluster, cute::Shape<cute::_128, cute::_32>, float, float, void,
@@ -239,42 +249,45 @@ const char* run_persistent(const ConvParams& p, cudaStream_t stream) {
     const int64_t rows = int64_t(p.n) * (p.d - p.kt + 1) * (p.h - p.kh + 1) * (p.w + 2 * p.pad_w - p.kw + 1);
     params.m_tiles = int((rows + cute::size<0>(typename Cfg::Tile{}) - 1) / cute::size<0>(typename Cfg::Tile{}));
     params.n_tiles = (p.k + cute::size<1>(typename Cfg::Tile{}) - 1) / cute::size<1>(typename Cfg::Tile{});
-    constexpr int cluster_m = Kernel::kClusterM;
-    const int groups = (params.m_tiles + cluster_m - 1) / cluster_m * params.n_tiles;
+    constexpr int cluster_m = Kernel::kClusterM, cluster_n = Kernel::kClusterN;
+    constexpr int cluster_size = Kernel::kClusterSize;
+    if (params.n_tiles % cluster_n != 0) return "the output channels are not a whole number of tile clusters";
+    const int groups = (params.m_tiles + cluster_m - 1) / cluster_m * (params.n_tiles / cluster_n);
     if (groups == 0) return nullptr;
     constexpr int smem = int(sizeof(typename Kernel::SharedStorage));
     cudaLaunchConfig_t launch{};
     cudaLaunchAttribute cluster_dim[1];
     cluster_dim[0].id = cudaLaunchAttributeClusterDimension;
     cluster_dim[0].val.clusterDim.x = cluster_m;
-    cluster_dim[0].val.clusterDim.y = 1;
+    cluster_dim[0].val.clusterDim.y = cluster_n;
     cluster_dim[0].val.clusterDim.z = 1;
     launch.blockDim = dim3(Kernel::kThreads, 1, 1);
     launch.dynamicSmemBytes = smem;
     launch.stream = stream;
     launch.attrs = cluster_dim;
     launch.numAttrs = 1;
-    // One cluster per (cluster_m SMs) that can hold one at once, found once per process.
+    // One cluster per (cluster_size SMs) that can hold one at once, found once per process.
     static int resident_clusters = 0;
     if (resident_clusters == 0) {
         cudaError_t error = cudaFuncSetAttribute(persistent_conv<Kernel>,
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (error != cudaSuccess) return cudaGetErrorString(error);
-        launch.gridDim = dim3(multiprocessors(), 1, 1);
+        launch.gridDim = dim3(multiprocessors() / cluster_size * cluster_m, cluster_n, 1);
         error = cudaOccupancyMaxActiveClusters(&resident_clusters, persistent_conv<Kernel>, &launch);
-        if (error != cudaSuccess || resident_clusters <= 0) resident_clusters = multiprocessors() / cluster_m;
+        if (error != cudaSuccess || resident_clusters <= 0) resident_clusters = multiprocessors() / cluster_size;
     }
-    launch.gridDim = dim3((groups < resident_clusters ? groups : resident_clusters) * cluster_m, 1, 1);
+    launch.gridDim = dim3((groups < resident_clusters ? groups : resident_clusters) * cluster_m, cluster_n, 1);
     const cudaError_t error = cudaLaunchKernelEx(&launch, persistent_conv<Kernel>, params);
     return error == cudaSuccess ? nullptr : cudaGetErrorString(error);
 }
 
 }  // namespace wan22::cutlass_conv
 
-#define PAN2_DEFINE_PERSISTENT_CONV(NAME, TILE_M, TILE_N, CLUSTER_M)                                            \
+#define PAN2_DEFINE_PERSISTENT_CONV(NAME, TILE_M, TILE_N, CLUSTER_M, CLUSTER_N)                                 \
     namespace wan22 {                                                                                            \
     const char* NAME(const ConvParams& p, void*, size_t, cudaStream_t stream) {                                  \
-        return cutlass_conv::run_persistent<cutlass_conv::PersistentConfig<TILE_M, TILE_N, CLUSTER_M>>(p, stream); \
+        return cutlass_conv::run_persistent<                                                                     \
+            cutlass_conv::PersistentConfig<TILE_M, TILE_N, CLUSTER_M, CLUSTER_N>>(p, stream);                    \
     }                                                                                                            \
     size_t NAME##_workspace(const ConvParams&) { return 0; }                                                     \
     }

@@ -32,6 +32,8 @@ C_out)`.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from pan2cli.triton_support import triton_interpreting
@@ -44,11 +46,32 @@ def cutlass_applies(c_in: int, c_out: int, cutlass_configs: tuple[str, ...]) -> 
     return bool(cutlass_configs) and c_in % 64 == 0 and c_out % 64 == 0
 
 
-def cutlass_config(configs: tuple[str, ...], override: str | None = None) -> int:
-    """Index (into the build's `cutlass_conv_configs`) of the tile configuration every layer runs with: one
-    for all, never chosen by the problem's size (module docstring). `override` names one (benchmarks)."""
-    name = override or ("128x256p" if "128x256p" in configs else configs[0])
-    return configs.index(name)
+# The default tile configurations, in order of preference: 256x128 tiles in clusters of two CTAs that share
+# the activation tile by TMA multicast (cuDNN's choice on these layers; measured on an H200 the fastest of
+# ours over a decode, docs/KERNEL_NOTES.md), then without clusters, then CUTLASS's own kernel (sm_100a).
+_PREFERRED = ("256x128p-1x2", "256x128p", "128x256p")
+
+
+def _cluster_fits(name: str, c_out: int | None) -> bool:
+    """A cluster of 1 x N tiles needs whole clusters of output-channel tiles (the kernel refuses the rest)."""
+    match = re.fullmatch(r"\d+x(\d+)p?(?:-1x(\d+))?", name)
+    if c_out is None or match is None or match.group(2) is None:
+        return True
+    tile_n, clusters_n = int(match.group(1)), int(match.group(2))
+    return -(-c_out // tile_n) % clusters_n == 0
+
+
+def cutlass_config(configs: tuple[str, ...], override: str | None = None, c_out: int | None = None) -> int:
+    """Index (into the build's `cutlass_conv_configs`) of the tile configuration a layer with `c_out` output
+    channels runs with: decided by the layer, never by the problem's size (module docstring); every
+    configuration sums in the same order anyway (64-channel steps, no split-K: a GPU test compares their
+    bits). `override` names one (benchmarks)."""
+    if override:
+        return configs.index(override)
+    for name in _PREFERRED:
+        if name in configs and _cluster_fits(name, c_out):
+            return configs.index(name)
+    return 0
 
 
 def conv_cutlass(
@@ -71,7 +94,9 @@ def conv_cutlass(
     out = _output(x, weight, pad_w)
     if bias is None:
         bias = _zeros(weight.shape[0], x.device)
-    ops.conv_cutlass(x, weight, bias, out, pad_w, cutlass_config(ops.cutlass_conv_configs, config))
+    ops.conv_cutlass(
+        x, weight, bias, out, pad_w, cutlass_config(ops.cutlass_conv_configs, config, weight.shape[0])
+    )
     return out.squeeze(1) if two_d else out
 
 

@@ -55,7 +55,7 @@ def conv_engines(spec) -> str:
     )
     if any(flag.startswith("-DPAN2_CUTLASS_CONV=") for flag in spec.cuda_flags):
         kernel = (
-            "our persistent warp-specialised CUTLASS conv (TMA im2col loads, wgmma; 128x256 tiles)"
+            "our persistent warp-specialised CUTLASS conv (TMA im2col loads, wgmma; 256x128 tiles in clusters of two sharing the activation tile)"
             if spec.arch == "sm_90a"
             else "CUTLASS's implicit-GEMM conv (tcgen05; 128x128 tiles)"
         )

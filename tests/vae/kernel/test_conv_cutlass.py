@@ -28,11 +28,16 @@ def test_cutlass_runs_layers_of_64k_channels_only():
 
 
 def test_every_layer_runs_one_tile_configuration():
-    """The persistent 128x256 kernel where the build has it (sm_90a), else the build's one (sm_100a);
+    """256x128 tiles in clusters of two where the build has them (sm_90a), else the build's one (sm_100a);
     never a choice by problem size. `override` picks another (benchmarks)."""
     assert conv.cutlass_config(("128x128", "128x256p")) == 1
     assert conv.cutlass_config(("128x128",)) == 0
     assert conv.cutlass_config(("128x128", "128x256p"), override="128x128") == 0
+    built = ("128x128", "128x256p", "256x128p", "256x128p-1x2")
+    assert built[conv.cutlass_config(built, c_out=1024)] == "256x128p-1x2"
+    # a cluster of two 128-channel tiles needs an even number of them: 384 outputs take 256x128p
+    assert built[conv.cutlass_config(built, c_out=384)] == "256x128p"
+    assert built[conv.cutlass_config(built, c_out=192)] == "256x128p-1x2"  # two tiles, the second partial
     with pytest.raises(ValueError):
         conv.cutlass_config(("128x128", "128x256p"), override="256x256")
 
@@ -116,6 +121,9 @@ def _reference(x, w, b, pad_w):
     return out.permute(0, 2, 3, 1).to(torch.bfloat16)
 
 
+CONFIGS = ["128x128", "128x256p", "256x128p", "256x128p-1x2", "256x128p-2x1", "128x256p-2x1"]
+
+
 @pytest.mark.parametrize(
     "shape, c_out, kernel, pad_w, bias",
     [
@@ -127,7 +135,7 @@ def _reference(x, w, b, pad_w):
     ],
     ids=["3x3x3-1024", "batch-odd", "time-conv", "phase-2x2", "one-tap"],
 )
-@pytest.mark.parametrize("config", ["128x128", "128x256p"])
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.gpu
 def test_matches_pytorch_conv(ops, shape, c_out, kernel, pad_w, bias, config):
     if config not in ops.cutlass_conv_configs:
@@ -172,3 +180,15 @@ def test_bands_and_frame_counts_give_bit_identical_outputs(ops, c):
     assert torch.equal(top, whole[:, :, :split])
     assert torch.equal(bottom, whole[:, :, split:])
     assert torch.equal(one_frame, whole[:, :1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", CONFIGS)
+def test_every_tile_configuration_sums_in_the_same_order(ops, config):
+    """Tiles and clusters decide which CTA computes an output, never how it is summed (64-channel steps
+    in the collective's K order): every configuration gives the default's bits."""
+    if config not in ops.cutlass_conv_configs:
+        pytest.skip(f"{config} is not in this build")
+    x, w, b = _inputs((1, 5, 20, 36, 512), 1024, (3, 3, 3), seed=3, bias=True)
+    default = conv.conv_cutlass(ops, x, w, b, pad_w=1)
+    assert torch.equal(conv.conv_cutlass(ops, x, w, b, pad_w=1, config=config), default)
