@@ -3,6 +3,8 @@
 // persistent cooperative kernel over the same collectives (conv_cutlass_persistent.cuh; sm90 only), "-MxN"
 // naming a cluster of M x N CTAs that share tiles by TMA multicast. The decode's default is 256x128p-1x2
 // (cuDNN's tile and cluster on these layers); the others stay for benchmarks (docs/KERNEL_NOTES.md).
+// Clusters along M (the filter tile shared: 256x128p-2x1, 128x256p-2x1) ran slower on an H200 and are not
+// built; a translation unit of one PAN2_DEFINE_PERSISTENT_CONV line and an entry here bring one back.
 // Which configuration a layer uses is the caller's choice, fixed per layer (pan2cli/vae/kernel/conv.py),
 // never by the problem's size; all of them sum every output in the same order (measured bit for bit).
 #include "conv_cutlass.cuh"
@@ -18,8 +20,6 @@ PAN2_DECLARE(conv_cutlass_128x128)
 PAN2_DECLARE(conv_cutlass_128x256p)
 PAN2_DECLARE(conv_cutlass_256x128p)
 PAN2_DECLARE(conv_cutlass_256x128p_1x2)
-PAN2_DECLARE(conv_cutlass_256x128p_2x1)
-PAN2_DECLARE(conv_cutlass_128x256p_2x1)
 #endif
 #undef PAN2_DECLARE
 
@@ -35,8 +35,6 @@ const Entry kConfigs[] = {
     {"128x256p", conv_cutlass_128x256p, conv_cutlass_128x256p_workspace},
     {"256x128p", conv_cutlass_256x128p, conv_cutlass_256x128p_workspace},
     {"256x128p-1x2", conv_cutlass_256x128p_1x2, conv_cutlass_256x128p_1x2_workspace},
-    {"256x128p-2x1", conv_cutlass_256x128p_2x1, conv_cutlass_256x128p_2x1_workspace},
-    {"128x256p-2x1", conv_cutlass_128x256p_2x1, conv_cutlass_128x256p_2x1_workspace},
 #endif
 };
 constexpr int kCount = sizeof(kConfigs) / sizeof(kConfigs[0]);

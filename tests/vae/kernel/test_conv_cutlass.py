@@ -54,9 +54,9 @@ def test_the_build_defines_the_cutlass_conv_only_where_it_has_a_collective():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU needed)")
 def test_cutlass_conv_compiles_for_hopper_and_blackwell_without_a_gpu(tmp_path):
-    """The persistent conv for sm_90a (TMA + wgmma) and CUTLASS's own conv for sm_100a (tcgen05), with the
-    build's flags: what a H100/H200 or B200 user's first decode compiles. Both at once (about a minute on
-    two cores)."""
+    """The decode's persistent conv for sm_90a (TMA + wgmma, clusters of two sharing the activation tile by
+    multicast) and CUTLASS's own conv for sm_100a (tcgen05), with the build's flags: what a H100/H200 or
+    B200 user's first decode compiles. Both at once (about a minute on two cores)."""
     includes = cutlass_include_dirs()
     if not includes:
         pytest.skip("nvidia-cutlass is not installed")
@@ -68,7 +68,7 @@ def test_cutlass_conv_compiles_for_hopper_and_blackwell_without_a_gpu(tmp_path):
         "-D__CUDA_NO_HALF2_OPERATORS__",
         "--expt-relaxed-constexpr",
     ]
-    sources = {"sm_90a": "conv_cutlass_128x256p.cu", "sm_100a": "conv_cutlass_128x128.cu"}
+    sources = {"sm_90a": "conv_cutlass_256x128p_1x2.cu", "sm_100a": "conv_cutlass_128x128.cu"}
     assert set(sources) == set(CUTLASS_CONV_TARGETS)
     jobs = {}
     for arch, source in sources.items():
@@ -84,6 +84,8 @@ def test_cutlass_conv_compiles_for_hopper_and_blackwell_without_a_gpu(tmp_path):
         assert any("persistent_conv" in k or "ConvUniversal" in k for k in kernels), (
             f"{arch}: no conv kernel:\n{output[-2000:]}"
         )
+        if arch == "sm_90a":  # the activation tile's im2col load is multicast to the cluster
+            assert any("TMA_LOAD_IM2COL_MULTICAST" in k for k in kernels), output[-2000:]
         assert "spill stores" not in output or " 0 bytes spill stores" in output, output[-2000:]
         assert "C7510" not in output, f"{arch}: ptxas serialised the wgmma pipeline:\n{output[-2000:]}"
 
