@@ -1,16 +1,15 @@
 """Our fixed-order convs (CUTLASS and Triton) against cuDNN on every conv layer of the decoder (one GPU).
 
 Usage: python scripts/bench_conv_kernel.py [--repeats 20] [--engines cudnn,cutlass] [--triton-tiles] [--layers up2,up3]
-       [--kernel-names] [--configs 128x256p,256x128p] [--ncu]
+       [--kernel-names] [--configs 128x256p,256x128p]
 
 For each layer shape (channels-last bf16, as the kernel decode path calls them, at a 704x1248 decode's
 sizes): cuDNN through ATen, the CUTLASS conv with each tile configuration of the build, and the Triton
 kernel (its own tiles; `--triton-tiles` adds a sweep); milliseconds per call (CUDA events, median of
 `--repeats` after a warm-up), TFLOP/s, and max |diff| against cuDNN (bf16). The last table weights
 each layer by its share of a decode's FLOPs (docs: wan22_vae.md section 8.1). `--kernel-names` adds the
-CUDA kernels each call launches (cuDNN's names give its tile, cluster and warp-group shapes). `--ncu`
-times nothing: one call per layer and engine between cudaProfilerStart/Stop, for
-`ncu --profile-from-start off --section SpeedOfLight python3 scripts/bench_conv_kernel.py --ncu ...`.
+CUDA kernels each call launches (cuDNN's names give its tile, cluster and warp-group shapes);
+scripts/ncu_conv_layers.py runs the largest layers once each under Nsight Compute.
 """
 
 from __future__ import annotations
@@ -108,7 +107,6 @@ def layer_tables(
     triton_tiles: bool = False,
     kernel_names: bool = False,
     configs: str = "",
-    timer=_time,
 ) -> None:
     """Print the per-layer table and the decode-weighted summary (also `bench_decode.py --conv-layers`)."""
     engine_names = engines.split(",")
@@ -132,7 +130,7 @@ def layer_tables(
         cudnn = partial(_cudnn, x, w, pad_w)
         expected = cudnn()
         flop = 2.0 * expected.numel() * c_in * torch.tensor(kernel).prod().item()
-        ms = timer(cudnn, repeats)
+        ms = _time(cudnn, repeats)
         print(f"| {name} | cuDNN | {ms:.3f} | {flop / ms / 1e9:.0f} | 0 |", flush=True)
         if kernel_names:
             print(f"  cuDNN kernels: {_kernel_names(cudnn)}", flush=True)
@@ -141,7 +139,7 @@ def layer_tables(
             for config in configs:
                 run = partial(conv_cutlass, ops, x, w, None, pad_w, config)
                 diff = (run().float() - expected.float()).abs().max().item()
-                ms = timer(run, repeats)
+                ms = _time(run, repeats)
                 tflops = flop / ms / 1e9
                 print(f"| {name} | CUTLASS {config} | {ms:.3f} | {tflops:.0f} | {diff:.3g} |", flush=True)
                 if kernel_names:
@@ -155,7 +153,7 @@ def layer_tables(
             got = run()
             diff = (got.float() - expected.float()).abs().max().item()
             same = "" if tiles is None else (", = own tiles" if torch.equal(got, own) else ", ≠ own tiles")
-            ms = timer(run, repeats)
+            ms = _time(run, repeats)
             label = f"Triton {tiles or 'own tiles'}"
             print(f"| {name} | {label} | {ms:.3f} | {flop / ms / 1e9:.0f} | {diff:.3g}{same} |", flush=True)
             if tiles is None:
