@@ -13,9 +13,9 @@
 // cluster along M take vertically adjacent tiles of the same channels and share the filter tile by TMA
 // multicast; along N they take the same pixels and share the activation (im2col) tile: each CTA loads
 // its share of the shared tile and the TMA writes it into both CTAs' shared memory, so L2 serves it
-// once (less L2 traffic, less power, higher clocks under the H200's power limit: cuDNN's 256x128 kernel
-// runs in clusters of two). Cluster c takes groups c, c + clusters, ... The order only decides which SM
-// computes a tile, never how an output is summed (the K loop is the collective's, per layer).
+// once (less L2 traffic: what separates cuDNN's 256x128 kernel, which runs in clusters of two, from
+// ours at boost clocks; docs/KERNEL_NOTES.md). Cluster c takes groups c, c + clusters, ... The order
+// only decides which SM computes a tile, never how an output is summed (the K loop is the collective's).
 #pragma once
 
 #include "conv_cutlass.cuh"
