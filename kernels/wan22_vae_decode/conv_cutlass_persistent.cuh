@@ -27,8 +27,17 @@
 
 namespace wan22::cutlass_conv {
 
-template <class Mainloop_, class Epilogue_>
+// An operand transform: applied by the MMA warp groups to each activation tile in shared memory before
+// their MMAs read it (NormSiluOperand in conv_cutlass_norm.cuh: RMS norm + SiLU). A plain conv has none,
+// and its kernel is the same code as without this parameter (the transform's branch is discarded).
+struct NoOperandTransform {
+    static constexpr bool kEnabled = false;
+    struct Params {};
+};
+
+template <class Mainloop_, class Epilogue_, class Transform_ = NoOperandTransform>
 struct PersistentConvKernel {
+    using Transform = Transform_;
     using Mainloop = Mainloop_;
     using Epilogue = Epilogue_;
     using TileShape = typename Mainloop::TileShape;
@@ -68,6 +77,7 @@ struct PersistentConvKernel {
         typename Epilogue::Params epilogue;
         int m_tiles;
         int n_tiles;
+        typename Transform::Params transform;
     };
 
     CUTLASS_DEVICE void operator()(Params const& params, char* smem) const {
@@ -165,9 +175,16 @@ struct PersistentConvKernel {
             for (int group = cluster; group < groups; group += clusters) {
                 auto coord = tile_of(group);
                 Tensor accumulators = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
-                mainloop.mma(mainloop_pipeline, mainloop_state, accumulators, k_tiles, mma_thread,
-                             shared.tensors.mainloop, params.mainloop);
-                mainloop.mma_tail(mainloop_pipeline, mainloop_state, k_tiles);
+                if constexpr (Transform::kEnabled) {
+                    const int64_t tile_m = int64_t(group / n_groups) * kClusterM + rank_m;
+                    Transform::template mma<Mainloop, TiledMma>(params.transform, tile_m, mainloop_pipeline,
+                                                                mainloop_state, accumulators, k_tiles, mma_thread,
+                                                                shared.tensors.mainloop);
+                } else {
+                    mainloop.mma(mainloop_pipeline, mainloop_state, accumulators, k_tiles, mma_thread,
+                                 shared.tensors.mainloop, params.mainloop);
+                    mainloop.mma_tail(mainloop_pipeline, mainloop_state, k_tiles);
+                }
                 mainloop_state.advance(k_tiles);
                 auto [load_next, store_next] =
                     epilogue.store(epi_load_pipeline, epi_load_state, epi_store_pipeline, epi_store_state, problem,
@@ -188,7 +205,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     Kernel{}(params, smem);
 }
 
-template <int TileM, int TileN, int ClusterM, int ClusterN = 1>
+template <int TileM, int TileN, int ClusterM, int ClusterN = 1, class Transform = NoOperandTransform>
 struct PersistentConfig {
     using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Shape<cute::_64>>;
     using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
@@ -214,7 +231,7 @@ struct PersistentConfig {
                                                                        typename Single::SmemLayoutA>,
         cutlass::conv::collective::detail::Sm90ImplicitGemmTileTraits<typename Single::GmemTiledCopyB,
                                                                        typename Single::SmemLayoutB>>;
-    using Kernel = PersistentConvKernel<Mainloop, Epilogue>;
+    using Kernel = PersistentConvKernel<Mainloop, Epilogue, Transform>;
     using Problem = typename Kernel::Problem;
 };
 
@@ -229,7 +246,8 @@ inline int multiprocessors() {
 }
 
 template <class Cfg>
-const char* run_persistent(const ConvParams& p, cudaStream_t stream) {
+const char* run_persistent(const ConvParams& p, cudaStream_t stream,
+                           typename Cfg::Kernel::Transform::Params const& transform = {}) {
     using Kernel = typename Cfg::Kernel;
     using Mainloop = typename Cfg::Mainloop;
     using Epilogue = typename Cfg::Epilogue;
@@ -245,7 +263,7 @@ const char* run_persistent(const ConvParams& p, cudaStream_t stream) {
     typename Kernel::Params params{
         cutlass::conv::detail::get_problem_shape_MNKL_helper<Mainloop>(problem, cute::true_type{}),
         Mainloop::to_underlying_arguments(problem, mainloop_args, nullptr),
-        Epilogue::to_underlying_arguments(transformed, epilogue_args, nullptr), 0, 0};
+        Epilogue::to_underlying_arguments(transformed, epilogue_args, nullptr), 0, 0, transform};
     const int64_t rows = int64_t(p.n) * (p.d - p.kt + 1) * (p.h - p.kh + 1) * (p.w + 2 * p.pad_w - p.kw + 1);
     params.m_tiles = int((rows + cute::size<0>(typename Cfg::Tile{}) - 1) / cute::size<0>(typename Cfg::Tile{}));
     params.n_tiles = (p.k + cute::size<1>(typename Cfg::Tile{}) - 1) / cute::size<1>(typename Cfg::Tile{});

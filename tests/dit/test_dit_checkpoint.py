@@ -69,7 +69,12 @@ def test_loaded_model_runs(tmp_path, model):
     text = torch.randn(1, 3, TINY["text_embed_dim"], generator=g)
     t = torch.tensor([500.0])
     with torch.no_grad():
-        assert torch.equal(loaded(latents, t, text), model(latents, t, text))
+        got, want = loaded(latents, t, text), model(latents, t, text)
+    # The weights are equal bit for bit (test_round_trip); the outputs agree to fp32 rounding only: the
+    # loaded tensors sit at other addresses (safetensors' buffers), and CPU BLAS kernels pick their
+    # summation order by alignment, so bit-equality here would test the BLAS, not the loader.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, torch.zeros_like(got))
 
 
 def test_float64_takes_every_tensor(tmp_path, model):
