@@ -1,17 +1,16 @@
 // PROTOTYPE of issue 16's fused norm: conv(SiLU(RMS-norm(x))) with the norm applied to the activation tile
 // in shared memory (kernels/wan22_vae_decode/conv_cutlass_norm.cuh), on the decode's 256x128 tiles in
-// clusters of 1x2. Not part of the pan2cli build (nothing calls it yet); CI compiles it for sm_90a
-// (tests/vae/kernel/test_conv_cutlass.py) so that it keeps building until it is run, measured and moved
-// into kernels/wan22_vae_decode/ (docs/KERNEL_NOTES.md: what it must show first).
+// clusters of 1x2. Built only with PAN2_KERNEL_EXPERIMENTAL=1 (the decode does not call it); CI compiles
+// it for sm_90a (tests/vae/kernel/test_conv_cutlass.py) so that it keeps building until it is run,
+// measured and moved into kernels/wan22_vae_decode/ (docs/KERNEL_NOTES.md: what it must show first).
+#include "fused_norm.h"
 #include "../wan22_vae_decode/conv_cutlass_norm.cuh"
 
-#if defined(PAN2_CUTLASS_CONV) && PAN2_CUTLASS_CONV == 90
 namespace wan22 {
+#if defined(PAN2_CUTLASS_CONV) && PAN2_CUTLASS_CONV == 90
 
-// `p` as for conv_cutlass (its x is the norm's raw input); inv_rms one fp32 per pixel of x at x's pixel
-// strides, gamma [C] fp32 (γ · sqrt(C)). nullptr on success, else why not.
-const char* conv_cutlass_norm_256x128p_1x2(const ConvParams& p, const float* inv_rms, const float* gamma,
-                                           cudaStream_t stream) {
+// inv_rms is indexed at x's pixel strides (x's strides / C), so a dense inv_rms needs a dense x.
+const char* conv_cutlass_norm(const ConvParams& p, const float* inv_rms, const float* gamma, cudaStream_t stream) {
     using namespace cutlass_conv;
     if (p.c % 64 != 0) return "the fused norm needs whole 64-channel steps";
     for (int i = 0; i < 3; ++i) {
@@ -35,5 +34,9 @@ const char* conv_cutlass_norm_256x128p_1x2(const ConvParams& p, const float* inv
     return run_persistent<PersistentConfig<256, 128, 1, 2, NormSiluOperand>>(p, stream, norm);
 }
 
-}  // namespace wan22
+#else
+const char* conv_cutlass_norm(const ConvParams&, const float*, const float*, cudaStream_t) {
+    return "the fused-norm conv is built for sm_90a only";
+}
 #endif
+}  // namespace wan22

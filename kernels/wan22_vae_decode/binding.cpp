@@ -10,6 +10,9 @@
 #include <vector>
 
 #include "decode_kernels.h"
+#if defined(PAN2_EXPERIMENTAL)
+#include "../experimental/fused_norm.h"
+#endif
 
 namespace {
 
@@ -156,11 +159,11 @@ void head_to_uint8(const Tensor& y, const Tensor& bias, Tensor out) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Implicit-GEMM conv (conv_cutlass*.cu). x [N, D, H, W, C] bf16 with (W, C) dense and 16-byte aligned
-// strides; weight [K, C, KT, KH, KW] bf16 in channels-last memory ([K, KT, KH, KW, C] dense); bias [K]
-// fp32; out [N, D-KT+1, H-KH+1, W+2*pad_w-KW+1, K] bf16 contiguous. `config` indexes cutlass_conv_configs().
-void conv_cutlass(const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor out, int64_t pad_w,
-                  int64_t config) {
+// The implicit-GEMM conv's problem (conv_cutlass*.cu), checked. x [N, D, H, W, C] bf16 with (W, C) dense
+// and 16-byte aligned strides; weight [K, C, KT, KH, KW] bf16 in channels-last memory ([K, KT, KH, KW, C]
+// dense), `w` its dense view; bias [K] fp32; out [N, D-KT+1, H-KH+1, W+2*pad_w-KW+1, K] bf16 contiguous.
+wan22::ConvParams conv_params(const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor& out, int64_t pad_w,
+                              Tensor& w) {
     CHECK_BF16_CUDA(x, "x");
     CHECK_BF16_CUDA(weight, "weight");
     CHECK_BF16_CUDA(out, "out");
@@ -171,7 +174,7 @@ void conv_cutlass(const Tensor& x, const Tensor& weight, const Tensor& bias, Ten
     TORCH_CHECK(x.stride(4) == 1 && x.stride(3) == C, "x must be dense over (W, C), got strides ", x.strides());
     for (int i = 0; i < 3; ++i)
         TORCH_CHECK(x.stride(i) % 8 == 0, "x: strides must be multiples of 8 elements, got ", x.strides());
-    const Tensor w = weight.permute({0, 2, 3, 4, 1});
+    w = weight.permute({0, 2, 3, 4, 1});
     TORCH_CHECK(w.is_contiguous(), "weight must be channels-last");
     CHECK_F32_VECTOR(bias, "bias", K);
     const int64_t KT = weight.size(2), KH = weight.size(3), KW = weight.size(4);
@@ -195,6 +198,14 @@ void conv_cutlass(const Tensor& x, const Tensor& weight, const Tensor& bias, Ten
     p.bias = bias.data_ptr<float>();
     p.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
     p.pad_w = static_cast<int>(pad_w);
+    return p;
+}
+
+// conv + bias into `out`; `config` indexes cutlass_conv_configs().
+void conv_cutlass(const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor out, int64_t pad_w,
+                  int64_t config) {
+    Tensor w;
+    const wan22::ConvParams p = conv_params(x, weight, bias, out, pad_w, w);
     if (out.numel() == 0) return;
     const c10::cuda::CUDAGuard guard(x.device());
     const size_t bytes = wan22::conv_cutlass_workspace(p, static_cast<int>(config));
@@ -204,6 +215,39 @@ void conv_cutlass(const Tensor& x, const Tensor& weight, const Tensor& bias, Ten
     TORCH_CHECK(error == nullptr, "conv_cutlass (", x.sizes(), " * ", weight.sizes(), "): ", error);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
+
+#if defined(PAN2_EXPERIMENTAL)
+// The fused-norm prototype (kernels/experimental/fused_norm.h). inv_rms [N, D, H, W] fp32 of a dense x.
+void rms_inv(const Tensor& x, Tensor inv_rms) {
+    CHECK_BF16_CUDA(x, "x");
+    TORCH_CHECK(x.is_contiguous() && x.size(-1) % 8 == 0, "x must be dense with channels a multiple of 8");
+    TORCH_CHECK(inv_rms.is_cuda() && inv_rms.scalar_type() == at::kFloat && inv_rms.is_contiguous() &&
+                    inv_rms.numel() * x.size(-1) == x.numel(),
+                "inv_rms must be a dense fp32 tensor of one value per pixel of x");
+    if (x.numel() == 0) return;
+    const c10::cuda::CUDAGuard guard(x.device());
+    wan22::rms_inv(reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), inv_rms.numel(),
+                   static_cast<int>(x.size(-1)), inv_rms.data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void conv_cutlass_norm(const Tensor& x, const Tensor& inv_rms, const Tensor& gamma, const Tensor& weight,
+                       const Tensor& bias, Tensor out, int64_t pad_w) {
+    Tensor w;
+    const wan22::ConvParams p = conv_params(x, weight, bias, out, pad_w, w);
+    TORCH_CHECK(x.is_contiguous(), "the fused-norm conv reads a dense x");
+    TORCH_CHECK(inv_rms.is_cuda() && inv_rms.scalar_type() == at::kFloat && inv_rms.is_contiguous() &&
+                    inv_rms.numel() * x.size(4) == x.numel(),
+                "inv_rms must be a dense fp32 tensor of one value per pixel of x");
+    CHECK_F32_VECTOR(gamma, "gamma", x.size(4));
+    if (out.numel() == 0) return;
+    const c10::cuda::CUDAGuard guard(x.device());
+    const char* error = wan22::conv_cutlass_norm(p, inv_rms.data_ptr<float>(), gamma.data_ptr<float>(),
+                                                 c10::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(error == nullptr, "conv_cutlass_norm (", x.sizes(), " * ", weight.sizes(), "): ", error);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+#endif
 
 std::vector<std::string> cutlass_conv_configs() {
     int count = 0;
@@ -226,4 +270,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("pad_w"), py::arg("config"));
     m.def("cutlass_conv_configs", &cutlass_conv_configs,
           "the conv tile configurations of this build, in `config` order (empty without CUTLASS)");
+#if defined(PAN2_EXPERIMENTAL)
+    m.def("rms_inv", &rms_inv, "prototype: 1 / max(||x[pixel]||, 1e-12) per pixel", py::arg("x"), py::arg("inv_rms"));
+    m.def("conv_cutlass_norm", &conv_cutlass_norm, "prototype: conv(SiLU(x * inv_rms * gamma)) + bias into `out`",
+          py::arg("x"), py::arg("inv_rms"), py::arg("gamma"), py::arg("weight"), py::arg("bias"), py::arg("out"),
+          py::arg("pad_w"));
+#endif
 }

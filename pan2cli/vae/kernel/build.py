@@ -10,7 +10,8 @@ sm_103a for B200/B300) into
 lock (`filelock`, freed by the OS if its holder dies) is held across build and load, so several ranks on
 one host build once and a killed build never blocks later runs. `PAN2_KERNEL_VERBOSE=1` streams the
 compiler output to the terminal as well. The build folder also records which Triton caches hold the
-decoder's compiled convolutions (`convs_compiled`).
+decoder's compiled convolutions (`convs_compiled`). `PAN2_KERNEL_EXPERIMENTAL=1` adds the prototypes of
+`kernels/experimental/` (not yet measured; the decode does not call them), as another build.
 """
 
 from __future__ import annotations
@@ -118,12 +119,21 @@ class KernelSpec:
         conv = CUTLASS_CONV_TARGETS.get(self.arch)
         if conv is not None and cutlass_include_dirs():
             flags.append(f"-DPAN2_CUTLASS_CONV={conv}")
-        return flags
+        return flags + experimental_flags()
+
+
+def experimental_flags() -> list[str]:
+    """`-DPAN2_EXPERIMENTAL` (for nvcc and the C++ binding) where PAN2_KERNEL_EXPERIMENTAL=1."""
+    return ["-DPAN2_EXPERIMENTAL"] if os.environ.get("PAN2_KERNEL_EXPERIMENTAL", "") not in ("", "0") else []
 
 
 def kernel_sources() -> tuple[Path, ...]:
-    folder = kernels_dir() / EXTENSION
-    return tuple(sorted(p for p in folder.iterdir() if p.suffix in (".cu", ".cpp", ".h", ".cuh")))
+    folders = [kernels_dir() / EXTENSION]
+    if experimental_flags():
+        folders.append(kernels_dir() / "experimental")
+    return tuple(
+        sorted(p for folder in folders for p in folder.iterdir() if p.suffix in (".cu", ".cpp", ".h", ".cuh"))
+    )
 
 
 def current_arch(device: torch.device | None = None) -> str | None:
@@ -258,7 +268,7 @@ def load_kernel(device: torch.device | None = None) -> SimpleNamespace:
                     module = cpp_extension.load(
                         name=EXTENSION,
                         sources=[str(p) for p in spec.sources if p.suffix in (".cu", ".cpp")],
-                        extra_cflags=["-O3", "-std=c++17"],
+                        extra_cflags=["-O3", "-std=c++17", *experimental_flags()],
                         extra_cuda_cflags=spec.cuda_flags,
                         extra_include_paths=[str(d) for d in cutlass_include_dirs()],
                         build_directory=str(spec.build_dir),
