@@ -1,0 +1,74 @@
+"""The fused-norm conv prototype against the decode's two passes, per 3x3x3 layer (issue 16; one GPU).
+
+Usage: PAN2_KERNEL_EXPERIMENTAL=1 python scripts/bench_fused_norm.py [--repeats 10] [--layers up1,up3]
+
+For each residual-block conv of a 704x1248 decode (scripts/bench_conv_kernel.py's LAYERS): today's
+rms_norm_silu (read x, write the normed copy) + the plain conv, against rms_inv (read x, write one fp32 per
+pixel) + the conv that normalises its operand tiles in shared memory; milliseconds (CUDA events, median),
+the conv's TFLOP/s, and max |fused - two passes|. Written before it could run (no device time left in
+the session that wrote it): the first run is its test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_conv_kernel import LAYERS, _time  # noqa: E402
+
+from pan2cli.vae.kernel import conv  # noqa: E402
+from pan2cli.vae.kernel.build import load_kernel  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--layers", default="", help="comma-separated name prefixes (default: every 3x3x3 layer)"
+    )
+    args = parser.parse_args()
+    ops = load_kernel()
+    if not hasattr(ops, "conv_cutlass_norm"):
+        raise SystemExit("needs the experimental build: set PAN2_KERNEL_EXPERIMENTAL=1")
+    wanted = [p for p in args.layers.split(",") if p]
+    print("| layer | two passes ms | fused ms (rms_inv + conv) | conv TFLOP/s two / fused | max abs diff |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, shape, c_out, kernel, pad_w, _ in LAYERS:
+        if kernel != (3, 3, 3) or (wanted and not any(name.startswith(p) for p in wanted)):
+            continue
+        c_in = shape[-1]
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(c_out, c_in, *kernel, device="cuda") / (c_in * 27) ** 0.5).to(torch.bfloat16)
+        w = w.contiguous(memory_format=torch.channels_last_3d)
+        gamma = torch.full((c_in,), c_in**0.5, device="cuda")
+        bias = torch.zeros(c_out, device="cuda")
+        normed = torch.empty_like(x)
+        inv = torch.empty(shape[:-1], dtype=torch.float32, device="cuda")
+        out = conv._output(x, w, pad_w)
+
+        def two_passes():
+            ops.rms_norm_silu(x, gamma, None, None, None, normed, True, None, True)
+            return conv.conv_cutlass(ops, normed, w, bias, pad_w=pad_w)
+
+        def fused():
+            ops.rms_inv(x, inv)
+            ops.conv_cutlass_norm(x, inv, gamma, w, bias, out, pad_w)
+            return out
+
+        diff = (fused().float() - two_passes().float()).abs().max().item()
+        flop = 2.0 * out.numel() * c_in * 27
+        conv_two = _time(lambda: conv.conv_cutlass(ops, normed, w, bias, pad_w=pad_w), args.repeats)
+        conv_fused = _time(lambda: ops.conv_cutlass_norm(x, inv, gamma, w, bias, out, pad_w), args.repeats)
+        print(
+            f"| {name} | {_time(two_passes, args.repeats):.3f} | {_time(fused, args.repeats):.3f} | "
+            f"{flop / conv_two / 1e9:.0f} / {flop / conv_fused / 1e9:.0f} | {diff:.3g} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
