@@ -10,6 +10,10 @@ Same function as `WanVAEDecoder` (docs/wan22_vae.md), organised so that the time
 * every causal conv reads one buffer `(B, 2 + t, H, W, C)` whose first two frames are its history: the
   fused RMS norm + SiLU kernel writes the chunk straight behind them (no `cat`, no `pad`); conv biases,
   residual adds and the next norm are one kernel (`rms_norm_silu` with `bias`, `residual`, `sum_out`);
+* at full resolution (the last up-block and conv_out) the decode walks one frame at a time and each conv
+  keeps its input in a ring of three frames: the norm writes frame f into slot f mod 3, and the conv reads
+  the three slots in memory order with its time taps rotated to match (`_ring_conv`), so no history is
+  ever copied (these convs were 0.07 s of copies and 0.03 s of history writes per 5 s of video);
 * resamplers are four 2x2 "phase" convolutions on the low-resolution input, stacked into one conv of
   4C output channels; one interleave kernel adds the bias and the DupUp3D shortcut while writing the
   upsampled frame;
@@ -62,6 +66,18 @@ def _conv3d_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.to(torch.bfloat16).contiguous(memory_format=torch.channels_last_3d)
 
 
+def _ring_weight(weight: torch.Tensor, phase: int) -> torch.Tensor:
+    """A causal conv's weight `(C_out, C_in, 3, kh, kw)` for a ring of three input frames in which the current
+    frame f (f mod 3 = `phase`) sits in slot f mod 3: slot s holds frame f - ((f - s) mod 3), so it takes time
+    tap 2 - ((phase - s) mod 3) (tap 0 multiplies frame f - 2). Phase 2 is the weight itself."""
+    if phase == 2:
+        return weight
+    # Slot s takes tap (s + 1 - phase) mod 3, a cyclic shift of the taps. torch.roll, not a gather by a
+    # list of taps: indexing with a host list copies it to the GPU and waits for the stream (measured: the
+    # GPU idled 0.17 s per 5 s decode).
+    return torch.roll(weight, shifts=phase + 1, dims=2).contiguous(memory_format=torch.channels_last_3d)
+
+
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().float().reshape(-1).contiguous()
 
@@ -97,11 +113,11 @@ class WanKernelDecoder:
         reference: a `WanVAEDecoder` on a CUDA device (any dtype; weights are re-laid out in bf16 and the
             reference is not kept).
         ops: the loaded kernel ops (`pan2cli.vae.kernel.build.load_kernel`).
-        tail_frames: video frames per pass through the high-resolution stages (up_blocks.2, up_blocks.3,
-            head). Within a chunk the decode goes depth first: up_blocks.1's upsampler and everything
-            after it walk the chunk `tail_frames` frames at a time, which bounds the memory of the
-            largest activations (225 MB per frame at 512 x 352 x 624) without changing the output.
-            2 keeps the decode of 704x1248 under 6 GiB; 4 is ~1 % faster and peaks near 6.5 GiB.
+        tail_frames: video frames per pass through up_blocks.2. Within a chunk the decode goes depth
+            first: up_blocks.1's upsampler and up_blocks.2 walk the chunk `tail_frames` frames at a time,
+            and the full-resolution stages after them (up_blocks.3, head) one frame at a time through
+            their history rings, which bounds the memory of the largest activations (225 MB per frame
+            at 512 x 352 x 624) without changing the output. 2 keeps the decode of 704x1248 under 6 GiB.
         fixed_order_convs: run the convs at the latent and 2x-latent resolutions (and post_quant_conv) in
             the fixed-order Triton kernel (`pan2cli.vae.kernel.conv`), so that chunk sizes and row splits
             round alike; cuDNN otherwise (~7 % faster on an H200, but chunk sizes and splits then differ by
@@ -180,11 +196,14 @@ class WanKernelDecoder:
             self._weights["attn.proj.bias"] = attention.proj.bias.to(torch.bfloat16)
         self._history: dict[str, torch.Tensor] = {}
         self._rows: RowSplit | None = None
-        # The decode's largest conv input is that of the last up-block's first conv (512 channels at full
-        # resolution, 225 MB per frame), and the memory peak sits there: that conv keeps its history inside
-        # one persistent (2 + t)-frame buffer instead of a 2-frame history plus a transient buffer.
-        self._in_place_history = {f"decoder.up_blocks.{len(self._up_blocks) - 1}.resnets.0.conv1"}
+        # The full-resolution convs (the last up-block's and conv_out, 112-225 MB per input frame) keep
+        # their input in rings of three frames (`_ring_conv`).
+        last = f"decoder.up_blocks.{len(self._up_blocks) - 1}"
+        self._ring_keys = {
+            f"{last}.resnets.{j}.conv{k}" for j in range(len(self._up_blocks[-1][0])) for k in (1, 2)
+        } | {"decoder.conv_out"}
         self._rings: dict[str, torch.Tensor] = {}
+        self._ring_frames: dict[str, int] = {}
 
     # -- building blocks ----------------------------------------------------------------------
     def _w(self, name: str) -> torch.Tensor:
@@ -204,19 +223,6 @@ class WanKernelDecoder:
         rows = h + 2 if halo else h
         history = self._history.get(key)
         fresh = history is None
-        if key in self._in_place_history:
-            # Sized once for the longest pass (one batch: shorter passes use a prefix, still dense).
-            ring = self._rings.get(key)
-            if ring is None or ring.shape[1] < 2 + t or (b > 1 and ring.shape[1] != 2 + t):
-                frames = max(t, self.tail_frames) if b == 1 else t
-                ring = torch.empty(b, 2 + frames, rows, w, channels, dtype=torch.bfloat16, device=like.device)
-                if fresh:
-                    ring[:, :2].zero_()
-                else:
-                    ring[:, :2].copy_(history)
-                self._rings[key] = ring
-                self._history[key] = ring[:, :2]
-            return ring[:, : 2 + t], fresh
         if fresh:
             history = torch.zeros(b, 2, rows, w, channels, dtype=torch.bfloat16, device=like.device)
             self._history[key] = history
@@ -229,6 +235,11 @@ class WanKernelDecoder:
     def _interior(buf: torch.Tensor) -> torch.Tensor:
         """The chunk's frames of a conv buffer without the halo rows: where the norm writes."""
         return buf[:, 2:, 1:-1]
+
+    @staticmethod
+    def _interior_rows(frames: torch.Tensor) -> torch.Tensor:
+        """`(B, t, h + 2, W, C)` frames without their halo rows."""
+        return frames[:, :, 1:-1]
 
     def _halo(self, frames: torch.Tensor) -> None:
         """Fill the halo rows of `(…, h + 2, W, C)` frames: the neighbours' rows, zeros at the frame's edges."""
@@ -309,40 +320,93 @@ class WanKernelDecoder:
         self._norm_into(x.z, gamma, out, bias=x.bias, residual=x.residual, silu=False, normalize=False)
         x.z = x.bias = x.residual = None
 
-    def _norm_conv(self, key: str, x: _Pending, gamma: torch.Tensor, keep_sum: bool = True) -> torch.Tensor:
-        """SiLU(RMS(x)) written behind the history of conv `key`, then the conv (no bias).
+    def _norm_conv(
+        self,
+        key: str,
+        x: _Pending,
+        gamma: torch.Tensor,
+        keep_sum: bool = True,
+        bias: torch.Tensor | None = None,
+    ) -> _Pending:
+        """SiLU(RMS(x)) written behind the history of conv `key`, then the conv; returns its output + `bias`.
 
+        The fixed-order engines add the fp32 bias before their one rounding (one rounding fewer than adding
+        it in the next norm); after cuDNN (whose bias is bf16) it stays pending for the next norm.
         `x` is consumed: with `keep_sum` the sum is stored in place of `x.z`, which stays (it is the next
         block's residual input); its other tensors are released.
         """
         source = x.z
-        buf, fresh = self._buffer(key, source, source.shape[-1])
-        # The norm also writes the chunk's last two frames into the history (no copy after the conv),
-        # unless the chunk has one frame or the history carries halo rows that the swap fills.
-        direct = source.shape[1] >= 2 and self._rows is None and key not in self._in_place_history
-        history = self._history[key][:, :, 1:-1] if direct else None  # its halo rows stay zero
+        source_width = source.shape[3]
         sum_out = source if keep_sum and (x.bias is not None or x.residual is not None) else None
-        self._norm_into(
-            source,
-            gamma,
-            self._interior(buf),
-            bias=x.bias,
-            residual=x.residual,
-            sum_out=sum_out,
-            history=history,
-        )
+        if key in self._ring_keys:
+            ring, frame = self._ring(key, source)
+            slot = ring[:, frame % 3 : frame % 3 + 1]
+            self._norm_into(
+                source, gamma, self._interior_rows(slot), bias=x.bias, residual=x.residual, sum_out=sum_out
+            )
+        else:
+            buf, fresh = self._buffer(key, source, source.shape[-1])
+            # The norm also writes the chunk's last two frames into the history (no copy after the conv),
+            # unless the chunk has one frame or the history carries halo rows that the swap fills.
+            direct = source.shape[1] >= 2 and self._rows is None
+            history = self._history[key][:, :, 1:-1] if direct else None  # its halo rows stay zero
+            self._norm_into(
+                source,
+                gamma,
+                self._interior(buf),
+                bias=x.bias,
+                residual=x.residual,
+                sum_out=sum_out,
+                history=history,
+            )
         x.bias = x.residual = None
         if not keep_sum:
             x.z = None
         del source
+        weight = self._w(key + ".weight")
+        in_epilogue = (
+            bias is not None and self._engine(source_width, weight.shape[1], weight.shape[0]) != "cudnn"
+        )
+        conv_bias, pending_bias = (bias, None) if in_epilogue else (None, bias)
+        if key in self._ring_keys:
+            if self._rows is not None:  # without a split the ring's halo rows stay zero
+                self._halo(slot)
+            return _Pending(self._ring_conv(key, ring, frame, conv_bias), pending_bias)
         self._halo(buf[:, 2:])
-        out = self._conv(buf, self._w(key + ".weight"), fresh=fresh)
+        out = self._conv(buf, weight, conv_bias, fresh=fresh)
         if not direct:
             self._keep_history(key, buf)
-        return out
+        return _Pending(out, pending_bias)
+
+    def _ring(self, key: str, like: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The ring `(B, 3, h + 2, W, C)` of conv `key` (zeros at the decode's start: the history before frame
+        0 and, without a split, the halo rows) and the index of the frame about to enter it."""
+        b, t, h, w, c = like.shape
+        if t != 1:
+            raise ValueError(f"{key}: the full-resolution stages take one frame at a time, got {t}")
+        ring = self._rings.get(key)
+        if ring is None:
+            ring = torch.zeros(b, 3, h + 2, w, c, dtype=torch.bfloat16, device=like.device)
+            self._rings[key] = ring
+        frame = self._ring_frames.get(key, 0)
+        self._ring_frames[key] = frame + 1
+        return ring, frame
+
+    def _ring_conv(
+        self, key: str, ring: torch.Tensor, frame: int, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Causal conv of frame `frame`, whose input and history sit in slots frame mod 3, (frame - 1) mod 3
+        and (frame - 2) mod 3 of `ring`: the three slots in memory order with the time taps rotated to
+        match (`_ring_weight`). Per frame one fixed summation order (by frame mod 3), whatever the
+        chunking or the row split."""
+        if frame == 0:  # the other slots hold zeros: only the last time tap sees input (`_conv`)
+            weight = self._w(key + ".weight")[:, :, 2:]
+            return self._conv(ring[:, :1], weight.contiguous(memory_format=torch.channels_last_3d), bias)
+        return self._conv(ring, _ring_weight(self._w(key + ".weight"), frame % 3), bias)
 
     def _resblock(self, prefix: str, has_shortcut: bool, x: _Pending) -> _Pending:
         """One residual block; consumes `x` (its input is freed once the first norm has read it)."""
+        gamma1, bias1 = self._w(prefix + ".norm1.gamma"), self._w(prefix + ".conv1.bias")
         if has_shortcut:
             x_in = x.take()
             w = self._w(prefix + ".conv_shortcut.weight")
@@ -350,14 +414,14 @@ class WanKernelDecoder:
             h = F.linear(x_in, w.reshape(w.shape[0], w.shape[1]), bias)
             x = _Pending(x_in)
             del x_in  # the norm below is its last reader: freed before conv1 runs
-            y = self._norm_conv(prefix + ".conv1", x, self._w(prefix + ".norm1.gamma"), keep_sum=False)
+            y = self._norm_conv(prefix + ".conv1", x, gamma1, keep_sum=False, bias=bias1)
         else:
-            y = self._norm_conv(prefix + ".conv1", x, self._w(prefix + ".norm1.gamma"))
+            y = self._norm_conv(prefix + ".conv1", x, gamma1, bias=bias1)
             h = x.z  # the materialised sum is the residual
             x.z = None
-        y = _Pending(y, self._w(prefix + ".conv1.bias"))
         z = self._norm_conv(prefix + ".conv2", y, self._w(prefix + ".norm2.gamma"), keep_sum=False)
-        return _Pending(z, self._w(prefix + ".conv2.bias"), h)
+        # conv2's bias joins the residual in the next norm's one rounding of the block output.
+        return _Pending(z.z, self._w(prefix + ".conv2.bias"), h)
 
     def _attention(self, x: _Pending) -> _Pending:
         x = x.take()
@@ -375,10 +439,13 @@ class WanKernelDecoder:
             o = self._rows.take(o.permute(0, 1, 4, 2, 3)).permute(0, 1, 3, 4, 2)  # this rank's rows
         return _Pending(x.add_(o))
 
-    def _upsample(
-        self, prefix: str, mode: str, x: _Pending, x_in: torch.Tensor, first_chunk: bool
-    ) -> torch.Tensor:
-        """Resampler on the block output `x` (consumed) with the DupUp3D shortcut of the block input `x_in`."""
+    def _resampler_input(
+        self, prefix: str, mode: str, x: _Pending, first_chunk: bool, per_frame: bool = False
+    ) -> tuple[list[torch.Tensor], tuple[int, int, int, int, int], int]:
+        """The resampler's phase-conv input: the block output `x` (consumed) summed, for upsample3d through
+        its time conv and depth-to-time, with halo rows, as a list of `(B·t', h + 2, w, C)` tensors (one,
+        or with `per_frame` one a frame: each freed once its phase conv has read it); also (B, t, h, w, C)
+        and factor_t."""
         b, t, h, w, c = x.z.shape
         factor_t = 2 if mode == "upsample3d" else 1
         if mode == "upsample3d" and not first_chunk:
@@ -395,36 +462,140 @@ class WanKernelDecoder:
             interior.copy_(y.reshape(b, t, h, w, 2, c).permute(0, 1, 4, 2, 3, 5))
             del y
             t = 2 * t
+            inputs = [frames]
+        elif per_frame and b == 1:
+            inputs = [
+                torch.empty(b, 1, h + 2, w, c, dtype=torch.bfloat16, device=x.z.device) for _ in range(t)
+            ]
+            for f, frame in enumerate(inputs):
+                one = _Pending(
+                    x.z[:, f : f + 1], x.bias, None if x.residual is None else x.residual[:, f : f + 1]
+                )
+                self._sum_into(one, frame[:, :, 1:-1])
+            x.z = x.bias = x.residual = None
         else:
             frames = torch.empty(b, t, h + 2, w, c, dtype=torch.bfloat16, device=x.z.device)
             self._sum_into(x, frames[:, :, 1:-1])
+            inputs = [frames]
         # The 2x2 phase convs read one row above and below: halo rows as in `_buffer`.
-        self._halo(frames)
-        frames = frames.view(b * t, h + 2, w, c)
-        out = torch.empty(b, t, 2 * h, 2 * w, c, dtype=torch.bfloat16, device=frames.device)
-        frame_offset = factor_t - 1 if first_chunk else 0
-        # Frames per phase conv, from the whole frame's height: a row split must not change the conv's
-        # batch (cuDNN's algorithm, hence its rounding, depends on it).
-        full_h = h if self._rows is None else self._rows.total_rows(h)
-        group = max(1, self.phase_bytes_per_pass // ((full_h + 1) * (w + 1) * 4 * c * 2)) if b == 1 else t
+        for frames in inputs:
+            self._halo(frames)
+        return [frames.view(-1, h + 2, w, c) for frames in inputs], (b, t, h, w, c), factor_t
+
+    def _phase_groups(
+        self, prefix: str, inputs: list[torch.Tensor], shape
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first frame, stacked phase-conv output) of each group of frames of the resampler input; the
+        inputs list is emptied as the groups are read."""
+        b, t, h, w, c = shape
         phase_weight = self._w(prefix + ".phases")
         engine = self._engine(w, c, phase_weight.shape[0])
-        for f in range(0, t, group):
+        if len(inputs) == 1:
+            # Frames per phase conv, from the whole frame's height: a row split must not change the conv's
+            # batch (cuDNN's algorithm, hence its rounding, depends on it).
+            full_h = h if self._rows is None else self._rows.total_rows(h)
+            group = max(1, self.phase_bytes_per_pass // ((full_h + 1) * (w + 1) * 4 * c * 2)) if b == 1 else t
+            frames = inputs.pop()
+            groups = [frames[f : f + group] for f in range(0, t, group)]
+            del frames
+        else:
+            groups = inputs
+        f = 0
+        while groups:
+            frames = groups.pop(0)
             if engine != "cudnn":
-                phases = self._fixed_order_conv(engine, frames[f : f + group], phase_weight, pad_w=1)
+                phases = self._fixed_order_conv(engine, frames, phase_weight, pad_w=1)
             else:
-                phases = F.conv2d(
-                    frames[f : f + group].permute(0, 3, 1, 2),
-                    phase_weight,
-                    None,
-                    padding=(0, 1),
-                )
+                phases = F.conv2d(frames.permute(0, 3, 1, 2), phase_weight, None, padding=(0, 1))
                 phases = phases.permute(0, 2, 3, 1).contiguous()
+            n = frames.shape[0] // b
+            del frames
+            # Handed over in a list that the caller empties: a suspended generator keeps its locals, and
+            # the phases (227 MB a frame at 704x1248) must not outlive their interleave.
+            box = [phases]
+            del phases
+            yield f, box
+            f += n
+
+    def _upsample(
+        self, prefix: str, mode: str, x: _Pending, x_in: torch.Tensor, first_chunk: bool
+    ) -> torch.Tensor:
+        """Resampler on the block output `x` (consumed) with the DupUp3D shortcut of the block input `x_in`."""
+        inputs, shape, factor_t = self._resampler_input(prefix, mode, x, first_chunk)
+        b, t, h, w, c = shape
+        out = torch.empty(b, t, 2 * h, 2 * w, c, dtype=torch.bfloat16, device=x_in.device)
+        frame_offset = factor_t - 1 if first_chunk else 0
+        for f, box in self._phase_groups(prefix, inputs, shape):
+            phases = box.pop()
+            n = phases.shape[0] // b
             self.ops.phase_interleave(
-                phases, self._w(prefix + ".bias"), x_in, out[:, f : f + group], factor_t, frame_offset + f
+                phases, self._w(prefix + ".bias"), x_in, out[:, f : f + n], factor_t, frame_offset + f
             )
-            del phases  # before the next group's conv allocates its own
+            del phases
         return out
+
+    def _upsample_frames(
+        self, prefix: str, mode: str, x: _Pending, shortcut: list[torch.Tensor], first_chunk: bool
+    ) -> Iterator[_Pending]:
+        """`_upsample`, one output frame at a time and each made only when asked for: what waits meanwhile
+        is the resampler's low-resolution input of the frames still to come, not full-resolution outputs
+        (226 MB a frame at 704x1248).
+
+        `shortcut` holds the block input (the DupUp3D shortcut); it is taken from the list, so that its
+        frames can be freed as they are used. Each frame is owned by the pending sum yielded (this
+        generator keeps no reference to it).
+        """
+        x_in = shortcut.pop()
+        inputs, shape, factor_t = self._resampler_input(prefix, mode, x, first_chunk, per_frame=True)
+        b, t, h, w, c = shape
+        phase_weight = self._w(prefix + ".phases")
+        by_bands = (
+            factor_t == 1
+            and b == 1
+            and len(inputs) == t
+            and x_in.shape[1] == t
+            and self._engine(w, c, phase_weight.shape[0]) != "cudnn"
+        )
+        if not by_bands:  # (another resampler, or the cuDNN engine): frames in the groups of `_upsample`
+            frame_offset = factor_t - 1 if first_chunk else 0
+            for f, box in self._phase_groups(prefix, inputs, shape):
+                phases = box.pop()
+                out = torch.empty(
+                    b, phases.shape[0] // b, 2 * h, 2 * w, c, dtype=torch.bfloat16, device=phases.device
+                )
+                self.ops.phase_interleave(
+                    phases, self._w(prefix + ".bias"), x_in, out, factor_t, frame_offset + f
+                )
+                del phases
+                pieces = [_Pending(piece) for piece in out.split(1, dim=1)]
+                del out
+                while pieces:
+                    yield pieces.pop(0)
+            return
+        # upsample2d of one video: frame f from input frame f and shortcut frame f alone, in two bands of rows
+        # (the fixed-order conv sums a band as it sums the whole frame): the phases of half a frame are what
+        # is alive beside the frame's output, and once frame 0 is out only the shortcut frames still to
+        # come are kept.
+        later = [x_in[:, :1]]
+        bands = [(0, h // 2), (h // 2, h)] if h >= 2 else [(0, h)]
+        for _ in range(t):
+            frame, short = inputs.pop(0), later.pop(0)
+            out = torch.empty(1, 1, 2 * h, 2 * w, c, dtype=torch.bfloat16, device=frame.device)
+            for r0, r1 in bands:
+                phases = self._fixed_order_conv(
+                    self._engine(w, c, phase_weight.shape[0]), frame[:, r0 : r1 + 2], phase_weight, pad_w=1
+                )
+                self.ops.phase_interleave(
+                    phases, self._w(prefix + ".bias"), short[:, :, r0:r1], out[:, :, 2 * r0 : 2 * r1], 1, 0
+                )
+                del phases
+            del frame, short
+            if x_in is not None:  # frame 0 is out: keep the shortcut's other frames apart, free the rest
+                later = [x_in[:, g : g + 1].clone() for g in range(1, t)]
+                x_in = None
+            pending = _Pending(out)
+            del out  # the consumer's pending sum is the frame's only owner
+            yield pending
 
     def _up_block(
         self, i: int, x: _Pending, first_chunk: bool, upsample: bool = True
@@ -446,7 +617,7 @@ class WanKernelDecoder:
         return x, x_in
 
     def _head(self, x: _Pending) -> torch.Tensor:
-        y = self._norm_conv("decoder.conv_out", x, self._w("decoder.norm_out.gamma"), keep_sum=False)
+        y = self._norm_conv("decoder.conv_out", x, self._w("decoder.norm_out.gamma"), keep_sum=False).z
         b, t, h, w, _ = y.shape
         frames = torch.empty(b * t, 2 * h, 2 * w, 3, dtype=torch.uint8, device=y.device)
         self.ops.head_to_uint8(
@@ -491,10 +662,25 @@ class WanKernelDecoder:
             pieces = [_Pending(piece) for piece in up.split(self.tail_frames, dim=1)]
             del up
             while pieces:
-                tail = pieces.pop(0)
-                for i in range(n_up - 2, n_up):
-                    tail = self._up_block(i, tail, first_chunk)[0]  # (the block input is not kept alive)
-                yield self._head(tail)
+                tail, tail_in = self._up_block(n_up - 2, pieces.pop(0), first_chunk, upsample=False)
+                frames = self._frames_of(tail, [tail_in], first_chunk)
+                del tail, tail_in  # the generator owns them now
+                video = [  # the full-resolution stages, one frame at a time (their rings)
+                    self._head(self._up_block(n_up - 1, frame, first_chunk)[0]) for frame in frames
+                ]
+                del frames
+                yield video[0] if len(video) == 1 else torch.cat(video, dim=1)
+
+    def _frames_of(self, x: _Pending, shortcut: list[torch.Tensor], first_chunk: bool) -> Iterator[_Pending]:
+        """up_blocks[-2]'s output `x`, its upsampler run (with the block input in `shortcut`, taken from the
+        list), as one-frame pending inputs of the last up-block."""
+        _, mode = self._up_blocks[-2]
+        if mode is None:
+            shortcut.clear()
+            yield from (_Pending(frame) for frame in x.take().split(1, dim=1))
+            return
+        prefix = f"decoder.up_blocks.{len(self._up_blocks) - 2}.upsampler"
+        yield from self._upsample_frames(prefix, mode, x, shortcut, first_chunk)
 
     def _post_quant_conv(self, z: torch.Tensor) -> torch.Tensor:
         """Latent frames `(B, z_dim, t, h, w)` -> the decoder's channels-last bf16 input, one chunk at a time
@@ -536,7 +722,7 @@ class WanKernelDecoder:
         halo rows before every 3x3 convolution and the whole frame's keys/values in the attention;
         the frames it yields are its band (`rows.gather_rows` puts them together).
         """
-        self._history, self._rings = {}, {}
+        self._history, self._rings, self._ring_frames = {}, {}, {}
         self._rows = rows
         self._fixed_order_width = 2 * z.shape[-1]
         if rows is not None:
@@ -546,5 +732,5 @@ class WanKernelDecoder:
                 x = self._post_quant_conv(z[:, :, start:stop])
                 yield from self._decoder_chunk(x, first_chunk=start == 0)
         finally:
-            self._history, self._rings = {}, {}
+            self._history, self._rings, self._ring_frames = {}, {}, {}
             self._rows = None

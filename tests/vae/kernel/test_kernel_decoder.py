@@ -265,3 +265,29 @@ def test_both_decode_paths_are_decoders(reference):
 
     assert isinstance(reference, Decoder)
     assert isinstance(WanKernelDecoder(_bf16(reference), EMULATED_OPS), Decoder)
+
+
+def test_full_resolution_stages_in_the_fixed_order_engine(reference, monkeypatch):
+    """With the fixed-order conv at every resolution (as CUTLASS runs on a GPU), the last upsampler goes
+    frame by frame in two bands of rows and the last up-block through its rings: as accurate as the bf16
+    reference."""
+    pytest.importorskip("triton")
+    from pan2cli.vae.kernel import conv
+
+    frames = []
+    original = WanKernelDecoder._upsample_frames
+
+    def counting(self, *args, **kwargs):
+        for frame in original(self, *args, **kwargs):
+            frames.append(frame.z.shape)
+            yield frame
+
+    monkeypatch.setattr(WanKernelDecoder, "_fixed_order", lambda self, width, c_in: conv.applies(c_in))
+    monkeypatch.setattr(WanKernelDecoder, "_upsample_frames", counting)
+    z = torch.randn(1, 48, 2, 2, 3, generator=torch.Generator().manual_seed(6))
+    truth = _uint8(reference, z)
+    reference_error = (_uint8(_bf16(reference), z) - truth).abs().float().mean().item()
+    got = _uint8(WanKernelDecoder(_bf16(reference), EMULATED_OPS, fixed_order_convs=True), z, 1)
+    assert len(frames) == got.shape[0] == 5 and all(shape[1] == 1 for shape in frames)
+    # (on CPU the interpreter's dot products round by numpy's BLAS: bf16-sized differences only)
+    assert (got - truth).abs().float().mean().item() <= 1.25 * reference_error + 0.05
