@@ -13,7 +13,7 @@ Same function as `WanVAEDecoder` (docs/wan22_vae.md), organised so that the time
 * at full resolution (the last up-block and conv_out) the decode walks one frame at a time and each conv
   keeps its input in a ring of three frames: the norm writes frame f into slot f mod 3, and the conv reads
   the three slots in memory order with its time taps rotated to match (`_ring_conv`), so no history is
-  ever copied (these convs were 0.07 s of copies and 0.03 s of history writes per 5 s of video);
+  ever copied (on an H200 the copies of a 5 s decode went from 0.092 to 0.039 s and the norms wrote 81 GB less);
 * resamplers are four 2x2 "phase" convolutions on the low-resolution input, stacked into one conv of
   4C output channels; one interleave kernel adds the bias and the DupUp3D shortcut while writing the
   upsampled frame;
@@ -484,9 +484,9 @@ class WanKernelDecoder:
 
     def _phase_groups(
         self, prefix: str, inputs: list[torch.Tensor], shape
-    ) -> Iterator[tuple[int, torch.Tensor]]:
-        """(first frame, stacked phase-conv output) of each group of frames of the resampler input; the
-        inputs list is emptied as the groups are read."""
+    ) -> Iterator[tuple[int, list[torch.Tensor]]]:
+        """(first frame, [stacked phase-conv output]) of each group of frames of the resampler input, the
+        output in a one-element list for the caller to take; the inputs list is emptied as it is read."""
         b, t, h, w, c = shape
         phase_weight = self._w(prefix + ".phases")
         engine = self._engine(w, c, phase_weight.shape[0])
