@@ -202,8 +202,9 @@ void launch_rows(const RmsNormParams& p, cudaStream_t stream) {
 }  // namespace
 
 void rms_norm_silu(const RmsNormParams& p, cudaStream_t stream) {
+    // The kernel's offsets within a frame are 32-bit (pybind11 turns this into a ValueError).
     if (p.rows_per_frame * p.channels >= (int64_t(1) << 31)) {
-        throw std::invalid_argument("rms_norm_silu: a frame of 2^31 elements or more");  // binding.cpp checks first
+        throw std::invalid_argument("rms_norm_silu: a frame of 2^31 elements or more");
     }
     // The read-only (non-coherent) loads and evict-first stores measured faster at C <= 256 only (3.84
     // against 3.58 TB/s; slower at 512 and 1024), and need x and the residual not to be written by the

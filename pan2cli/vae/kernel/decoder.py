@@ -66,6 +66,11 @@ def _conv3d_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.to(torch.bfloat16).contiguous(memory_format=torch.channels_last_3d)
 
 
+def _last_tap(weight: torch.Tensor) -> torch.Tensor:
+    """A causal conv's weight `(C_out, C_in, 3, kh, kw)` cut to its last time tap (the current frame's)."""
+    return weight[:, :, 2:].contiguous(memory_format=torch.channels_last_3d)
+
+
 def _ring_weight(weight: torch.Tensor, phase: int) -> torch.Tensor:
     """A causal conv's weight `(C_out, C_in, 3, kh, kw)` for a ring of three input frames in which the current
     frame f (f mod 3 = `phase`) sits in slot f mod 3: slot s holds frame f - ((f - s) mod 3), so it takes time
@@ -232,14 +237,13 @@ class WanKernelDecoder:
         return buf, fresh
 
     @staticmethod
-    def _interior(buf: torch.Tensor) -> torch.Tensor:
-        """The chunk's frames of a conv buffer without the halo rows: where the norm writes."""
-        return buf[:, 2:, 1:-1]
-
-    @staticmethod
     def _interior_rows(frames: torch.Tensor) -> torch.Tensor:
         """`(B, t, h + 2, W, C)` frames without their halo rows."""
         return frames[:, :, 1:-1]
+
+    def _interior(self, buf: torch.Tensor) -> torch.Tensor:
+        """The chunk's frames of a conv buffer without the halo rows: where the norm writes."""
+        return self._interior_rows(buf[:, 2:])
 
     def _halo(self, frames: torch.Tensor) -> None:
         """Fill the halo rows of `(…, h + 2, W, C)` frames: the neighbours' rows, zeros at the frame's edges."""
@@ -286,7 +290,7 @@ class WanKernelDecoder:
         the conv runs with that tap alone (a third of the FLOPs; the same sum without the zero terms).
         """
         if fresh and buf.shape[1] == 3:
-            buf, weight = buf[:, 2:], weight[:, :, 2:].contiguous(memory_format=torch.channels_last_3d)
+            buf, weight = buf[:, 2:], _last_tap(weight)
         # 3x3 convs read halo rows from the buffer (padding W only); (3, 1, 1) convs need none.
         pad_w = weight.shape[4] // 2
         engine = self._engine(buf.shape[3], buf.shape[4], weight.shape[0])
@@ -336,7 +340,11 @@ class WanKernelDecoder:
         block's residual input); its other tensors are released.
         """
         source = x.z
-        source_width = source.shape[3]
+        weight = self._w(key + ".weight")
+        in_epilogue = (
+            bias is not None and self._engine(source.shape[3], weight.shape[1], weight.shape[0]) != "cudnn"
+        )
+        conv_bias, pending_bias = (bias, None) if in_epilogue else (None, bias)
         sum_out = source if keep_sum and (x.bias is not None or x.residual is not None) else None
         if key in self._ring_keys:
             ring, frame = self._ring(key, source)
@@ -363,11 +371,6 @@ class WanKernelDecoder:
         if not keep_sum:
             x.z = None
         del source
-        weight = self._w(key + ".weight")
-        in_epilogue = (
-            bias is not None and self._engine(source_width, weight.shape[1], weight.shape[0]) != "cudnn"
-        )
-        conv_bias, pending_bias = (bias, None) if in_epilogue else (None, bias)
         if key in self._ring_keys:
             if self._rows is not None:  # without a split the ring's halo rows stay zero
                 self._halo(slot)
@@ -400,8 +403,7 @@ class WanKernelDecoder:
         match (`_ring_weight`). Per frame one fixed summation order (by frame mod 3), whatever the
         chunking or the row split."""
         if frame == 0:  # the other slots hold zeros: only the last time tap sees input (`_conv`)
-            weight = self._w(key + ".weight")[:, :, 2:]
-            return self._conv(ring[:, :1], weight.contiguous(memory_format=torch.channels_last_3d), bias)
+            return self._conv(ring[:, :1], _last_tap(self._w(key + ".weight")), bias)
         return self._conv(ring, _ring_weight(self._w(key + ".weight"), frame % 3), bias)
 
     def _resblock(self, prefix: str, has_shortcut: bool, x: _Pending) -> _Pending:
@@ -463,7 +465,7 @@ class WanKernelDecoder:
             del y
             t = 2 * t
             inputs = [frames]
-        elif per_frame and b == 1:
+        elif per_frame:  # (one video: `_upsample_frames`)
             inputs = [
                 torch.empty(b, 1, h + 2, w, c, dtype=torch.bfloat16, device=x.z.device) for _ in range(t)
             ]
@@ -482,56 +484,34 @@ class WanKernelDecoder:
             self._halo(frames)
         return [frames.view(-1, h + 2, w, c) for frames in inputs], (b, t, h, w, c), factor_t
 
-    def _phase_groups(
-        self, prefix: str, inputs: list[torch.Tensor], shape
-    ) -> Iterator[tuple[int, list[torch.Tensor]]]:
-        """(first frame, [stacked phase-conv output]) of each group of frames of the resampler input, the
-        output in a one-element list for the caller to take; the inputs list is emptied as it is read."""
-        b, t, h, w, c = shape
-        phase_weight = self._w(prefix + ".phases")
-        engine = self._engine(w, c, phase_weight.shape[0])
-        if len(inputs) == 1:
-            # Frames per phase conv, from the whole frame's height: a row split must not change the conv's
-            # batch (cuDNN's algorithm, hence its rounding, depends on it).
-            full_h = h if self._rows is None else self._rows.total_rows(h)
-            group = max(1, self.phase_bytes_per_pass // ((full_h + 1) * (w + 1) * 4 * c * 2)) if b == 1 else t
-            frames = inputs.pop()
-            groups = [frames[f : f + group] for f in range(0, t, group)]
-            del frames
-        else:
-            groups = inputs
-        f = 0
-        while groups:
-            frames = groups.pop(0)
-            if engine != "cudnn":
-                phases = self._fixed_order_conv(engine, frames, phase_weight, pad_w=1)
-            else:
-                phases = F.conv2d(frames.permute(0, 3, 1, 2), phase_weight, None, padding=(0, 1))
-                phases = phases.permute(0, 2, 3, 1).contiguous()
-            n = frames.shape[0] // b
-            del frames
-            # Handed over in a list that the caller empties: a suspended generator keeps its locals, and
-            # the phases (227 MB a frame at 704x1248) must not outlive their interleave.
-            box = [phases]
-            del phases
-            yield f, box
-            f += n
-
     def _upsample(
         self, prefix: str, mode: str, x: _Pending, x_in: torch.Tensor, first_chunk: bool
     ) -> torch.Tensor:
         """Resampler on the block output `x` (consumed) with the DupUp3D shortcut of the block input `x_in`."""
-        inputs, shape, factor_t = self._resampler_input(prefix, mode, x, first_chunk)
-        b, t, h, w, c = shape
-        out = torch.empty(b, t, 2 * h, 2 * w, c, dtype=torch.bfloat16, device=x_in.device)
+        [frames], (b, t, h, w, c), factor_t = self._resampler_input(prefix, mode, x, first_chunk)
+        out = torch.empty(b, t, 2 * h, 2 * w, c, dtype=torch.bfloat16, device=frames.device)
         frame_offset = factor_t - 1 if first_chunk else 0
-        for f, box in self._phase_groups(prefix, inputs, shape):
-            phases = box.pop()
-            n = phases.shape[0] // b
+        # Frames per phase conv, from the whole frame's height: a row split must not change the conv's
+        # batch (cuDNN's algorithm, hence its rounding, depends on it).
+        full_h = h if self._rows is None else self._rows.total_rows(h)
+        group = max(1, self.phase_bytes_per_pass // ((full_h + 1) * (w + 1) * 4 * c * 2)) if b == 1 else t
+        phase_weight = self._w(prefix + ".phases")
+        engine = self._engine(w, c, phase_weight.shape[0])
+        for f in range(0, t, group):
+            if engine != "cudnn":
+                phases = self._fixed_order_conv(engine, frames[f : f + group], phase_weight, pad_w=1)
+            else:
+                phases = F.conv2d(
+                    frames[f : f + group].permute(0, 3, 1, 2),
+                    phase_weight,
+                    None,
+                    padding=(0, 1),
+                )
+                phases = phases.permute(0, 2, 3, 1).contiguous()
             self.ops.phase_interleave(
-                phases, self._w(prefix + ".bias"), x_in, out[:, f : f + n], factor_t, frame_offset + f
+                phases, self._w(prefix + ".bias"), x_in, out[:, f : f + group], factor_t, frame_offset + f
             )
-            del phases
+            del phases  # before the next group's conv allocates its own
         return out
 
     def _upsample_frames(
@@ -543,48 +523,34 @@ class WanKernelDecoder:
 
         `shortcut` holds the block input (the DupUp3D shortcut); it is taken from the list, so that its
         frames can be freed as they are used. Each frame is owned by the pending sum yielded (this
-        generator keeps no reference to it).
+        generator keeps no reference to it). Another resampler, a batch or the cuDNN engine take
+        `_upsample` (all frames at once) instead.
         """
         x_in = shortcut.pop()
-        inputs, shape, factor_t = self._resampler_input(prefix, mode, x, first_chunk, per_frame=True)
-        b, t, h, w, c = shape
+        b, t, _, w, c = x.z.shape
         phase_weight = self._w(prefix + ".phases")
-        by_bands = (
-            factor_t == 1
-            and b == 1
-            and len(inputs) == t
-            and x_in.shape[1] == t
-            and self._engine(w, c, phase_weight.shape[0]) != "cudnn"
-        )
-        if not by_bands:  # (another resampler, or the cuDNN engine): frames in the groups of `_upsample`
-            frame_offset = factor_t - 1 if first_chunk else 0
-            for f, box in self._phase_groups(prefix, inputs, shape):
-                phases = box.pop()
-                out = torch.empty(
-                    b, phases.shape[0] // b, 2 * h, 2 * w, c, dtype=torch.bfloat16, device=phases.device
-                )
-                self.ops.phase_interleave(
-                    phases, self._w(prefix + ".bias"), x_in, out, factor_t, frame_offset + f
-                )
-                del phases
-                pieces = [_Pending(piece) for piece in out.split(1, dim=1)]
-                del out
-                while pieces:
-                    yield pieces.pop(0)
+        engine = self._engine(w, c, phase_weight.shape[0])
+        if mode == "upsample3d" or b != 1 or x_in.shape[1] != t or engine == "cudnn":
+            pieces = [
+                _Pending(frame)
+                for frame in self._upsample(prefix, mode, x, x_in, first_chunk).split(1, dim=1)
+            ]
+            del x_in
+            while pieces:
+                yield pieces.pop(0)
             return
         # upsample2d of one video: frame f from input frame f and shortcut frame f alone, in two bands of rows
         # (the fixed-order conv sums a band as it sums the whole frame): the phases of half a frame are what
         # is alive beside the frame's output, and once frame 0 is out only the shortcut frames still to
         # come are kept.
+        inputs, (_, _, h, w, c), _ = self._resampler_input(prefix, mode, x, first_chunk, per_frame=True)
         later = [x_in[:, :1]]
         bands = [(0, h // 2), (h // 2, h)] if h >= 2 else [(0, h)]
         for _ in range(t):
             frame, short = inputs.pop(0), later.pop(0)
             out = torch.empty(1, 1, 2 * h, 2 * w, c, dtype=torch.bfloat16, device=frame.device)
             for r0, r1 in bands:
-                phases = self._fixed_order_conv(
-                    self._engine(w, c, phase_weight.shape[0]), frame[:, r0 : r1 + 2], phase_weight, pad_w=1
-                )
+                phases = self._fixed_order_conv(engine, frame[:, r0 : r1 + 2], phase_weight, pad_w=1)
                 self.ops.phase_interleave(
                     phases, self._w(prefix + ".bias"), short[:, :, r0:r1], out[:, :, 2 * r0 : 2 * r1], 1, 0
                 )
