@@ -335,8 +335,8 @@ class WanKernelDecoder:
         """SiLU(RMS(x)) written behind the history of conv `key`, then the conv; returns its output + `bias`.
 
         CUTLASS adds the fp32 bias before its one rounding (one rounding fewer than adding it in the next
-        norm: PSNR 48.49 -> 48.61 dB on an H200); after the other engines it stays pending for the next norm (cuDNN's bias
-        is bf16; the Triton engine, measured only on CPU there, is left as it was).
+        norm: PSNR 48.49 -> 48.61 dB on an H200); after the other engines it stays pending for the next
+        norm (cuDNN's bias is bf16; the Triton engine, measured only on CPU there, is left as it was).
         `x` is consumed: with `keep_sum` the sum is stored in place of `x.z`, which stays (it is the next
         block's residual input); its other tensors are released.
         """
