@@ -135,9 +135,12 @@ class _CountingOps:
         ) * 2
         return self.ops.phase_interleave(phases, bias, shortcut, out, factor_t, frame_offset)
 
-    def head_to_uint8(self, y, bias, out):
-        self.bytes["head_to_uint8"] += y.numel() * 2 + out.numel()
-        return self.ops.head_to_uint8(y, bias, out)
+    def head_to_uint8(self, current, previous, before, bias, out):
+        partials = [t for t in (current, previous, before) if t is not None]
+        self.bytes["head_to_uint8"] += (
+            sum(t.numel() for t in partials) // 3 * 4 + out.numel()
+        )  # 12 of 36 each
+        return self.ops.head_to_uint8(current, previous, before, bias, out)
 
     def conv_cutlass(self, x, weight, bias, out, pad_w, config):
         self.flop += 2.0 * out.numel() * weight[0].numel()
@@ -168,7 +171,7 @@ def profile_kernel_path(run, z, kernel=None) -> list[tuple[str, float]]:
         name = event.key.lower()
         total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
         if "implicit_gemm_conv" in name:
-            group = "fixed-order convs (Triton, low resolution)"
+            group = "fixed-order convs (Triton: conv_in, post_quant_conv, conv_out's time partials)"
         elif "convuniversal" in name or "persistent_conv" in name:
             group = "fixed-order convs (CUTLASS)"
         elif any(s in name for s in ("conv", "xmma", "cutlass", "implicit", "gemm", "sm90", "cudnn", "nhwc")):

@@ -38,7 +38,9 @@ LAYERS = {  # name: (C_in, (KT, KH, KW), pad_w, bias, C_out), what WanKernelDeco
     "3x3x3 1024, first chunk": (1024, (1, 3, 3), 1, False, 1024),
     "time conv": (1024, (3, 1, 1), 0, True, 2048),
     "phase conv 2x2": (1024, (1, 2, 2), 1, False, 4096),
+    "conv_out time partials": (256, (1, 3, 3), 1, False, 36),
 }
+FP32_OUT = {"conv_out time partials"}  # layers whose output is the fp32 sums themselves
 
 
 def compile_layer(name: str, arch: int):
@@ -49,9 +51,14 @@ def compile_layer(name: str, arch: int):
 
     c_in, (kt, kh, kw), pad_w, bias, c_out = LAYERS[name]
     tiles = conv._tiles(c_out)
-    constexprs = conv._meta((c_out, kt, kh, kw, c_in), pad_w, True if bias else None, tiles)
+    out_fp32 = name in FP32_OUT
+    constexprs = conv._meta((c_out, kt, kh, kw, c_in), pad_w, True if bias else None, tiles, out_fp32)
     options = {"num_warps": constexprs.pop("num_warps"), "num_stages": constexprs.pop("num_stages")}
-    signature = {**SIGNATURE, **dict.fromkeys(constexprs, "constexpr")}
+    signature = {
+        **SIGNATURE,
+        "out_ptr": "*fp32" if out_fp32 else "*bf16",
+        **dict.fromkeys(constexprs, "constexpr"),
+    }
     source = ASTSource(fn=conv._kernel(), signature=signature, constexprs=constexprs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 

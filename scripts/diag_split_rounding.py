@@ -163,33 +163,6 @@ def _staged(method_name: str, probe: _Probe, stage_of):
     setattr(kernel_decoder.WanKernelDecoder, method_name, wrapped)
 
 
-def conv_out_padding(decoder, frames: int = 2, repeats: int = 20) -> dict[int, float]:
-    """conv_out has 12 output channels, a poor GEMM tile: time it with zero-padded outputs (16, 32, 64)."""
-    weight = decoder._w("decoder.conv_out.weight")
-    h, w = 16 * 44 // 2, 16 * 78 // 2
-    buf = torch.randn(1, 2 + frames, h + 2, w, weight.shape[1], device="cuda", dtype=torch.bfloat16)
-    timings = {}
-    for c_out in (12, 16, 32, 64):
-        padded = torch.zeros(c_out, *weight.shape[1:], device="cuda", dtype=torch.bfloat16)
-        padded[:12] = weight
-        padded = padded.contiguous(memory_format=torch.channels_last_3d)
-
-        def run(padded=padded):
-            return F.conv3d(buf.permute(0, 4, 1, 2, 3), padded, None, padding=(0, 0, 1))
-
-        run()
-        torch.cuda.synchronize()
-        start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        start.record()
-        for _ in range(repeats):
-            run()
-        end.record()
-        torch.cuda.synchronize()
-        timings[c_out] = start.elapsed_time(end) / repeats / frames
-        print(f"conv_out with {c_out} output channels: {timings[c_out]:.3f} ms per frame")
-    return timings
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--latent-shape", default="1,48,9,44,78")
@@ -263,8 +236,6 @@ def main() -> None:
             print(f"memory: {frames} frames; peak between convs, by the conv that ends the interval (GiB):")
             for stage, gib in sorted(peaks.items(), key=lambda kv: -kv[1])[:15]:
                 print(f"  {gib:6.2f}  {stage}   (conv workspace {probe.workspace.get(stage, 0):.2f} GiB)")
-    if not args.skip_memory:
-        results["conv_out_padding"] = conv_out_padding(decoder)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

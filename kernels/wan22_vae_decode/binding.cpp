@@ -101,7 +101,7 @@ void phase_interleave(const Tensor& phases, const Tensor& bias, const c10::optio
     TORCH_CHECK(out.dim() == 5 && out.is_contiguous(), "out must be a contiguous [B, T, 2h, 2w, C] tensor");
     const int64_t B = out.size(0), T = out.size(1), C = out.size(4);
     const int64_t h = phases.size(1) - 1, w = phases.size(2) - 1;
-    TORCH_CHECK(C % 8 == 0, "out: channels must be a multiple of 8, got ", C);
+    TORCH_CHECK(C % 8 == 0 && C <= 2048, "out: channels must be a multiple of 8 and at most 2048, got ", C);
     TORCH_CHECK(phases.size(0) == B * T && phases.size(3) == 4 * C && out.size(2) == 2 * h && out.size(3) == 2 * w,
                 "phases ", phases.sizes(), " do not match out ", out.sizes());
     CHECK_F32_VECTOR(bias, "bias", C);
@@ -138,23 +138,34 @@ void phase_interleave(const Tensor& phases, const Tensor& bias, const c10::optio
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void head_to_uint8(const Tensor& y, const Tensor& bias, Tensor out) {
-    CHECK_BF16_CUDA(y, "y");
-    TORCH_CHECK(y.dim() == 4 && y.size(3) == 12 && y.is_contiguous(), "y must be a contiguous [N, H, W, 12] tensor");
+// conv_out's time partials of frames f, f - 1, f - 2 ([N, H, W, 36] fp32; the older two optional) -> frames.
+void head_to_uint8(const Tensor& current, const c10::optional<Tensor>& previous, const c10::optional<Tensor>& before,
+                   const Tensor& bias, Tensor out) {
+    auto check_partials = [&](const Tensor& t, const char* name) {
+        TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kFloat && t.dim() == 4 && t.size(3) == 36 &&
+                        t.is_contiguous(),
+                    name, " must be a contiguous float32 [N, H, W, 36] CUDA tensor, got ", t.sizes());
+        TORCH_CHECK(t.sizes() == current.sizes(), name, " ", t.sizes(), " does not match current ", current.sizes());
+    };
+    check_partials(current, "current");
+    if (previous) check_partials(*previous, "previous");
+    if (before) check_partials(*before, "before");
     CHECK_F32_VECTOR(bias, "bias", 12);
     TORCH_CHECK(out.is_cuda() && out.scalar_type() == at::kByte && out.is_contiguous() && out.dim() == 4 &&
-                    out.size(0) == y.size(0) && out.size(1) == 2 * y.size(1) && out.size(2) == 2 * y.size(2) &&
-                    out.size(3) == 3,
+                    out.size(0) == current.size(0) && out.size(1) == 2 * current.size(1) &&
+                    out.size(2) == 2 * current.size(2) && out.size(3) == 3,
                 "out must be a contiguous uint8 [N, 2H, 2W, 3] CUDA tensor");
     wan22::HeadParams p{};
-    p.y = reinterpret_cast<const __nv_bfloat16*>(y.data_ptr());
+    p.current = current.data_ptr<float>();
+    p.previous = previous ? previous->data_ptr<float>() : nullptr;
+    p.before = before ? before->data_ptr<float>() : nullptr;
     p.bias = bias.data_ptr<float>();
     p.out = out.data_ptr<uint8_t>();
-    p.frames = static_cast<int>(y.size(0));
-    p.height = static_cast<int>(y.size(1));
-    p.width = static_cast<int>(y.size(2));
-    if (y.numel() == 0) return;
-    const c10::cuda::CUDAGuard guard(y.device());
+    p.frames = static_cast<int>(current.size(0));
+    p.height = static_cast<int>(current.size(1));
+    p.width = static_cast<int>(current.size(2));
+    if (current.numel() == 0) return;
+    const c10::cuda::CUDAGuard guard(current.device());
     wan22::head_to_uint8(p, c10::cuda::getCurrentCUDAStream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -264,8 +275,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("history") = py::none(), py::arg("normalize") = true);
     m.def("phase_interleave", &phase_interleave, "four-phase resampler epilogue", py::arg("phases"), py::arg("bias"),
           py::arg("shortcut"), py::arg("out"), py::arg("factor_t"), py::arg("frame_offset"));
-    m.def("head_to_uint8", &head_to_uint8, "conv_out epilogue: bias, unpatchify, clamp, uint8", py::arg("y"),
-          py::arg("bias"), py::arg("out"));
+    m.def("head_to_uint8", &head_to_uint8, "conv_out epilogue: time partials + bias, unpatchify, clamp, uint8",
+          py::arg("current"), py::arg("previous"), py::arg("before"), py::arg("bias"), py::arg("out"));
     m.def("conv_cutlass", &conv_cutlass, "implicit-GEMM conv (CUTLASS, fixed summation order) + bias into `out`",
           py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("pad_w"), py::arg("config"));
     m.def("cutlass_conv_configs", &cutlass_conv_configs,

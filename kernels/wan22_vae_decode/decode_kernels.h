@@ -53,13 +53,16 @@ struct PhaseInterleaveParams {
 };
 void phase_interleave(const PhaseInterleaveParams& p, cudaStream_t stream);
 
-// Head: conv_out output (12 channels, no bias yet) -> + bias, rounded to bf16 as the reference's conv
-// would, unpatchify (channel c*4 + r*2 + q -> colour c, row offset q, column offset r), clamp to
-// [-1, 1], uint8 = round_half_even((v + 1) * 127.5).
+// Head: conv_out as three time partials -> y(f) = P_2(f) + P_1(f-1) + P_0(f-2) + bias in fp32, unpatchify
+// (channel c*4 + r*2 + q -> colour c, row offset q, column offset r), clamp to [-1, 1],
+// uint8 = round_half_even((y + 1) * 127.5). P_k(f) is the 2-D conv of frame f with conv_out's time tap k
+// (fp32, not rounded); a pixel's 36 partial channels are k*12 + output channel.
 struct HeadParams {
-    const __nv_bfloat16* y;  // [N, H, W, 12]
-    const float* bias;       // [12]
-    uint8_t* out;            // [N, 2H, 2W, 3]
+    const float* current;   // [N, H, W, 36]: the partials of frame f
+    const float* previous;  // same, of frame f - 1; nullptr: zeros (the decode's first frame)
+    const float* before;    // same, of frame f - 2; nullptr: zeros
+    const float* bias;      // [12]
+    uint8_t* out;           // [N, 2H, 2W, 3]
     int frames, height, width;
 };
 void head_to_uint8(const HeadParams& p, cudaStream_t stream);

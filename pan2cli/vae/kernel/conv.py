@@ -100,12 +100,14 @@ def conv_cutlass(
     return out.squeeze(1) if two_d else out
 
 
-def _output(x: torch.Tensor, weight: torch.Tensor, pad_w: int) -> torch.Tensor:
-    """The uninitialised `(B, T_out, H_out, W_out, C_out)` bf16 output of a 3-D conv of `x` by `weight`."""
+def _output(
+    x: torch.Tensor, weight: torch.Tensor, pad_w: int, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """The uninitialised `(B, T_out, H_out, W_out, C_out)` output of a 3-D conv of `x` by `weight`."""
     b, t_in, h_in, w_in, _ = x.shape
     c_out, _, kt, kh, kw = weight.shape
     shape = (b, t_in - kt + 1, h_in - kh + 1, w_in + 2 * pad_w - kw + 1, c_out)
-    return torch.empty(shape, dtype=torch.bfloat16, device=x.device)
+    return torch.empty(shape, dtype=dtype, device=x.device)
 
 
 _zero_bias: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -144,10 +146,17 @@ def applies(c_in: int) -> bool:
 def _tiles(c_out: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a layer: chosen by its width only, never by M. Measured
     on an H200 (scripts/bench_conv_kernel.py): 128x256 with 8 warps and 3 stages is the fastest or within
-    run-to-run noise of it on every 1024-channel layer; 4 stages and BLOCK_K 128 were slower."""
+    run-to-run noise of it on every 1024-channel layer; 4 stages and BLOCK_K 128 were slower. The thinnest
+    layer (conv_out's 36 time partials) takes 64-channel tiles."""
     if c_out >= 256:
         return 128, 256, 8, 3
+    if c_out <= 64:
+        return CONV_OUT_TILES
     return 128, 128, 4, 4
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of conv_out's time partials (36 output channels).
+CONV_OUT_TILES = (128, 64, 4, 4)
 
 
 def conv_channels_last(
@@ -156,6 +165,7 @@ def conv_channels_last(
     bias: torch.Tensor | None = None,
     pad_w: int = 0,
     tiles: tuple[int, ...] | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Convolve channels-last bf16 frames with a fixed summation order (module docstring).
 
@@ -168,9 +178,10 @@ def conv_channels_last(
         tiles: (BLOCK_M, BLOCK_N, num_warps, num_stages[, BLOCK_K]) instead of the layer's own (benchmarks
             only; the summation order does not depend on them, measured bit for bit on an H200 for BLOCK_K
             128 against 64 too; bench_conv_kernel.py).
+        out_dtype: bf16 (one rounding), or float32: the fp32 sums themselves (conv_out's time partials).
 
     Returns:
-        `(B, T_out, H_out, W_out, C_out)` (or `(N, H_out, W_out, C_out)`) bf16, contiguous.
+        `(B, T_out, H_out, W_out, C_out)` (or `(N, H_out, W_out, C_out)`) in `out_dtype`, contiguous.
     """
     two_d = x.dim() == 4
     if two_d:
@@ -183,7 +194,8 @@ def conv_channels_last(
     assert x.stride(0) % c_in == 0 and x.stride(1) % c_in == 0, x.stride()
     w = weight.permute(0, 2, 3, 4, 1)
     assert w.is_contiguous(), "weight must be channels-last"
-    out = _output(x, weight, pad_w)
+    assert out_dtype in (torch.bfloat16, torch.float32), out_dtype
+    out = _output(x, weight, pad_w, out_dtype)
     _, t_out, h_out, w_out, _ = out.shape
     m = b * t_out * h_out * w_out
     tiles = tiles or _tiles(c_out)
@@ -202,12 +214,14 @@ def conv_channels_last(
             x.stride(0) // c_in,  # in pixels: strides are whole multiples of C_IN (asserted above)
             x.stride(1) // c_in,
             x.stride(2) // c_in,
-            **_meta(weight_shape=w.shape, pad_w=pad_w, bias=bias, tiles=tiles),
+            **_meta(
+                weight_shape=w.shape, pad_w=pad_w, bias=bias, tiles=tiles, out_fp32=out_dtype == torch.float32
+            ),
         )
     return out.squeeze(1) if two_d else out
 
 
-def _meta(weight_shape, pad_w: int, bias, tiles) -> dict:
+def _meta(weight_shape, pad_w: int, bias, tiles, out_fp32: bool = False) -> dict:
     """The kernel's compile-time arguments: layer shape, tiles, launch shape."""
     c_out, kt, kh, kw, c_in = weight_shape
     block_m, block_n, warps, stages = tiles[:4]
@@ -219,6 +233,7 @@ def _meta(weight_shape, pad_w: int, bias, tiles) -> dict:
         "KW": kw,
         "PAD_W": pad_w,
         "HAS_BIAS": bias is not None,
+        "OUT_FP32": out_fp32,
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
         "BLOCK_K": tiles[4] if len(tiles) > 4 else block_k(c_in),

@@ -43,13 +43,17 @@ def _mma(acc, a, w, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _store(acc, bias_ptr, out_ptr, out_rows, offs_n, keep, C_OUT, HAS_BIAS: tl.constexpr):
-    """(+ bias in fp32), one bf16 rounding, rows `out_rows` of the channels-last output where `keep`."""
+def _store(
+    acc, bias_ptr, out_ptr, out_rows, offs_n, keep, C_OUT, HAS_BIAS: tl.constexpr, OUT_FP32: tl.constexpr
+):
+    """(+ bias in fp32), one bf16 rounding (none with OUT_FP32), rows `out_rows` of the channels-last output
+    where `keep`."""
     n_valid = offs_n < C_OUT
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0)[None, :]
     out_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * C_OUT + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(tl.bfloat16), mask=keep[:, None] & n_valid[None, :])
+    value = acc if OUT_FP32 else acc.to(tl.bfloat16)
+    tl.store(out_ptrs, value, mask=keep[:, None] & n_valid[None, :])
 
 
 # The problem's sizes are not specialised on (Triton would otherwise compile a variant for every
@@ -77,6 +81,7 @@ def implicit_gemm_conv(
     KW: tl.constexpr,
     PAD_W: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    OUT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -112,4 +117,4 @@ def implicit_gemm_conv(
         a = tl.load(a_ptrs, mask=a_valid[:, None], other=0.0)
         w = tl.load(w_rows + ((kt * KH + kh) * KW + kw) * C_IN + c0, mask=n_valid[None, :], other=0.0)
         acc = _mma(acc, a, w, INTERPRET)
-    _store(acc, bias_ptr, out_ptr, offs_m, offs_n, m_valid, C_OUT, HAS_BIAS)
+    _store(acc, bias_ptr, out_ptr, offs_m, offs_n, m_valid, C_OUT, HAS_BIAS, OUT_FP32)

@@ -199,16 +199,23 @@ class WanKernelDecoder:
                 attention.proj.weight.reshape(c, c).to(torch.bfloat16).contiguous()
             )
             self._weights["attn.proj.bias"] = attention.proj.bias.to(torch.bfloat16)
+            # conv_out as one 2-D conv by its three time taps stacked (`_conv_out_partials`): filter 12 k + n
+            # is output channel n's tap k (tap 0 multiplies frame f - 2).
+            conv_out = self._weights.pop("decoder.conv_out.weight")
+            self._weights["decoder.conv_out.partials"] = torch.cat(
+                [conv_out[:, :, k] for k in range(3)]
+            ).contiguous(memory_format=torch.channels_last)
         self._history: dict[str, torch.Tensor] = {}
         self._rows: RowSplit | None = None
-        # The full-resolution convs (the last up-block's and conv_out, 112-225 MB per input frame) keep
-        # their input in rings of three frames (`_ring_conv`).
+        # The full-resolution convs of the last up-block (112-225 MB per input frame) keep their input in
+        # rings of three frames (`_ring_conv`); conv_out keeps the time partials of two frames (`_head`).
         last = f"decoder.up_blocks.{len(self._up_blocks) - 1}"
         self._ring_keys = {
             f"{last}.resnets.{j}.conv{k}" for j in range(len(self._up_blocks[-1][0])) for k in (1, 2)
-        } | {"decoder.conv_out"}
+        }
         self._rings: dict[str, torch.Tensor] = {}
         self._ring_frames: dict[str, int] = {}
+        self._head_partials: list[torch.Tensor] = []  # conv_out's partials of frames f - 2, f - 1
 
     # -- building blocks ----------------------------------------------------------------------
     def _w(self, name: str) -> torch.Tensor:
@@ -584,13 +591,51 @@ class WanKernelDecoder:
         return x, x_in
 
     def _head(self, x: _Pending) -> torch.Tensor:
-        y = self._norm_conv("decoder.conv_out", x, self._w("decoder.norm_out.gamma"), keep_sum=False).z
-        b, t, h, w, _ = y.shape
-        frames = torch.empty(b * t, 2 * h, 2 * w, 3, dtype=torch.uint8, device=y.device)
-        self.ops.head_to_uint8(
-            y.reshape(b * t, h, w, 12).contiguous(), self._w("decoder.conv_out.bias"), frames
-        )
-        return frames.view(b, t, 2 * h, 2 * w, 3)
+        """norm_out + SiLU, conv_out, unpatchify and uint8 of one frame (`x` is consumed): `(B, 1, 2h, 2w, 3)`.
+
+        conv_out is causal in time; instead of convolving three frames of its 256-channel input (as a ring
+        would, reading each frame three times), each frame is convolved once by the three time taps' filters
+        stacked (`_conv_out_partials`: 36 fp32 partial sums a pixel), and the head kernel adds frame f's
+        tap-2 partial, frame f - 1's tap-1 and frame f - 2's tap-0 (zeros before the decode's first frame)
+        in fp32, then the bias, with one rounding, to uint8. What is kept between frames is two frames of
+        partials (63 MB at 704x1248), not a history of inputs (226 MB). Fixed order per output, whatever the
+        row split or chunk: each partial is the fixed-order engine's sum and the three are added in one order.
+        """
+        source = x.z
+        b, t, h, w, c = source.shape
+        if t != 1:
+            raise ValueError(f"the head takes one frame at a time, got {t}")
+        frame = torch.empty(b, 1, h + 2, w, c, dtype=torch.bfloat16, device=source.device)
+        gamma = self._w("decoder.norm_out.gamma")
+        self._norm_into(source, gamma, self._interior_rows(frame), bias=x.bias, residual=x.residual)
+        x.z = x.bias = x.residual = None
+        del source
+        self._halo(frame)
+        partials = self._conv_out_partials(frame[:, 0])
+        del frame
+        history = self._head_partials
+        previous = history[-1] if history else None
+        before = history[-2] if len(history) == 2 else None
+        frames = torch.empty(b, 2 * h, 2 * w, 3, dtype=torch.uint8, device=partials.device)
+        self.ops.head_to_uint8(partials, previous, before, self._w("decoder.conv_out.bias"), frames)
+        self._head_partials = [previous, partials] if previous is not None else [partials]
+        return frames.view(b, 1, 2 * h, 2 * w, 3)
+
+    def _conv_out_partials(self, frame: torch.Tensor) -> torch.Tensor:
+        """`(B, h + 2, W, C)` normed frame with halo rows -> `(B, h, W, 36)` fp32: its 2-D convs by conv_out's
+        three time taps (channel 12 k + n: tap k of output channel n), not rounded.
+
+        In the fixed-order Triton engine (fp32 out); without it in cuDNN (bf16, each partial rounded once)
+        or, on the CPU, in fp32."""
+        weight = self._w("decoder.conv_out.partials")
+        if self.fixed_order_convs and conv.applies(frame.shape[-1]):
+            return conv.conv_channels_last(frame, weight, pad_w=1, out_dtype=torch.float32)
+        x = frame.permute(0, 3, 1, 2)
+        if frame.device.type == "cpu":
+            out = F.conv2d(x.float(), weight.float(), padding=(0, 1))
+        else:
+            out = F.conv2d(x, weight, padding=(0, 1)).float()
+        return out.permute(0, 2, 3, 1).contiguous()
 
     def _decoder_chunk(self, x: torch.Tensor, first_chunk: bool) -> Iterator[torch.Tensor]:
         """(B, t, h, w, z_dim) post-quant latents -> uint8 frames (B, f, 16h, 16w, 3), a few frames at a time.
@@ -689,7 +734,7 @@ class WanKernelDecoder:
         halo rows before every 3x3 convolution and the whole frame's keys/values in the attention;
         the frames it yields are its band (`rows.gather_rows` puts them together).
         """
-        self._history, self._rings, self._ring_frames = {}, {}, {}
+        self._history, self._rings, self._ring_frames, self._head_partials = {}, {}, {}, []
         self._rows = rows
         self._fixed_order_width = 2 * z.shape[-1]
         if rows is not None:
@@ -699,5 +744,5 @@ class WanKernelDecoder:
                 x = self._post_quant_conv(z[:, :, start:stop])
                 yield from self._decoder_chunk(x, first_chunk=start == 0)
         finally:
-            self._history, self._rings, self._ring_frames = {}, {}, {}
+            self._history, self._rings, self._ring_frames, self._head_partials = {}, {}, {}, []
             self._rows = None

@@ -20,8 +20,10 @@ _OP_SCHEMAS = {
     # shortcut: the block input [B, T_in, h, w, C_in] bf16; fp32 sum, one bf16 rounding.
     "phase_interleave": "phase_interleave(Tensor phases, Tensor bias, Tensor? shortcut, Tensor(a!) out, "
     "int factor_t, int frame_offset) -> ()",
-    # out [N, 2H, 2W, 3] uint8 = round((clamp(unpatchify(y [N, H, W, 12] bf16 + bias [12] fp32)) + 1) * 127.5).
-    "head_to_uint8": "head_to_uint8(Tensor y, Tensor bias, Tensor(a!) out) -> ()",
+    # out [N, 2H, 2W, 3] uint8 = round((clamp(unpatchify(y + bias [12] fp32)) + 1) * 127.5), where conv_out's
+    # y(f) = current[..., 24:] + previous[..., 12:24] + before[..., :12] in fp32: its time partials ([N, H, W, 36]
+    # fp32, partial k = time tap k) of frames f, f - 1 and f - 2 (None: zeros, before the decode's first frame).
+    "head_to_uint8": "head_to_uint8(Tensor current, Tensor? previous, Tensor? before, Tensor bias, Tensor(a!) out) -> ()",
     # out [N, D-KT+1, H-KH+1, W+2*pad_w-KW+1, K] bf16 = conv(x [N, D, H, W, C] bf16, weight [K, C, KT, KH, KW]
     # bf16 channels-last) + bias [K] fp32: fp32 accumulation in a fixed order, one bf16 rounding.
     # `config` indexes the build's tile configurations (`cutlass_conv_configs`).

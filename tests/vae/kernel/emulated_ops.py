@@ -51,8 +51,13 @@ def phase_interleave(phases, bias, shortcut, out, factor_t, frame_offset):
     out.copy_(full)
 
 
-def head_to_uint8(y, bias, out):
-    v = (y.float() + bias).to(torch.bfloat16).float().clamp(-1, 1)
+def head_to_uint8(current, previous, before, bias, out):
+    y = current[..., 24:]
+    if previous is not None:
+        y = y + previous[..., 12:24]
+    if before is not None:
+        y = y + before[..., :12]
+    v = (y + bias).clamp(-1, 1)
     n, h, w, _ = y.shape
     video = (
         v.view(n, h, w, 3, 2, 2).permute(0, 3, 1, 5, 2, 4).reshape(n, 3, 2 * h, 2 * w)

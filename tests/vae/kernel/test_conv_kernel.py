@@ -69,6 +69,19 @@ def test_matches_pytorch_conv(shape, c_out, kernel, pad_w, bias):
     assert err <= 2**-7 * expected.float().abs().max().item(), err
 
 
+def test_fp32_output_is_the_unrounded_sum():
+    """conv_out's time partials: a 2-D 3x3 conv to 36 channels whose fp32 sums are kept as they are (the
+    head adds three of them before its one rounding, to uint8)."""
+    x, w, _ = _inputs((2, 6, 7, 64), 36, (3, 3), seed=5)
+    got = conv_channels_last(x, w, pad_w=1, out_dtype=torch.float32)
+    expected = F.conv2d(x.float().permute(0, 3, 1, 2), w.float(), padding=(0, 1)).permute(0, 2, 3, 1)
+    assert got.dtype == torch.float32 and got.shape == expected.shape == (2, 4, 7, 36)
+    # fp32 sums in another order than PyTorch's; a bf16 rounding would be ~1e-2 off
+    assert (got - expected).abs().max().item() <= 1e-4 * expected.abs().max().item()
+    rounded = conv_channels_last(x, w, pad_w=1)
+    assert torch.equal(rounded, got.to(torch.bfloat16)) or DEVICE == "cpu"  # the interpreter truncates
+
+
 @pytest.mark.parametrize(
     "shape, c_out, kernel, pad_w, bias",
     [
@@ -106,11 +119,11 @@ def test_bands_and_frame_counts_give_bit_identical_outputs():
 @pytest.mark.parametrize("arch, instruction", [(90, "wgmma"), (100, "tcgen05")], ids=["sm_90", "sm_100"])
 def test_compiles_for_hopper_and_blackwell_without_a_gpu(arch, instruction):
     """Triton builds the kernel ahead of time for both architectures (bundled ptxas), with tensor-core
-    MMAs: the thin conv_in layer (steps of 16 channels), a 1024-channel 3x3x3 layer and a phase conv (its
-    own tiles). In a process of its own: this one may have run the CPU interpreter."""
+    MMAs: the thin conv_in layer (steps of 16 channels), a 1024-channel 3x3x3 layer, a phase conv (its
+    own tiles) and conv_out's fp32 time partials (36 channels in 64-channel tiles). In a process of its own: this one may have run the CPU interpreter."""
     code = (
         "from scripts.check_conv_kernel_compiles import compile_layer, tensor_core_instruction\n"
-        "for layer in ('conv_in', '3x3x3 1024', 'phase conv 2x2'):\n"
+        "for layer in ('conv_in', '3x3x3 1024', 'phase conv 2x2', 'conv_out time partials'):\n"
         f"    c = compile_layer(layer, {arch})\n"
         "    print(layer, '|', tensor_core_instruction(c), len(c.asm['cubin']) > 0)\n"
     )
@@ -123,4 +136,5 @@ def test_compiles_for_hopper_and_blackwell_without_a_gpu(arch, instruction):
         f"conv_in | {instruction} True",
         f"3x3x3 1024 | {instruction} True",
         f"phase conv 2x2 | {instruction} True",
+        f"conv_out time partials | {instruction} True",
     ]

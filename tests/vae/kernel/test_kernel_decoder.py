@@ -77,11 +77,12 @@ def test_fixed_order_convs_are_as_accurate_as_pytorch_convs(reference, monkeypat
     pytest.importorskip("triton")
     from pan2cli.vae.kernel import conv
 
-    widths = []
+    widths, partial_widths = [], []
     original = conv.conv_channels_last
 
     def counting(x, weight, bias=None, pad_w=0, **options):
-        widths.append(x.shape[-2])
+        fp32 = options.get("out_dtype") == torch.float32  # conv_out's time partials, at full resolution
+        (partial_widths if fp32 else widths).append(x.shape[-2])
         return original(x, weight, bias, pad_w, **options)
 
     monkeypatch.setattr(conv, "conv_channels_last", counting)
@@ -103,6 +104,7 @@ def test_fixed_order_convs_are_as_accurate_as_pytorch_convs(reference, monkeypat
         2,
     )
     assert widths and max(widths) == 2 * z.shape[-1]  # latent and 2x-latent convs ran in the kernel, no wider
+    assert set(partial_widths) == {8 * z.shape[-1]}  # and conv_out, one frame at a time
     fixed_error = (got - truth).abs().float().mean().item()
     pytorch_error = (pytorch - truth).abs().float().mean().item()
     assert fixed_error <= 1.25 * pytorch_error + 0.02

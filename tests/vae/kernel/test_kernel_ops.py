@@ -31,13 +31,14 @@ def test_ops_are_torch_ops_that_call_the_extension():
     calls: list = []
     ops = register_ops(_recording_extension(calls))
     assert ops.head_to_uint8 is torch.ops.pan2.head_to_uint8
-    y, bias, out = (
-        torch.zeros(1, 2, 2, 12, dtype=torch.bfloat16),
+    partials, bias, out = (
+        torch.zeros(1, 2, 2, 36),
         torch.zeros(12),
         torch.zeros(1, 4, 4, 3, dtype=torch.uint8),
     )
-    ops.head_to_uint8(y, bias, out)
-    assert calls[-1][0] == "head_to_uint8" and calls[-1][1][0] is y
+    ops.head_to_uint8(partials, None, partials, bias, out)
+    name, args = calls[-1]
+    assert name == "head_to_uint8" and args[0] is partials and args[1] is None and args[2] is partials
     assert int(out.min()) == 7
     x = torch.zeros(1, 3, 2, 2, 8, dtype=torch.bfloat16)
     ops.rms_norm_silu(x, torch.ones(8), None, None, None, torch.empty_like(x), True, None, True)
@@ -65,10 +66,10 @@ def test_calling_the_ops_imports_no_compiler_stack():
 import sys, torch
 from types import SimpleNamespace
 from pan2cli.vae.kernel.ops import register_ops
-ops = register_ops(SimpleNamespace(head_to_uint8=lambda y, bias, out: out.fill_(3)))
+ops = register_ops(SimpleNamespace(head_to_uint8=lambda current, previous, before, bias, out: out.fill_(3)))
 before = set(sys.modules)
 out = torch.zeros(1, 4, 4, 3, dtype=torch.uint8)
-ops.head_to_uint8(torch.zeros(1, 2, 2, 12, dtype=torch.bfloat16), torch.zeros(12), out)
+ops.head_to_uint8(torch.zeros(1, 2, 2, 36), None, None, torch.zeros(12), out)
 assert int(out.min()) == 3
 print(sorted(set(sys.modules) - before))
 """
