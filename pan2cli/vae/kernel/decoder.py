@@ -4,24 +4,27 @@ Same function as `WanVAEDecoder` (docs/wan22_vae.md), organised so that the time
 
 * activations are channels-last bf16 `(B, T, H, W, C)` end to end; convolutions run in the fixed-order
   engines of `conv.py` (CUTLASS for every layer of 64k channels where the build has it; Triton for the
-  48-channel inputs, and at low resolution where it has not) or in cuDNN through ATen on channels-last
-  views (conv_out; the high resolutions without CUTLASS), with zero width padding implicit in the conv
+  48-channel inputs and conv_out, and at low resolution where it has not) or in cuDNN through ATen on
+  channels-last views (the high resolutions without CUTLASS), with zero width padding implicit in the conv
   and explicit halo rows;
 * every causal conv reads one buffer `(B, 2 + t, H, W, C)` whose first two frames are its history: the
   fused RMS norm + SiLU kernel writes the chunk straight behind them (no `cat`, no `pad`); conv biases,
   residual adds and the next norm are one kernel (`rms_norm_silu` with `bias`, `residual`, `sum_out`);
-* at full resolution (the last up-block and conv_out) the decode walks one frame at a time and each conv
-  keeps its input in a ring of three frames: the norm writes frame f into slot f mod 3, and the conv reads
+* at full resolution (the last up-block and the head) the decode walks one frame at a time and each conv
+  of the last up-block keeps its input in a ring of three frames: the norm writes frame f into slot f mod 3, and the conv reads
   the three slots in memory order with its time taps rotated to match (`_ring_conv`), so no history is
   ever copied (on an H200 the copies of a 5 s decode went from 0.092 to 0.039 s and the norms wrote 81 GB less);
 * resamplers are four 2x2 "phase" convolutions on the low-resolution input, stacked into one conv of
   4C output channels; one interleave kernel adds the bias and the DupUp3D shortcut while writing the
   upsampled frame;
-* the head is conv_out then one kernel for bias + unpatchify + clamp + uint8.
+* the head is conv_out as three fp32 time partials of one 2-D conv per frame (`_head`), then one kernel that
+  adds them (frame f's last tap, f - 1's middle one, f - 2's first) and the bias, unpatchifies, clamps and
+  rounds to uint8.
 
 Numerics: bf16 storage, fp32 accumulation in the convolutions (the fixed-order engines of `conv.py`,
-whose sums do not depend on the problem's shape; cuDNN for conv_out and where they do not apply)
-and fp32 math in every norm and epilogue, one bf16 rounding per stored tensor. Frames leave as uint8 `(B, f, 16h, 16w, 3)`.
+whose sums do not depend on the problem's shape; cuDNN where they do not apply) and fp32 math in every
+norm and epilogue, one bf16 rounding per stored tensor (conv_out's partials are not rounded: its output's
+one rounding is to uint8). Frames leave as uint8 `(B, f, 16h, 16w, 3)`.
 """
 
 from __future__ import annotations

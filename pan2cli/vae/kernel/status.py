@@ -49,9 +49,11 @@ def conv_engines(spec) -> str:
     """Which engine runs each group of the decoder's convolutions with this build (`WanKernelDecoder._engine`)."""
     triton = triton_available()
     small = (
-        "the fixed-order Triton kernel for conv_in and post_quant_conv (48 input channels)"
+        "the fixed-order Triton kernel for conv_in and post_quant_conv (48 input channels) and for conv_out "
+        "(12 output channels: one 2-D conv of each frame by its three time taps, 36 fp32 partial sums that "
+        "the head adds)"
         if triton
-        else "cuDNN for conv_in and post_quant_conv (Triton is not installed)"
+        else "cuDNN for conv_in, post_quant_conv and conv_out (Triton is not installed)"
     )
     if any(flag.startswith("-DPAN2_CUTLASS_CONV=") for flag in spec.cuda_flags):
         kernel = (
@@ -61,12 +63,12 @@ def conv_engines(spec) -> str:
         )
         return (
             f"{kernel} for every 3x3x3, time and phase conv at every resolution (fixed summation order: chunk "
-            f"sizes and GPU splits round alike); {small}; cuDNN for conv_out (12 output channels)"
+            f"sizes and GPU splits round alike); {small}; cuBLAS for the 1x1 shortcut convs"
         )
     if triton:
         return (
-            "cuDNN at the two highest resolutions and for conv_out, the fixed-order Triton kernel below (chunk "
-            "sizes and GPU splits round alike); no CUTLASS conv in this build (nvidia-cutlass not installed, or "
-            f"{spec.arch} has none)"
+            "cuDNN at the two highest resolutions, the fixed-order Triton kernel below them (chunk sizes and GPU "
+            "splits round alike) and for conv_out's time partials; no CUTLASS conv in this build (nvidia-cutlass "
+            f"not installed, or {spec.arch} has none)"
         )
     return "cuDNN everywhere: Triton is not installed, so chunk sizes and GPU splits may round a few levels apart"

@@ -104,7 +104,8 @@ def test_status_names_the_conv_engines(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "cutlass_include_dirs", lambda: [tmp_path])
     convs = status.kernel_status().convs
     assert "persistent warp-specialised CUTLASS conv" in convs and "every resolution" in convs
-    assert "Triton kernel for conv_in and post_quant_conv" in convs and "cuDNN for conv_out" in convs
+    assert "Triton kernel for conv_in and post_quant_conv" in convs and "for conv_out" in convs
+    assert "cuDNN" not in convs  # no layer left in cuDNN
     monkeypatch.setattr(status, "current_arch", lambda device=None: "sm_100a")
     assert "CUTLASS's implicit-GEMM conv (tcgen05" in status.kernel_status().convs
     monkeypatch.setattr(status, "current_arch", lambda device=None: "sm_90a")
