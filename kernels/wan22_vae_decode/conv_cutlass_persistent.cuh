@@ -22,8 +22,6 @@
 
 #if defined(PAN2_CUTLASS_CONV) && PAN2_CUTLASS_CONV == 90
 
-#include <cstdlib>
-
 #include "cutlass/arch/reg_reconfig.h"
 #include "cutlass/pipeline/pipeline.hpp"
 
@@ -79,7 +77,6 @@ struct PersistentConvKernel {
         typename Epilogue::Params epilogue;
         int m_tiles;
         int n_tiles;
-        int n_band;  // channel groups walked together (a divisor of n_tiles / kClusterN)
         typename Transform::Params transform;
     };
 
@@ -148,17 +145,11 @@ struct PersistentConvKernel {
         // A cluster walks tile groups (kClusterM x kClusterN adjacent tiles); every CTA of it runs the same
         // number of tiles (a tile past the last row loads zeros and stores nothing; n_tiles is a multiple of
         // kClusterN, checked at launch).
-        // Groups are walked in bands of n_band channel groups, row groups fastest within a band's channel groups
-        // (n_band = n_groups: every channel group of a row group, then the next row group).
         const int n_groups = params.n_tiles / kClusterN;
-        const int m_groups = (params.m_tiles + kClusterM - 1) / kClusterM;
-        const int groups = m_groups * n_groups;
-        const int n_band = params.n_band;
-        auto m_group_of = [&](int group) { return group % (m_groups * n_band) / n_band; };
+        const int groups = (params.m_tiles + kClusterM - 1) / kClusterM * n_groups;
         auto tile_of = [&](int group) {
-            const int band = group / (m_groups * n_band);
-            auto m = idx2crd(m_group_of(group) * kClusterM + rank_m, shape<2>(gA));
-            return make_coord(m, (band * n_band + group % n_band) * kClusterN + rank_n, _, Int<0>{});
+            auto m = idx2crd(group / n_groups * kClusterM + rank_m, shape<2>(gA));
+            return make_coord(m, group % n_groups * kClusterN + rank_n, _, Int<0>{});
         };
 
         if (warp_group == 0) {
@@ -185,7 +176,7 @@ struct PersistentConvKernel {
                 auto coord = tile_of(group);
                 Tensor accumulators = partition_fragment_C(tiled_mma, take<0, 2>(TileShape{}));
                 if constexpr (Transform::kEnabled) {
-                    const int64_t tile_m = int64_t(m_group_of(group)) * kClusterM + rank_m;
+                    const int64_t tile_m = int64_t(group / n_groups) * kClusterM + rank_m;
                     Transform::template mma<Mainloop, TiledMma>(params.transform, tile_m, mainloop_pipeline,
                                                                 mainloop_state, accumulators, k_tiles, mma_thread,
                                                                 shared.tensors.mainloop);
@@ -254,17 +245,6 @@ inline int multiprocessors() {
     return count;
 }
 
-// Channel groups per band of the tile walk (`PersistentConvKernel`): which tiles run at the same time, so
-// how much of the filter and of the activation stays in L2; never how an output is summed.
-// PAN2_CONV_CHANNEL_BAND=k (benchmarks) walks k channel groups together where k divides their number.
-inline int channel_band(int n_groups) {
-    static const int wanted = [] {
-        const char* value = std::getenv("PAN2_CONV_CHANNEL_BAND");
-        return value != nullptr ? std::atoi(value) : 0;
-    }();
-    return wanted > 0 && wanted < n_groups && n_groups % wanted == 0 ? wanted : n_groups;
-}
-
 template <class Cfg>
 const char* run_persistent(const ConvParams& p, cudaStream_t stream,
                            typename Cfg::Kernel::Transform::Params const& transform = {}) {
@@ -283,16 +263,14 @@ const char* run_persistent(const ConvParams& p, cudaStream_t stream,
     typename Kernel::Params params{
         cutlass::conv::detail::get_problem_shape_MNKL_helper<Mainloop>(problem, cute::true_type{}),
         Mainloop::to_underlying_arguments(problem, mainloop_args, nullptr),
-        Epilogue::to_underlying_arguments(transformed, epilogue_args, nullptr), 0, 0, 0, transform};
+        Epilogue::to_underlying_arguments(transformed, epilogue_args, nullptr), 0, 0, transform};
     const int64_t rows = int64_t(p.n) * (p.d - p.kt + 1) * (p.h - p.kh + 1) * (p.w + 2 * p.pad_w - p.kw + 1);
     params.m_tiles = int((rows + cute::size<0>(typename Cfg::Tile{}) - 1) / cute::size<0>(typename Cfg::Tile{}));
     params.n_tiles = (p.k + cute::size<1>(typename Cfg::Tile{}) - 1) / cute::size<1>(typename Cfg::Tile{});
     constexpr int cluster_m = Kernel::kClusterM, cluster_n = Kernel::kClusterN;
     constexpr int cluster_size = Kernel::kClusterSize;
     if (params.n_tiles % cluster_n != 0) return "the output channels are not a whole number of tile clusters";
-    const int n_groups = params.n_tiles / cluster_n;
-    params.n_band = channel_band(n_groups);
-    const int groups = (params.m_tiles + cluster_m - 1) / cluster_m * n_groups;
+    const int groups = (params.m_tiles + cluster_m - 1) / cluster_m * (params.n_tiles / cluster_n);
     if (groups == 0) return nullptr;
     constexpr int smem = int(sizeof(typename Kernel::SharedStorage));
     cudaLaunchConfig_t launch{};
