@@ -417,24 +417,37 @@ class WanKernelDecoder:
             return self._conv(ring[:, :1], _last_tap(self._w(key + ".weight")), bias)
         return self._conv(ring, _ring_weight(self._w(key + ".weight"), frame % 3), bias)
 
-    def _resblock(self, prefix: str, has_shortcut: bool, x: _Pending) -> _Pending:
-        """One residual block; consumes `x` (its input is freed once the first norm has read it)."""
+    def _resblock(self, prefix: str, has_shortcut: bool, x: _Pending, input_kept: bool = False) -> _Pending:
+        """One residual block; consumes `x` (its input is freed once the first norm has read it).
+
+        `input_kept`: the caller keeps the block's input alive anyway (an up-block's input, its upsampler's
+        shortcut), so the 1x1 shortcut conv runs after the two 3x3x3 convs rather than before: its output
+        is then not alive beside conv1's input buffer, where up_blocks.2's memory peaks (113 MB at 704x1248).
+        """
         gamma1, bias1 = self._w(prefix + ".norm1.gamma"), self._w(prefix + ".conv1.bias")
         if has_shortcut:
             x_in = x.take()
-            w = self._w(prefix + ".conv_shortcut.weight")
-            bias = self._w(prefix + ".conv_shortcut.bias").to(torch.bfloat16)
-            h = F.linear(x_in, w.reshape(w.shape[0], w.shape[1]), bias)
+            h = None if input_kept else self._shortcut(prefix, x_in)
             x = _Pending(x_in)
-            del x_in  # the norm below is its last reader: freed before conv1 runs
+            if not input_kept:
+                del x_in  # the norm below is its last reader: freed before conv1 runs
             y = self._norm_conv(prefix + ".conv1", x, gamma1, keep_sum=False, bias=bias1)
         else:
             y = self._norm_conv(prefix + ".conv1", x, gamma1, bias=bias1)
             h = x.z  # the materialised sum is the residual
             x.z = None
         z = self._norm_conv(prefix + ".conv2", y, self._w(prefix + ".norm2.gamma"), keep_sum=False)
+        if h is None:
+            h = self._shortcut(prefix, x_in)
+            del x_in
         # conv2's bias joins the residual in the next norm's one rounding of the block output.
         return _Pending(z.z, self._w(prefix + ".conv2.bias"), h)
+
+    def _shortcut(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        """A residual block's 1x1x1 shortcut conv (cuBLAS, bf16 bias)."""
+        w = self._w(prefix + ".conv_shortcut.weight")
+        bias = self._w(prefix + ".conv_shortcut.bias").to(torch.bfloat16)
+        return F.linear(x, w.reshape(w.shape[0], w.shape[1]), bias)
 
     def _attention(self, x: _Pending) -> _Pending:
         x = x.take()
@@ -509,11 +522,13 @@ class WanKernelDecoder:
         phase_weight = self._w(prefix + ".phases")
         engine = self._engine(w, c, phase_weight.shape[0])
         for f in range(0, t, group):
+            # `frames` is (B·t, ...): groups of frames for one video, every frame of a batch at once (group = t)
+            rows = frames[f : f + group] if b == 1 else frames
             if engine != "cudnn":
-                phases = self._fixed_order_conv(engine, frames[f : f + group], phase_weight, pad_w=1)
+                phases = self._fixed_order_conv(engine, rows, phase_weight, pad_w=1)
             else:
                 phases = F.conv2d(
-                    frames[f : f + group].permute(0, 3, 1, 2),
+                    rows.permute(0, 3, 1, 2),
                     phase_weight,
                     None,
                     padding=(0, 1),
@@ -588,7 +603,9 @@ class WanKernelDecoder:
             x_in = x.take().contiguous()
             x = _Pending(x_in)
         for j, has_shortcut in enumerate(shortcuts):
-            x = self._resblock(f"{prefix}.resnets.{j}", has_shortcut, x)
+            x = self._resblock(
+                f"{prefix}.resnets.{j}", has_shortcut, x, input_kept=j == 0 and x_in is not None
+            )
         if mode is not None and upsample:
             x = _Pending(self._upsample(f"{prefix}.upsampler", mode, x, x_in, first_chunk))
         return x, x_in
@@ -665,14 +682,22 @@ class WanKernelDecoder:
         x = x.take()
         _, mode = self._up_blocks[n_up - 3]
         step = max(1, self.tail_frames // 2) if mode == "upsample3d" and not first_chunk else self.tail_frames
-        for a in range(0, x.shape[1], step):
+        # Each slice (of the block output and of its input, the shortcut) a tensor of its own, freed once its
+        # upsampler has read it: what waits beside up_blocks.2 is the slices still to come (at 704x1248 a
+        # chunk of 4 latent frames is 8 frames of 28 MB each, in both).
+        starts = range(0, x.shape[1], step)
+        slices = [(x[:, a : a + step], x_in[:, a : a + step]) for a in starts]
+        if len(slices) > 1:
+            slices = [(block_out.clone(), block_in.clone()) for block_out, block_in in slices]
+        else:
+            slices = [(block_out, block_in.contiguous()) for block_out, block_in in slices]
+        del x, x_in
+        while slices:
+            block_out, block_in = slices.pop(0)
             up = self._upsample(
-                f"decoder.up_blocks.{n_up - 3}.upsampler",
-                mode,
-                _Pending(x[:, a : a + step]),
-                x_in[:, a : a + step].contiguous(),
-                first_chunk,
+                f"decoder.up_blocks.{n_up - 3}.upsampler", mode, _Pending(block_out), block_in, first_chunk
             )
+            del block_out, block_in
             # Each piece is owned by its pending sum only: freed as soon as up_blocks.2 has read it.
             pieces = [_Pending(piece) for piece in up.split(self.tail_frames, dim=1)]
             del up
