@@ -1,0 +1,81 @@
+"""conv_out at 704x1248, one frame: cuDNN's 3-D conv over three frames (as a history ring would run it) against
+the time partials the kernel decoder runs (one 2-D conv of the frame by the three time taps' filters, 36 fp32
+outputs, the fixed-order Triton kernel), with a sweep of the Triton tiles (all must give the same bits).
+
+Usage: python scripts/bench_conv_out.py   (one CUDA GPU; milliseconds per frame, median of 30 runs)
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from pan2cli.vae.kernel.conv import conv_channels_last
+
+# (BLOCK_M, BLOCK_N, warps, stages); None: the layer's own (`conv._tiles`)
+TILES = [
+    None,
+    (128, 64, 4, 3),
+    (128, 64, 8, 4),
+    (256, 64, 8, 3),
+    (256, 64, 8, 4),
+    (64, 64, 4, 4),
+    (128, 64, 4, 5),
+    (64, 64, 4, 6),
+]
+
+
+def _ms(fn, repeats: int = 30) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    h, w, c = 352, 624, 256  # conv_out's input at 704x1248 (before the 2x2 unpatchify)
+    ring = torch.randn(1, 3, h + 2, w, c, device="cuda").to(torch.bfloat16)  # frames f - 2, f - 1, f
+    weight = (torch.randn(12, c, 3, 3, 3, device="cuda") / (c * 27) ** 0.5).to(torch.bfloat16)
+    weight = weight.contiguous(memory_format=torch.channels_last_3d)
+
+    def cudnn():
+        return F.conv3d(ring.permute(0, 4, 1, 2, 3), weight, padding=(0, 0, 1))
+
+    print(f"cuDNN 3-D conv, three frames -> 12 channels: {_ms(cudnn):.3f} ms")
+    stacked = torch.cat([weight[:, :, k] for k in range(3)]).contiguous(memory_format=torch.channels_last)
+    flop = 2 * h * w * 36 * c * 9
+    own = None
+    for tiles in TILES:
+
+        def partials(tiles=tiles):
+            return conv_channels_last(ring[:, 2], stacked, pad_w=1, tiles=tiles, out_dtype=torch.float32)
+
+        out = partials()
+        own = out if own is None else own
+        ms = _ms(partials)
+        print(
+            f"time partials, Triton {tiles or 'own tiles'}: {ms:.3f} ms, {flop / ms / 1e9:.0f} TFLOP/s "
+            f"({flop / 36 * 64 / ms / 1e9:.0f} with the padding channels), same bits as own tiles: {torch.equal(out, own)}"
+        )
+
+    def one(frame):
+        return conv_channels_last(ring[:, frame], stacked, pad_w=1, out_dtype=torch.float32)
+
+    y = one(2)[..., 24:] + one(1)[..., 12:24] + one(0)[..., :12]
+    expected = cudnn().permute(0, 2, 3, 4, 1)[:, 0].float()
+    print(
+        f"max |partials' sum - cuDNN (bf16)| {(y - expected).abs().max().item():.4f}, max |cuDNN| {expected.abs().max().item():.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
