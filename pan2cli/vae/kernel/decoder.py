@@ -125,7 +125,7 @@ class WanKernelDecoder:
             first: up_blocks.1's upsampler and up_blocks.2 walk the chunk `tail_frames` frames at a time,
             and the full-resolution stages after them (up_blocks.3, head) one frame at a time through
             their history rings, which bounds the memory of the largest activations (225 MB per frame
-            at 512 x 352 x 624) without changing the output. 2 keeps the decode of 704x1248 at 6.2 GiB.
+            at 512 x 352 x 624) without changing the output. 2 keeps the decode of 704x1248 under 5.9 GiB.
         fixed_order_convs: run the convs at the latent and 2x-latent resolutions (and post_quant_conv) in
             the fixed-order Triton kernel (`pan2cli.vae.kernel.conv`), so that chunk sizes and row splits
             round alike; cuDNN otherwise (~7 % faster on an H200, but chunk sizes and splits then differ by
