@@ -7,12 +7,19 @@ Usage: python scripts/bench_conv_out.py   (one CUDA GPU; milliseconds per frame,
 
 from __future__ import annotations
 
-import statistics
+import sys
+from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from pan2cli.vae.kernel.conv import conv_channels_last
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_conv_kernel import _time  # noqa: E402
+
+_ms = partial(_time, repeats=30)
 
 # (BLOCK_M, BLOCK_N, warps, stages); None: the layer's own (`conv._tiles`)
 TILES = [
@@ -25,20 +32,6 @@ TILES = [
     (128, 64, 4, 5),
     (64, 64, 4, 6),
 ]
-
-
-def _ms(fn, repeats: int = 30) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -17,17 +17,6 @@ from tests.vae.kernel import emulated_ops
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def ops():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from pan2cli.vae.kernel.build import current_arch, load_kernel
-
-    if current_arch() is None:
-        pytest.skip("no supported GPU for the compiled kernel")
-    return load_kernel()
-
-
 def _bf16(*shape, gen):
     return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
 
@@ -56,7 +45,7 @@ def _bf16(*shape, gen):
     ],
 )
 def test_phase_interleave_matches_its_math(
-    ops, batch, frames_out, frames_in, h, w, channels, shortcut_channels, factor_t, frame_offset
+    kernel_ops, batch, frames_out, frames_in, h, w, channels, shortcut_channels, factor_t, frame_offset
 ):
     gen = torch.Generator(device="cuda").manual_seed(channels + h)
     phases = _bf16(batch * frames_out, h + 1, w + 1, 4 * channels, gen=gen)
@@ -65,7 +54,7 @@ def test_phase_interleave_matches_its_math(
     if shortcut_channels is not None:
         shortcut = _bf16(batch, frames_in, h, w, shortcut_channels, gen=gen)
     got = torch.empty(batch, frames_out, 2 * h, 2 * w, channels, dtype=torch.bfloat16, device="cuda")
-    ops.phase_interleave(phases, bias, shortcut, got, factor_t, frame_offset)
+    kernel_ops.phase_interleave(phases, bias, shortcut, got, factor_t, frame_offset)
     expected = torch.empty(got.shape, dtype=torch.bfloat16)
     emulated_ops.phase_interleave(
         phases.cpu(),
@@ -79,7 +68,7 @@ def test_phase_interleave_matches_its_math(
     assert torch.equal(got.cpu(), expected)
 
 
-def test_phase_interleave_of_row_bands_equals_the_whole_frame(ops):
+def test_phase_interleave_of_row_bands_equals_the_whole_frame(kernel_ops):
     """The lazy upsampler writes a frame in two bands of rows, each with its rows of the shortcut."""
     gen = torch.Generator(device="cuda").manual_seed(3)
     h, w, c = 6, 5, 64
@@ -87,10 +76,10 @@ def test_phase_interleave_of_row_bands_equals_the_whole_frame(ops):
     bias = torch.randn(c, generator=gen, device="cuda")
     shortcut = _bf16(1, 1, h, w, 2 * c, gen=gen)
     whole = torch.empty(1, 1, 2 * h, 2 * w, c, dtype=torch.bfloat16, device="cuda")
-    ops.phase_interleave(phases, bias, shortcut, whole, 1, 0)
+    kernel_ops.phase_interleave(phases, bias, shortcut, whole, 1, 0)
     bands = torch.empty_like(whole)
     for r0, r1 in ((0, 3), (3, 6)):
-        ops.phase_interleave(
+        kernel_ops.phase_interleave(
             phases[:, r0 : r1 + 1].contiguous(),
             bias,
             shortcut[:, :, r0:r1],
@@ -103,7 +92,7 @@ def test_phase_interleave_of_row_bands_equals_the_whole_frame(ops):
 
 @pytest.mark.parametrize("history", [0, 1, 2])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_head_to_uint8_matches_its_math(ops, history, batch):
+def test_head_to_uint8_matches_its_math(kernel_ops, history, batch):
     gen = torch.Generator(device="cuda").manual_seed(10 * history + batch)
     h, w = 5, 7
     # conv_out outputs around [-1.5, 1.5]: some clamp, most do not
@@ -113,7 +102,7 @@ def test_head_to_uint8_matches_its_math(ops, history, batch):
     before = partials[2] if history >= 2 else None
     bias = 0.1 * torch.randn(12, generator=gen, device="cuda")
     got = torch.empty(batch, 2 * h, 2 * w, 3, dtype=torch.uint8, device="cuda")
-    ops.head_to_uint8(current, previous, before, bias, got)
+    kernel_ops.head_to_uint8(current, previous, before, bias, got)
     expected = torch.empty(got.shape, dtype=torch.uint8)
     cpu = [None if t is None else t.cpu() for t in (current, previous, before, bias)]
     emulated_ops.head_to_uint8(*cpu, expected)

@@ -14,17 +14,6 @@ import torch
 from tests.vae.kernel import emulated_ops
 
 
-@pytest.fixture(scope="module")
-def ops():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from pan2cli.vae.kernel.build import current_arch, load_kernel
-
-    if current_arch() is None:
-        pytest.skip("no supported GPU for the compiled kernel")
-    return load_kernel()
-
-
 def _reference(x, gamma, bias, residual, silu, normalize):
     """(the stored sum, the output) in fp32, from the op's emulation."""
     total, out = torch.empty(x.shape), torch.empty(x.shape)
@@ -55,7 +44,7 @@ def _close_in_bf16(got: torch.Tensor, expected: torch.Tensor) -> None:
     "mode",
     ["bias-silu", "residual-kept-in-place", "residual-silu", "norm-only", "plain-sum"],
 )
-def test_rms_norm_silu_matches_its_math(ops, channels, mode):
+def test_rms_norm_silu_matches_its_math(kernel_ops, channels, mode):
     gen = torch.Generator(device="cuda").manual_seed(channels)
     shape = (1, 3, 7, 37, channels)  # rows per frame (259) not a multiple of the rows per block
     x = (3 * torch.randn(shape, device="cuda", generator=gen)).to(torch.bfloat16)
@@ -74,7 +63,7 @@ def test_rms_norm_silu_matches_its_math(ops, channels, mode):
     out = buffer[:, 2:, 1:-1]
     sum_out = x if mode == "residual-kept-in-place" else None
     source = x.clone() if sum_out is None else x
-    ops.rms_norm_silu(source, gamma, bias, residual, sum_out, out, silu, None, normalize)
+    kernel_ops.rms_norm_silu(source, gamma, bias, residual, sum_out, out, silu, None, normalize)
     _close_in_bf16(out, expected)
     assert buffer[:, :2].isnan().all() and buffer[:, 2:, 0].isnan().all() and buffer[:, 2:, -1].isnan().all()
     if sum_out is not None:
@@ -83,12 +72,12 @@ def test_rms_norm_silu_matches_its_math(ops, channels, mode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("channels", [256, 1024])
-def test_rms_norm_silu_writes_the_last_two_frames_into_the_history(ops, channels):
+def test_rms_norm_silu_writes_the_last_two_frames_into_the_history(kernel_ops, channels):
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(1, 4, 5, 6, channels, device="cuda", generator=gen).to(torch.bfloat16)
     gamma = torch.full((channels,), channels**0.5, device="cuda")
     out = torch.empty_like(x)
     history = torch.full((1, 2, 5, 6, channels), float("nan"), device="cuda", dtype=torch.bfloat16)
-    ops.rms_norm_silu(x, gamma, None, None, None, out, True, history, True)
+    kernel_ops.rms_norm_silu(x, gamma, None, None, None, out, True, history, True)
     _close_in_bf16(out, _reference(x, gamma, None, None, True, True)[1])
     assert torch.equal(history, out[:, 2:])
