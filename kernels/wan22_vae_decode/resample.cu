@@ -29,6 +29,7 @@ __device__ __forceinline__ void add_bf16x8(const uint4& raw, float acc[8]) {
 // other shape (an index and a 2-byte load per value).
 template <int kStep>
 __global__ void __launch_bounds__(kThreads) phase_interleave_kernel(PhaseInterleaveParams p) {
+    constexpr int kWindow = kStep > 0 ? kStep : 1;  // 16-byte shortcut loads per column (none read for kStep 0)
     const int ch = threadIdx.x * 8;
     const int y = blockIdx.y;
     const int frame = blockIdx.z;  // b * frames_out + f
@@ -54,7 +55,7 @@ __global__ void __launch_bounds__(kThreads) phase_interleave_kernel(PhaseInterle
     const int offset_even = (4 * a_t + 2 * a) / p.repeats, offset_odd = (4 * a_t + 2 * a + 1) / p.repeats;
 
     uint4 phase[kColumns];
-    uint4 shortcut[kColumns][kStep > 0 ? kStep : 1];
+    uint4 shortcut[kColumns][kWindow];
     bool valid[kColumns];
 #pragma unroll
     for (int u = 0; u < kColumns; ++u) {
@@ -69,7 +70,7 @@ __global__ void __launch_bounds__(kThreads) phase_interleave_kernel(PhaseInterle
             const uint4* s4 =
                 reinterpret_cast<const uint4*>(shortcut_row + int64_t(j) * p.shortcut_channels + kStep * ch);
 #pragma unroll
-            for (int v = 0; v < (kStep > 0 ? kStep : 1); ++v) shortcut[u][v] = s4[v];
+            for (int v = 0; v < kWindow; ++v) shortcut[u][v] = s4[v];
         }
     }
 

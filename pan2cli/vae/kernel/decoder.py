@@ -638,7 +638,7 @@ class WanKernelDecoder:
         before = history[-2] if len(history) == 2 else None
         frames = torch.empty(b, 2 * h, 2 * w, 3, dtype=torch.uint8, device=partials.device)
         self.ops.head_to_uint8(partials, previous, before, self._w("decoder.conv_out.bias"), frames)
-        self._head_partials = [previous, partials] if previous is not None else [partials]
+        self._head_partials = (history + [partials])[-2:]
         return frames.view(b, 1, 2 * h, 2 * w, 3)
 
     def _conv_out_partials(self, frame: torch.Tensor) -> torch.Tensor:
@@ -734,6 +734,10 @@ class WanKernelDecoder:
             x, w.reshape(w.shape[0], w.shape[1]), self._w("post_quant_conv.bias").to(torch.bfloat16)
         )
 
+    def _forget_frames(self) -> None:
+        """Drop what a decode keeps between its frames: histories, rings and conv_out's partials."""
+        self._history, self._rings, self._ring_frames, self._head_partials = {}, {}, {}, []
+
     # -- public -----------------------------------------------------------------------------
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -762,7 +766,7 @@ class WanKernelDecoder:
         halo rows before every 3x3 convolution and the whole frame's keys/values in the attention;
         the frames it yields are its band (`rows.gather_rows` puts them together).
         """
-        self._history, self._rings, self._ring_frames, self._head_partials = {}, {}, {}, []
+        self._forget_frames()
         self._rows = rows
         self._fixed_order_width = 2 * z.shape[-1]
         if rows is not None:
@@ -772,5 +776,5 @@ class WanKernelDecoder:
                 x = self._post_quant_conv(z[:, :, start:stop])
                 yield from self._decoder_chunk(x, first_chunk=start == 0)
         finally:
-            self._history, self._rings, self._ring_frames, self._head_partials = {}, {}, {}, []
+            self._forget_frames()
             self._rows = None
