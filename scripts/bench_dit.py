@@ -9,12 +9,19 @@ TFLOP/s; peak memory; the 50-step estimate. `--variants` compares, in the same r
 the PyTorch reference ops, SDPA pinned to one backend, pan2's attention priority (`pan2cli.dit.attention`,
 "pan2"), and the blocks under `torch.compile` ("compiled", run last: the blocks stay compiled).
 `--profile` adds the CUDA time of one step by kind of kernel (attention, GEMMs, the fused norms, the rest).
+The fp8 tier (`pan2cli.dit.quantize`): "fp8" (as `pan2 generate --precision fp8` runs it: fp8 linears, cuDNN's
+fp8 attention where cudnn-frontend is installed, else ours), "fp8-triton" (our Triton fp8 attention), "fp8-sdpa"
+(fp8 linears, bf16 attention). With bf16 variants in the
+same run the bf16 model is quantised in place after them (list them first); with fp8 variants only, the
+model is made in fp8 block by block, so the bf16 model never occupies the GPU (as `pan2 generate
+--precision fp8` loads it), which is what `--memory-gib 80` measures.
 
 Under torchrun (`python -m torch.distributed.run --nproc-per-node 2 scripts/bench_dit.py ...`) every rank
 holds the model on its GPU and the step is `pan2cli.pipeline.sampling.denoise`'s with `split=True`
 (CFG-parallel, and sequence parallel within each half of four or more ranks); rank 0 reports.
 
     python scripts/bench_dit.py --frames 121 241 --variants fused pan2 compiled --profile --out dit.json
+    python scripts/bench_dit.py --frames 121 241 481 --variants pan2 fp8 --profile --out dit.json
     python scripts/bench_dit.py --device cpu --small        # dry run of the set-up on a tiny config
 """
 
@@ -39,6 +46,7 @@ from pan2cli.dit.checkpoint import release_defaults  # noqa: E402
 from pan2cli.pipeline.sampling import denoise  # noqa: E402
 from scripts.make_random_pan2 import random_transformer  # noqa: E402
 
+FP8_VARIANTS = ("fp8", "fp8-triton", "fp8-sdpa")
 SMALL = dict(
     num_attention_heads=2,
     attention_head_dim=16,
@@ -59,9 +67,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--text", type=int, default=300, help="text tokens (default 300)")
     parser.add_argument("--steps", type=int, default=2, help="timed CFG steps per length (default 2)")
     parser.add_argument(
-        "--variants", nargs="+", default=["fused"], choices=["fused", "unfused", "fused-cudnn", "fused-flash", "pan2", "compiled"],
+        "--variants", nargs="+", default=["fused"],
+        choices=["fused", "unfused", "fused-cudnn", "fused-flash", "pan2", "compiled", *FP8_VARIANTS],
         help="DiT ops to time: fused Triton ops or the PyTorch reference; -cudnn / -flash pin SDPA's backend (default: torch's pick); "
-        "pan2: fused, under pan2's attention priority; compiled: pan2 with the blocks under torch.compile (put it last)",
+        "pan2: fused, under pan2's attention priority; compiled: pan2 with the blocks under torch.compile (put it last); "
+        "fp8, fp8-triton, fp8-sdpa: the fp8 tier (after the bf16 variants)",
     )  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="CUDA time of one step by kind of kernel")
     parser.add_argument(
@@ -101,7 +111,7 @@ def forward_flops(config: dict, video_tokens: int, text_tokens: int) -> float:
 
 _KERNEL_KINDS = (  # (kind, substrings of CUDA kernel names), first match wins
     ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
-    ("fused ops (Triton)", ("qk_norm_rope", "layer_norm_modulate", "gated_residual")),
+    ("fused ops (Triton)", ("qk_norm_rope", "layer_norm_modulate", "gated_residual", "quantize", "amax")),
     ("GEMMs", ("gemm", "xmma", "cutlass", "nvjet", "wgmma", "cublas")),
     ("host-to-device copies", ("memcpy htod",)),
 )
@@ -126,6 +136,42 @@ def profile_step(step, sync) -> tuple[dict[str, float], list]:
     return {k: round(v, 1) for k, v in sorted(kinds.items())}, top
 
 
+def weights_gib(model: torch.nn.Module) -> float:
+    """GiB of the model's parameters and buffers (the fp8 weights are buffers)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return round(sum(t.numel() * t.element_size() for t in tensors) / 2**30, 2)
+
+
+def use_variant_precision(model, variant: str) -> None:
+    """Quantise the model to fp8 the first time an fp8 variant comes; set its attention for this variant."""
+    from pan2cli.dit.fp8_attention import ENV_FP8_ATTENTION, Fp8AttentionScales
+    from pan2cli.dit.quantize import quantize_transformer
+
+    if variant not in FP8_VARIANTS:
+        return
+    if model.precision != "fp8":
+        quantize_transformer(model)
+        torch.cuda.empty_cache()
+    for block in model.transformer_blocks:
+        attn = block.attn
+        attn.fp8_scales = None if variant == "fp8-sdpa" else Fp8AttentionScales.for_attention(attn)
+    if variant == "fp8-triton":
+        os.environ[ENV_FP8_ATTENTION] = "triton"
+    else:
+        os.environ.pop(ENV_FP8_ATTENTION, None)
+
+
+def fp8_attention_name(model) -> str | None:
+    """Which attention the fp8 blocks run ("cudnn", "triton" or "bf16 sdpa"); None for a bf16 model."""
+    from pan2cli.dit.fp8_attention import fp8_attention_backend
+
+    if model.precision != "fp8":
+        return None
+    if model.transformer_blocks[0].attn.fp8_scales is None:
+        return "bf16 sdpa"
+    return fp8_attention_backend()[0]
+
+
 def main() -> None:
     args = parse_args()
     distributed_run = "LOCAL_RANK" in os.environ
@@ -139,8 +185,12 @@ def main() -> None:
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
     device = torch.device(args.device)
     config = {**release_defaults(), **(SMALL if args.small else {})}
+    fp8_variants = [v for v in args.variants if v in FP8_VARIANTS]
+    if fp8_variants and args.variants[-len(fp8_variants) :] != fp8_variants:
+        raise SystemExit("list the fp8 variants after the bf16 ones: the model is quantised in place")
     start = time.perf_counter()
-    model = random_transformer(device, **(SMALL if args.small else {}))
+    precision = "fp8" if len(fp8_variants) == len(args.variants) else "bf16"
+    model = random_transformer(device, precision=precision, **(SMALL if args.small else {}))
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     sync()
     if args.offload:  # the blocks go to pinned host memory; only two at a time come back during a forward
@@ -157,7 +207,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "weights_gib": round(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30, 2),
+        "weights_gib": weights_gib(model),
         "materialise_s": round(time.perf_counter() - start, 1),
         "offload": args.offload,
         "memory_cap_gib": args.memory_gib,
@@ -182,6 +232,7 @@ def main() -> None:
         )  # " " through the template
         timestep = torch.tensor([900.0], device=device)
         for variant in args.variants:
+            use_variant_precision(model, variant)
             set_fused_kernels(model, variant != "unfused" and device.type == "cuda")
             backend = {
                 "fused-cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -190,7 +241,8 @@ def main() -> None:
             if variant == "compiled":
                 for block in model.transformer_blocks:
                     block.compile()  # one graph per block; the 44 blocks share the compiled code
-            attention = attention_backends() if variant in ("pan2", "compiled") else contextlib.nullcontext()
+            pan2_order = variant in ("pan2", "compiled", *FP8_VARIANTS)
+            attention = attention_backends() if pan2_order else contextlib.nullcontext()
 
             if distributed_run:  # one step of the pipeline's loop, split over the ranks
 
@@ -237,7 +289,9 @@ def main() -> None:
                 "tflops_per_step": round(flops / 1e12, 1), "tflop_per_s": round(flops / seconds / 1e12, 1),
                 "fifty_steps_min": round(50 * seconds / 60, 1),
                 "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
-                "ranks": results["ranks"], "profile_ms": kinds, "top_kernels_ms_calls": top,
+                "ranks": results["ranks"], "precision": model.precision, "weights_gib": weights_gib(model),
+                "fp8_attention": fp8_attention_name(model),
+                "profile_ms": kinds, "top_kernels_ms_calls": top,
             }  # fmt: skip
             results["runs"].append(row)
             if main_rank:

@@ -43,8 +43,16 @@ def _randomise(model: torch.nn.Module, device: torch.device, seed: int) -> None:
                 param.normal_(centre, 0.02, generator=generator)
 
 
-def random_transformer(device: torch.device, seed: int = 0, **config) -> PAN2Transformer3DModel:
-    """The transformer (release config unless `config` changes it) with random weights on `device`: bf16, AdaLN float32."""
+def random_transformer(
+    device: torch.device, seed: int = 0, precision: str = "bf16", policy=None, **config
+) -> PAN2Transformer3DModel:
+    """The transformer (release config unless `config` changes it) with random weights on `device`: bf16, AdaLN float32.
+
+    Each top-level part and each block draws from its own generator (seed + its index), and is made on the
+    device one at a time, so that `precision="fp8"` (`pan2cli.dit.quantize`, with `policy`) quantises a block
+    as soon as it exists: the bf16 model is never whole on the device, and the fp8 model's weights are the
+    bf16 model's of the same seed, quantised.
+    """
     with torch.device("meta"):
         model = PAN2Transformer3DModel(**config)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -52,8 +60,19 @@ def random_transformer(device: torch.device, seed: int = 0, **config) -> PAN2Tra
         param.data = torch.empty_like(
             param, dtype=torch.float32 if keeps_fp32(name) else dtype, device="meta"
         )
-    model = model.to_empty(device=device)
-    _randomise(model, device, seed)
+    parts = [module for name, module in model.named_children() if name != "transformer_blocks"]
+    parts += list(model.transformer_blocks)
+    for index, part in enumerate(parts):
+        part.to_empty(device=device)
+        _randomise(part, device, seed + index)
+        if precision == "fp8" and part in model.transformer_blocks:
+            from pan2cli.dit.quantize import Fp8Policy, quantize_block
+
+            quantize_block(part, policy or Fp8Policy())
+    embedding = torch.empty(model.context_type_embedding.shape, dtype=dtype, device=device)
+    embedding.normal_(0.0, 0.02, generator=torch.Generator(device).manual_seed(seed + len(parts)))
+    model.context_type_embedding = torch.nn.Parameter(embedding, requires_grad=False)
+    model.precision = precision
     return model.eval().requires_grad_(False)
 
 

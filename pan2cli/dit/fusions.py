@@ -107,37 +107,38 @@ def _qk_norm_rope_op(
     k_text_weight: Optional[torch.Tensor],
     eps: float,
     interleaved: bool,
+    fp8_out: bool = False,
+    q_out_mult: float = 1.0,
+    k_out_mult: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from pan2cli.dit.qk_norm_rope_kernel import qk_norm_rope as launch
 
-    q_out, k_out = _joint_qk(q, q_text)
-    launch(q, k, q_weight, k_weight, cos, sin, q_out, k_out, eps=eps, interleaved=interleaved)
+    q_out, k_out = _joint_qk(q, q_text, fp8_out)
+    mults = dict(q_out_mult=q_out_mult, k_out_mult=k_out_mult)
+    launch(q, k, q_weight, k_weight, cos, sin, q_out, k_out, eps=eps, interleaved=interleaved, **mults)
     if q_text is not None:
         launch(
-            q_text,
-            k_text,
-            q_text_weight,
-            k_text_weight,
-            None,
-            None,
-            q_out,
-            k_out,
-            eps=eps,
-            out_token_offset=q.shape[1],
-        )
+            q_text, k_text, q_text_weight, k_text_weight, None, None, q_out, k_out,
+            eps=eps, out_token_offset=q.shape[1], **mults,
+        )  # fmt: skip
     return q_out, k_out
 
 
 @_qk_norm_rope_op.register_fake
-def _(q, k, q_weight, k_weight, cos, sin, q_text, k_text, q_text_weight, k_text_weight, eps, interleaved):
-    return _joint_qk(q, q_text)
+def _(q, k, q_weight, k_weight, cos, sin, q_text, k_text, q_text_weight, k_text_weight, eps, interleaved,
+      fp8_out=False, q_out_mult=1.0, k_out_mult=1.0):  # fmt: skip
+    return _joint_qk(q, q_text, fp8_out)
 
 
-def _joint_qk(q: torch.Tensor, q_text: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialised joint q and k `[B, N + L, H, head_dim]`: video tokens, then text (L = 0 without)."""
+def _joint_qk(
+    q: torch.Tensor, q_text: Optional[torch.Tensor], fp8_out: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised joint q and k `[B, N + L, H, head_dim]`: video tokens, then text (L = 0 without);
+    float8_e4m3fn with `fp8_out`, else the dtype of q."""
     batch, n_video, n_heads, head_dim = q.shape
     n_text = 0 if q_text is None else q_text.shape[1]
-    q_out = q.new_empty(batch, n_video + n_text, n_heads, head_dim)
+    dtype = torch.float8_e4m3fn if fp8_out else q.dtype
+    q_out = q.new_empty(batch, n_video + n_text, n_heads, head_dim, dtype=dtype)
     return q_out, torch.empty_like(q_out)
 
 
@@ -155,6 +156,28 @@ def _layer_norm_modulate_op(
 @_layer_norm_modulate_op.register_fake
 def _(x, scale, shift, eps):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("pan2_fusions::layer_norm_modulate_fp8", mutates_args=())
+def _layer_norm_modulate_fp8_op(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from pan2cli.dit.layer_norm_modulate_kernel import layer_norm_modulate as launch
+
+    out, out_scale = _fp8_like(x)
+    launch(x, scale, shift, out, eps=eps, out_scale=out_scale.view(-1))
+    return out, out_scale
+
+
+@_layer_norm_modulate_fp8_op.register_fake
+def _(x, scale, shift, eps):
+    return _fp8_like(x)
+
+
+def _fp8_like(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An uninitialised e4m3 copy of x's shape and its per-row float32 scales `x.shape[:-1]`."""
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    return out, torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
 
 
 @torch.library.custom_op("pan2_fusions::gated_residual", mutates_args=())
@@ -188,6 +211,9 @@ def qk_norm_rope(
     eps: float,
     fused: bool,
     interleaved: bool = True,
+    out_dtype: Optional[torch.dtype] = None,
+    q_out_mult: float = 1.0,
+    k_out_mult: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Q/K RMSNorm per head + RoPE for video tokens, RMSNorm only for text tokens; joint output.
 
@@ -199,19 +225,36 @@ def qk_norm_rope(
         eps: RMSNorm epsilon.
         fused: run the Triton kernels (power-of-two head_dim, not float64) instead of the reference.
         interleaved: RoPE pairs (2i, 2i+1), PAN 2's layout; False pairs (i, i + head_dim/2).
+        out_dtype: None (the dtype of q) or float8_e4m3fn (fused only: the fp8 tier), then q and k are
+            multiplied by `q_out_mult` / `k_out_mult`, clamped to ±448 and rounded once to e4m3.
 
     Returns:
-        (q, k), each `[B, N + L, H, head_dim]` contiguous in the dtype of q: video tokens, then text.
+        (q, k), each `[B, N + L, H, head_dim]` contiguous in the dtype of q (or `out_dtype`): video tokens,
+        then text.
     """
-    op = _qk_norm_rope_op if fused else qk_norm_rope_reference
-    return op(
-        q, k, q_weight, k_weight, cos, sin, q_text, k_text, q_text_weight, k_text_weight, eps, interleaved
-    )
+    fp8_out = out_dtype == torch.float8_e4m3fn
+    if not fused:
+        assert not fp8_out, (
+            "the fp8 output of qk_norm_rope is the fused kernel's (the reference rounds to q's dtype)"
+        )
+        return qk_norm_rope_reference(
+            q, k, q_weight, k_weight, cos, sin, q_text, k_text, q_text_weight, k_text_weight, eps, interleaved
+        )
+    return _qk_norm_rope_op(
+        q, k, q_weight, k_weight, cos, sin, q_text, k_text, q_text_weight, k_text_weight, eps, interleaved,
+        fp8_out, float(q_out_mult), float(k_out_mult),
+    )  # fmt: skip
 
 
 def layer_norm_modulate(
-    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, *, eps: float, fused: bool
-) -> torch.Tensor:
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    *,
+    eps: float,
+    fused: bool,
+    quantize: bool = False,
+):
     """`LayerNorm(x) · (1 + scale) + shift` (LayerNorm without affine).
 
     Args:
@@ -219,10 +262,17 @@ def layer_norm_modulate(
         scale, shift: `[B, G, D]`, G dividing N (tokens `g·N/G … (g+1)·N/G − 1` use group g).
         eps: LayerNorm epsilon.
         fused: run the Triton kernel instead of the reference.
+        quantize: return the result quantised per token to e4m3 (`pan2cli.dit.fp8`), for an fp8 GEMM.
 
     Returns:
-        `[B, N, D]` in the dtype of x.
+        `[B, N, D]` in the dtype of x, or with `quantize` an `Fp8Activation` (`[B, N, D]` e4m3, `[B, N]` scales).
     """
+    if quantize:
+        from pan2cli.dit.fp8 import Fp8Activation, quantize_rows_reference
+
+        if fused:
+            return Fp8Activation(*_layer_norm_modulate_fp8_op(x, scale, shift, eps))
+        return quantize_rows_reference(layer_norm_modulate_reference(x, scale, shift, eps))
     op = _layer_norm_modulate_op if fused else layer_norm_modulate_reference
     return op(x, scale, shift, eps)
 
@@ -281,3 +331,26 @@ def set_fused_kernels(model: torch.nn.Module, enabled: Optional[bool]) -> int:
         module.fused_kernels = enabled
         switched += 1
     return switched
+
+
+def gelu_quantize(x: torch.Tensor, *, fused: bool):
+    """GELU-tanh(x) quantised per token to e4m3, in one pass when fused (the fp8 MLP between fc1 and fc2).
+
+    Args:
+        x: `[..., F]` (fc1's bf16 output; F ≤ 32768 for the fused kernel).
+        fused: run the Triton kernel instead of the reference (GELU in float32, then `quantize_rows_reference`).
+
+    Returns:
+        An `Fp8Activation` (`[..., F]` e4m3, `[...]` float32 scales).
+    """
+    from pan2cli.dit.fp8 import Fp8Activation, quantize_rows_reference
+
+    if not fused:
+        return quantize_rows_reference(F.gelu(x.to(compute_dtype(x)), approximate="tanh"))
+    from pan2cli.dit.quantize_rows_kernel import quantize_rows_fp8
+
+    rows = x.reshape(-1, x.shape[-1])
+    data = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+    quantize_rows_fp8(rows, data, scale, gelu=True)
+    return Fp8Activation(data.view(x.shape), scale.view(x.shape[:-1]))

@@ -37,9 +37,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pan2cli.dit.config import PAN2TransformerConfig
+from pan2cli.dit.fp8 import Fp8Activation
 from pan2cli.dit.fusions import (
     compute_dtype,
     gated_residual,
+    gelu_quantize,
     layer_norm_modulate,
     qk_norm_rope,
     rms_norm_reference,
@@ -104,12 +106,15 @@ class _Projection(nn.Module):
         super().__init__()
         self.proj = nn.Linear(dim, out, bias=bias)
         self.activation = activation
+        self.fp8_output = False  # the fp8 tier: GELU and net.2's per-token quantisation in one pass
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor | Fp8Activation:
         x = self.proj(x)
         if self.activation == "swiglu":  # [value | gate]: value · SiLU(gate)
             value, gate = x.chunk(2, dim=-1)
             return value * F.silu(gate)
+        if self.fp8_output:
+            return gelu_quantize(x, fused=use_fused(None, x))
         return F.gelu(x, approximate="tanh")
 
 
@@ -134,6 +139,11 @@ class PAN2FeedForward(nn.Module):
         for module in self.net:
             x = module(x)
         return x
+
+
+def _tokens(x: torch.Tensor | Fp8Activation) -> tuple[int, int]:
+    """(B, N) of a `[B, N, D]` activation, quantised or not."""
+    return tuple((x.data if isinstance(x, Fp8Activation) else x).shape[:2])
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -220,18 +230,25 @@ class PAN2Attention(nn.Module):
         )
         self.norm_added_q, self.norm_added_k = PAN2RMSNorm(head_dim, eps), PAN2RMSNorm(head_dim, eps)
         self.to_add_out = nn.Linear(inner, dim)
+        # Set by `pan2cli.dit.quantize` for fp8 attention (`pan2cli.dit.fp8_attention.Fp8AttentionScales`).
+        self.fp8_scales = None
 
     def forward(
-        self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool,
-        sp: SequenceParallel | None = None, video_tokens: int | None = None,
+        self, x: torch.Tensor | Fp8Activation, ctx: torch.Tensor | Fp8Activation, cos: torch.Tensor,
+        sin: torch.Tensor, fused: bool, sp: SequenceParallel | None = None, video_tokens: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """x `[B, N, D]` video, ctx `[B, L, D]` text, cos/sin `[N, head_dim/2]` → (video, text) outputs.
 
         With `sp`, x holds this rank's band of the `video_tokens` video tokens (cos/sin its rows) and the
-        attention runs over all of them for this rank's heads (`pan2cli.dit.parallel`).
+        attention runs over all of them for this rank's heads (`pan2cli.dit.parallel`). x and ctx are
+        `Fp8Activation`s in a block quantised to fp8 (`pan2cli.dit.quantize`).
         """
-        batch, n_video, _ = x.shape
-        n_text = ctx.shape[1]
+        if self.fp8_scales is not None and sp is None:
+            from pan2cli.dit.fp8_attention import joint_attention_fp8
+
+            return joint_attention_fp8(self, x, ctx, cos, sin, fused)
+        batch, n_video = _tokens(x)
+        n_text = _tokens(ctx)[1]
         heads = (self.heads, self.head_dim)
         q, k = qk_norm_rope(
             self.to_q(x).view(batch, n_video, *heads),
@@ -286,6 +303,7 @@ class PAN2TransformerBlock(nn.Module):
         self.ff = PAN2FeedForward(dim, int(dim * mlp_ratio))
         self.ff_context = PAN2FeedForward(dim, int(dim * context_mlp_ratio))
         self.fused_kernels: Optional[bool] = None  # see fusions.set_fused_kernels
+        self.fp8_activations = False  # set by `pan2cli.dit.quantize`: the norms hand the fp8 GEMMs e4m3 rows
 
     def forward(
         self, x: torch.Tensor, ctx: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -300,9 +318,10 @@ class PAN2TransformerBlock(nn.Module):
             t.view(1, 1, dim).expand(batch, 1, dim) for t in self.scale_shift_table_context.chunk(6)
         )
 
+        q8 = self.fp8_activations
         attn, attn_ctx = self.attn(
-            layer_norm_modulate(x, scale1, shift1, eps=self.eps, fused=fused),
-            layer_norm_modulate(ctx, c_scale1, c_shift1, eps=self.eps, fused=fused),
+            layer_norm_modulate(x, scale1, shift1, eps=self.eps, fused=fused, quantize=q8),
+            layer_norm_modulate(ctx, c_scale1, c_shift1, eps=self.eps, fused=fused, quantize=q8),
             cos,
             sin,
             fused,
@@ -313,11 +332,14 @@ class PAN2TransformerBlock(nn.Module):
         ctx = gated_residual(ctx, attn_ctx, c_gate1, fused=fused)
 
         x = gated_residual(
-            x, self.ff(layer_norm_modulate(x, scale2, shift2, eps=self.eps, fused=fused)), gate2, fused=fused
-        )
+            x, self.ff(layer_norm_modulate(x, scale2, shift2, eps=self.eps, fused=fused, quantize=q8)), gate2,
+            fused=fused,
+        )  # fmt: skip
         ctx = gated_residual(
             ctx,
-            self.ff_context(layer_norm_modulate(ctx, c_scale2, c_shift2, eps=self.eps, fused=fused)),
+            self.ff_context(
+                layer_norm_modulate(ctx, c_scale2, c_shift2, eps=self.eps, fused=fused, quantize=q8)
+            ),
             c_gate2,
             fused=fused,
         )
@@ -393,6 +415,7 @@ class PAN2Transformer3DModel(nn.Module):
         self.norm_out = PAN2AdaLayerNormZero(dim, chunks=2)  # (scale, shift) on SiLU(temb)
         self.proj_out = nn.Linear(dim, config.patch_volume * out_channels)
         self.fused_kernels: Optional[bool] = None  # the final modulation; see fusions.set_fused_kernels
+        self.precision = "bf16"  # "fp8" once `pan2cli.dit.quantize.quantize_transformer` has run
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         # Set (`pan2cli.dit.parallel.SequenceParallel`) to split each video's tokens over a process group.
         self.sequence_parallel: SequenceParallel | None = None

@@ -10,6 +10,10 @@ are split and joined in registers.
 
 Numerics: sum of squares and every product in float32; `rsqrt` is the hardware approximation (≤ 2 ulp)
 on GPUs; one rounding per output element.
+
+For the fp8 tier the outputs may be float8_e4m3fn: each row is then multiplied by a fixed factor per
+tensor (`q_out_mult`, `k_out_mult`: 448 over a bound of every element, see `pan2cli.dit.fp8`), clamped to
+±448 and rounded once to e4m3 (nearest even).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pan2cli.triton_support import triton_interpreting
 
 @triton.jit
 def _norm_rope_tile(
-    X, OUT, W, x_row, out_row, mask, c, s, eps,
+    X, OUT, W, x_row, out_row, mask, c, s, eps, out_mult,
     HALF: tl.constexpr, BLOCK_ROWS: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     """Normalise (and rotate) one `[BLOCK_ROWS, head_dim]` tile of X into OUT; c/s: `[BLOCK_ROWS, HALF]`."""
@@ -50,6 +54,9 @@ def _norm_rope_tile(
     else:
         o1 = y1
         o2 = y2
+    if OUT.dtype.element_ty == tl.float8e4nv:
+        o1 = tl.minimum(tl.maximum(o1 * out_mult, -448.0), 448.0)
+        o2 = tl.minimum(tl.maximum(o2 * out_mult, -448.0), 448.0)
     if INTERLEAVED:
         out = tl.reshape(tl.join(o1, o2), (BLOCK_ROWS, 2 * HALF))
         tl.store(OUT + out_row[:, None] + cols[None, :], out.to(OUT.dtype.element_ty), mask=mask)
@@ -64,7 +71,7 @@ def _qk_norm_rope_kernel(
     n_rows, n_heads, n_tokens, out_token_offset,
     stride_q_batch, stride_q_token, stride_k_batch, stride_k_token,
     stride_out_batch, stride_out_token,
-    eps,
+    eps, q_out_mult, k_out_mult,
     HALF: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     ROTATE: tl.constexpr,
@@ -92,10 +99,10 @@ def _qk_norm_rope_kernel(
         c = 1.0
         s = 0.0
     _norm_rope_tile(
-        Q, Q_OUT, Q_WEIGHT, q_row, out_row, mask, c, s, eps, HALF, BLOCK_ROWS, ROTATE, INTERLEAVED
+        Q, Q_OUT, Q_WEIGHT, q_row, out_row, mask, c, s, eps, q_out_mult, HALF, BLOCK_ROWS, ROTATE, INTERLEAVED
     )
     _norm_rope_tile(
-        K, K_OUT, K_WEIGHT, k_row, out_row, mask, c, s, eps, HALF, BLOCK_ROWS, ROTATE, INTERLEAVED
+        K, K_OUT, K_WEIGHT, k_row, out_row, mask, c, s, eps, k_out_mult, HALF, BLOCK_ROWS, ROTATE, INTERLEAVED
     )
 
 
@@ -112,6 +119,8 @@ def qk_norm_rope(
     eps: float,
     interleaved: bool = True,
     out_token_offset: int = 0,
+    q_out_mult: float = 1.0,
+    k_out_mult: float = 1.0,
     block_rows: int | None = None,
     num_warps: int | None = None,
 ) -> None:
@@ -123,11 +132,13 @@ def qk_norm_rope(
         q_weight, k_weight: `[head_dim]` RMSNorm weights (any float dtype, read as float32).
         cos, sin: `[N, head_dim/2]` float32 contiguous tables from `rope.rope_table`, or both None (no
             rotation: text tokens).
-        q_out, k_out: `[B, S, H, head_dim]` (S ≥ out_token_offset + N), dtype of q, same strides as each
-            other, `[H, head_dim]` contiguous; rows `out_token_offset : out_token_offset + N` are written.
+        q_out, k_out: `[B, S, H, head_dim]` (S ≥ out_token_offset + N), dtype of q (or both float8_e4m3fn),
+            same strides as each other, `[H, head_dim]` contiguous; rows `out_token_offset : out_token_offset + N`
+            are written.
         eps: RMSNorm epsilon.
         interleaved: RoPE pairs are channels (2i, 2i+1) (PAN 2) rather than (i, i + head_dim/2).
         out_token_offset: first output token of this stream.
+        q_out_mult, k_out_mult: factors applied before a float8 output's cast (module docstring); unused else.
         block_rows, num_warps: launch shape; default `2048 // head_dim` rows (≥ 1, ≤ 64) and 4 warps.
     """
     assert q.dim() == 4 and q.shape == k.shape, (
@@ -136,7 +147,8 @@ def qk_norm_rope(
     batch, n_tokens, n_heads, head_dim = q.shape
     half = head_dim // 2
     assert head_dim >= 2 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} must be a power of two"
-    assert q.dtype == k.dtype == q_out.dtype == k_out.dtype, "q, k, q_out, k_out must share a dtype"
+    assert q.dtype == k.dtype and q_out.dtype == k_out.dtype, "q and k, q_out and k_out must share a dtype"
+    assert q_out.dtype in (q.dtype, torch.float8_e4m3fn), "q_out must have the dtype of q, or float8_e4m3fn"
     for name, t in (("q", q), ("k", k), ("q_out", q_out), ("k_out", k_out)):
         assert t.stride(3) == 1 and t.stride(2) == head_dim, (
             f"{name}: each token's [H, head_dim] block must be contiguous"
@@ -171,7 +183,7 @@ def qk_norm_rope(
         n_rows, n_heads, n_tokens, out_token_offset,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1),
-        eps,
+        eps, float(q_out_mult), float(k_out_mult),
         HALF=half, BLOCK_ROWS=block_rows, ROTATE=rotate, INTERLEAVED=interleaved,
         num_warps=num_warps or 4,
     )  # fmt: skip

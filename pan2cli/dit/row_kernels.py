@@ -37,3 +37,21 @@ def row_tile(n_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr)
     rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_COLS)
     return rows, cols, (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+
+
+E4M3_MAX = tl.constexpr(448.0)  # the largest finite float8_e4m3fn
+
+
+@triton.jit
+def quantize_rows(y, mask, SCALE_OUT, rows, row_ok):
+    """Per-row e4m3 quantisation of the float32 tile `y` `[ROWS, COLS]`: writes each row's scale m/448 (m its
+    absolute maximum; 1 for an all-zero row, NaN for a row holding NaN or Inf) to `SCALE_OUT[rows]` and
+    returns `y · 448/m` clamped to ±448, ready for one rounding to e4m3."""
+    # NaN ≠ NaN: a NaN counts as Inf, so one max finds both (max reductions may drop NaNs themselves).
+    magnitude = tl.where(mask, tl.where(y == y, tl.abs(y), float("inf")), 0.0)
+    amax = tl.max(magnitude, axis=1)
+    bad = amax == float("inf")
+    scale = tl.where(bad, float("nan"), tl.where(amax > 0.0, amax / E4M3_MAX, 1.0))
+    tl.store(SCALE_OUT + rows, scale, mask=row_ok)
+    inverse = tl.where(amax > 0.0, E4M3_MAX / tl.maximum(amax, 1e-30), 1.0)  # no 1/0, even where unused
+    return tl.minimum(tl.maximum(y * inverse[:, None], -E4M3_MAX), E4M3_MAX)

@@ -226,6 +226,14 @@ def test_custom_ops_are_registered_with_fakes():
         cos = torch.empty(6, 32)
         q_out, k_out = torch.ops.pan2_fusions.qk_norm_rope(q, q, w, w, cos, cos, t, t, w, w, 1e-6, True)
         assert q_out.shape == k_out.shape == (2, 11, 3, 64)
+        q8, _ = torch.ops.pan2_fusions.qk_norm_rope(
+            q, q, w, w, cos, cos, t, t, w, w, 1e-6, True, True, 2.0, 3.0
+        )
+        assert q8.shape == (2, 11, 3, 64) and q8.dtype == torch.float8_e4m3fn
+        y8, y8_scale = torch.ops.pan2_fusions.layer_norm_modulate_fp8(
+            torch.empty(2, 6, 32), torch.empty(2, 1, 32), torch.empty(2, 1, 32), 1e-6
+        )
+        assert y8.shape == (2, 6, 32) and y8.dtype == torch.float8_e4m3fn and y8_scale.shape == (2, 6)
         y = torch.ops.pan2_fusions.layer_norm_modulate(
             torch.empty(2, 6, 32), torch.empty(2, 1, 32), torch.empty(2, 1, 32), 1e-6
         )

@@ -1,0 +1,218 @@
+"""The fp8 tier's numbers: e4m3 quantisation, the fp8 linear, and whether a device runs it.
+
+Format: float8_e4m3fn (4 exponent bits, 3 mantissa bits, largest finite 448, no infinities), rounded to
+nearest even. A quantised tensor is (data, scale) with real value = data · scale:
+
+* weights: one scale per output channel, `max|w[n, :]| / 448`, computed once at load from the bf16 (or
+  float32) checkpoint (`quantize_weight`); no second checkpoint file.
+* activations: one scale per token (row), `max|x[m, :]| / 448`, written by the kernel that produces the
+  activation (LayerNorm + modulation, GELU after fc1, or `quantize_rows_fp8` for the attention output), so
+  there is no separate quantisation pass over HBM. An all-zero row has scale 1; a row holding NaN or Inf
+  gets a NaN scale, so the GEMM's output is NaN there and the sampler stops with a clear error
+  (`check_finite`) instead of writing a NaN video.
+* the GEMM: `torch._scaled_mm` with row-wise scales on the fp8 tensor cores, bias added in its epilogue,
+  bf16 out, with cuBLASLt's fast accumulation (the tensor cores' own ~14-bit-mantissa sums over a K tile,
+  without the periodic promotion to float32): measured on an H200 at PAN 2's shapes it is 12 % faster for
+  q/k/v/o and fc1 and adds 0.1 % to the relative error of e4m3's own 3.7 % (scripts/bench_fp8_gemm.py);
+  `PAN2_FP8_FAST_ACCUM=0` turns it off. On the CPU (tests) `Fp8Linear` emulates the GEMM: the dequantised
+  operands multiplied in float32.
+
+Error of one product: each operand's rounding is at most 2⁻⁴ relative (3 mantissa bits: half an ulp of
+2⁻³), so an element of x·wᵀ is off by at most (2·2⁻⁴ + 2⁻⁸)·Σ|x_k·w_k| before accumulation rounding.
+
+Q and K of the attention need no measured scale: after the per-head RMSNorm, every element of a head is at
+most √head_dim · max|weight| in magnitude (a unit-RMS vector of D entries has none above √D; RoPE rotates
+pairs, which keeps their length), so `qk_bound` gives a fixed scale per block and stream. V takes one scale
+per head from its absolute maximum (`pan2cli.dit.fp8_values_kernel`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from pan2cli.errors import Pan2Error
+
+FP8 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+# cuBLASLt's fast accumulation for the fp8 GEMMs (module docstring); read once, at import.
+FAST_ACCUMULATION = os.environ.get("PAN2_FP8_FAST_ACCUM", "1").strip() != "0"
+# cuBLASLt has no fast-accumulation kernel for a few rows (CUBLAS_STATUS_NOT_SUPPORTED at 12, the negative
+# prompt's text tokens); the text stream's GEMMs are a fraction of a percent of the time anyway.
+FAST_ACCUMULATION_MIN_ROWS = 1024
+# Ada (sm_89), Hopper (sm_90) and Blackwell (sm_100, sm_120) have fp8 tensor cores; Ampere and older do not.
+MIN_CAPABILITY = (8, 9)
+
+
+class Fp8Activation(NamedTuple):
+    """A per-token quantised activation: `data` `[..., K]` float8_e4m3fn, `scale` `[...]` float32 (real = data·scale)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.data.to(dtype) * self.scale.to(dtype)[..., None]
+
+
+class NonFiniteError(Pan2Error):
+    """NaN or Inf reached the fp8 tier's activations (or the latents): exit code 1."""
+
+
+def fp8_unsupported_reason(device: torch.device | str) -> str | None:
+    """Why fp8 cannot run on `device`, or None when it can (a CUDA GPU with fp8 tensor cores, torch's fp8 GEMM, Triton)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"fp8 needs a CUDA GPU with fp8 tensor cores (Ada, Hopper, Blackwell); this run is on the {device.type}"
+    if not torch.cuda.is_available():
+        return "fp8 needs a CUDA GPU, and torch sees none"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        return f"there is no GPU {index}"
+    capability = torch.cuda.get_device_capability(index)
+    name = torch.cuda.get_device_name(index)
+    if capability < MIN_CAPABILITY:
+        return (
+            f"{name} (sm_{capability[0]}{capability[1]}) has no fp8 tensor cores; "
+            f"fp8 needs sm_{MIN_CAPABILITY[0]}{MIN_CAPABILITY[1]} or newer (Ada, Hopper, Blackwell)"
+        )
+    if not hasattr(torch, "_scaled_mm"):
+        return f"this torch ({torch.__version__}) has no fp8 GEMM (torch._scaled_mm)"
+    from pan2cli.triton_support import triton_available
+
+    if not triton_available():
+        return "the fp8 tier's fused kernels need Triton, which is not installed"
+    return None
+
+
+# -- quantisation (PyTorch reference; the Triton kernels compute the same) ---------------------------
+def row_scales(x: torch.Tensor) -> torch.Tensor:
+    """Per-row scales `max|x[..., :]| / 448` in float32 (1 for all-zero rows, NaN for rows with NaN/Inf)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    bad = ~torch.isfinite(xf).all(dim=-1)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return torch.where(bad, torch.full_like(scale, float("nan")), scale)
+
+
+def quantize_with_scales(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x / scale` (scale broadcast over the last dim) clamped to ±448 and rounded to e4m3 (nearest even)."""
+    scale = scale.float()
+    return (x.float() * (1.0 / scale)[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+
+
+def quantize_rows_reference(x: torch.Tensor, *, per_tensor: bool = False) -> Fp8Activation:
+    """x `[..., K]` → per-row (or, with `per_tensor`, one shared) e4m3 quantisation (module docstring)."""
+    if per_tensor:
+        scale = row_scales(x.reshape(1, -1)).expand(x.shape[:-1]).contiguous()
+    else:
+        scale = row_scales(x)
+    return Fp8Activation(quantize_with_scales(x, scale), scale)
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear's weight `[N, K]` → (e4m3 `[N, K]`, float32 scales `[N]`), one scale per output channel.
+
+    Computed where the weight is (on the GPU at load), a block of rows at a time so that the float32
+    temporary stays small.
+
+    Raises:
+        NonFiniteError: the weight holds NaN or Inf.
+    """
+    data = torch.empty(weight.shape, dtype=FP8, device=weight.device)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    rows = max(1, 2**24 // max(1, weight.shape[1]))
+    for start in range(0, weight.shape[0], rows):
+        part = weight[start : start + rows]
+        scale[start : start + rows] = row_scales(part)
+        data[start : start + rows] = quantize_with_scales(part, scale[start : start + rows])
+    if not torch.isfinite(scale).all():
+        raise NonFiniteError("a weight of the transformer holds NaN or Inf: the checkpoint is damaged")
+    return data, scale
+
+
+def qk_bound(head_dim: int, *weights: torch.Tensor) -> float:
+    """The largest magnitude a Q or K element can take after the per-head RMSNorm (and RoPE) with these weights."""
+    return math.sqrt(head_dim) * max(float(w.detach().abs().max()) for w in weights)
+
+
+def check_finite(x: torch.Tensor, what: str) -> None:
+    """Raise `NonFiniteError` if x holds NaN or Inf (one device sync: call it once per step, not per block)."""
+    if not torch.isfinite(x).all():
+        raise NonFiniteError(
+            f"{what} holds NaN or Inf",
+            hint="the fp8 tier saturates at ±448 and cannot carry NaN/Inf activations; "
+            "run with --precision bf16 to see whether the model itself overflows",
+        )
+
+
+# -- the linear ----------------------------------------------------------------------------------
+class Fp8Linear(nn.Module):
+    """`y = x·wᵀ + b` with w in e4m3 (per-output-channel scales) and x quantised per token (module docstring).
+
+    Built from an `nn.Linear` by `from_linear` (the weight is quantised where it lives, then dropped).
+    `forward` takes an `Fp8Activation` (quantised by the kernel that produced it) or a plain tensor, which is
+    quantised here per token (`input_scaling="token"`) or with one scale for the whole tensor ("tensor": for
+    accuracy measurements only). Returns bf16 on CUDA, the input's float dtype on the CPU (emulation).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8, device=device))
+        self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32, device=device))
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, device=device), requires_grad=False) if bias else None
+        )
+        self.input_scaling = "token"
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+        weight = linear.weight.detach()
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, device="meta")
+        module.weight, module.weight_scale = quantize_weight(weight)
+        if linear.bias is not None:
+            bias_dtype = torch.bfloat16 if weight.is_cuda else weight.dtype
+            module.bias = nn.Parameter(linear.bias.detach().to(bias_dtype), requires_grad=False)
+        return module
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3, input {self.input_scaling}"
+
+    def quantize_input(self, x: torch.Tensor) -> Fp8Activation:
+        if self.input_scaling == "tensor":
+            return quantize_rows_reference(x, per_tensor=True)
+        if x.is_cuda:
+            from pan2cli.dit.quantize_rows_kernel import quantize_rows_fp8
+
+            rows = x.reshape(-1, x.shape[-1])
+            data = torch.empty(rows.shape, dtype=FP8, device=x.device)
+            scale = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+            quantize_rows_fp8(rows, data, scale)
+            return Fp8Activation(data.view(x.shape), scale.view(x.shape[:-1]))
+        return quantize_rows_reference(x)
+
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        if not isinstance(x, Fp8Activation):
+            x = self.quantize_input(x)
+        lead = x.data.shape[:-1]
+        data = x.data.reshape(-1, self.in_features)
+        scale = x.scale.reshape(-1, 1)
+        if data.is_cuda:
+            out = torch._scaled_mm(
+                data, self.weight.t(), scale_a=scale, scale_b=self.weight_scale.view(1, -1),
+                bias=self.bias, out_dtype=torch.bfloat16,
+                use_fast_accum=FAST_ACCUMULATION and data.shape[0] >= FAST_ACCUMULATION_MIN_ROWS,
+            )  # fmt: skip
+        else:  # emulation: the same products of dequantised operands, in float32 (float64 for a float64 bias)
+            dtype = (
+                torch.float64 if self.bias is not None and self.bias.dtype == torch.float64 else torch.float32
+            )
+            weight = self.weight.to(dtype) * self.weight_scale.to(dtype)[:, None]
+            out = (data.to(dtype) * scale.to(dtype)) @ weight.t()
+            if self.bias is not None:
+                out = out + self.bias.to(dtype)
+        return out.view(*lead, self.out_features)

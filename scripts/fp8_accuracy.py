@@ -1,0 +1,168 @@
+"""How far the fp8 tier moves PAN 2's output, measured three ways on one GPU (random weights: the release's
+weights cannot be downloaded here; random weights tend to amplify rounding more than trained ones).
+
+1. `--full`: the full-size transformer (release config, random weights of one seed), one forward's velocity at
+   `--frames` (704x1248) with a 300-token prompt, fp8 against bf16, for each choice: per-token or per-tensor
+   activation scales, fp8 attention (cuDNN's, or our Triton kernel) or bf16 attention, the first and last
+   block kept in bf16. Relative RMS error and cosine similarity.
+2. `--reduced`: a reduced model (4 blocks of 4 heads x 128) against its own float64 forward, for bf16 and
+   fp8, so that fp8's error is seen next to bf16's own.
+3. `--video`: a tiny random repository (scripts/make_tiny_pan2.py's writers, that reduced transformer) through
+   `VideoGenerator`, 50 steps with CFG, bf16 and fp8 from the same seed; PSNR (and max difference) of the two
+   decoded uint8 videos.
+
+    python3 scripts/fp8_accuracy.py --full --reduced --video --out accuracy.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pan2cli.dit.fp8_attention import ENV_FP8_ATTENTION  # noqa: E402
+from pan2cli.dit.quantize import Fp8Policy, quantize_transformer  # noqa: E402
+from scripts.make_random_pan2 import random_transformer  # noqa: E402
+
+REDUCED = dict(
+    num_attention_heads=4, attention_head_dim=128, num_layers=4, num_refiner_layers=1, text_embed_dim=32,
+    rope_axes_dim=(16, 56, 56),
+)  # fmt: skip
+FULL_CHOICES = {  # name → (policy, PAN2_FP8_ATTENTION)
+    "fp8 (per-token, fp8 attention: the tier)": (Fp8Policy(), ""),
+    "fp8, our Triton fp8 attention": (Fp8Policy(), "triton"),
+    "fp8 linears, bf16 attention": (Fp8Policy(attention=False), ""),
+    "fp8, per-tensor activation scales": (Fp8Policy(activation_scaling="tensor"), ""),
+    "fp8, first and last block bf16": (Fp8Policy(bf16_blocks=frozenset({0, 43})), ""),
+}
+
+
+def compare(got: torch.Tensor, want: torch.Tensor) -> dict:
+    got, want = got.double().flatten(), want.double().flatten()
+    return {
+        "rel_rms": round(float((got - want).norm() / want.norm()), 5),
+        "cosine": round(float(torch.nn.functional.cosine_similarity(got, want, dim=0)), 6),
+    }
+
+
+def inputs(config: dict, frames: int, height: int, width: int, device, dtype, text: int = 300):
+    gen = torch.Generator(device=device).manual_seed(7)
+    shape = (1, 97, 1 + (frames - 1) // 4, height // 16, width // 16)
+    hidden = torch.randn(shape, generator=gen, device=device).to(dtype)
+    ctx = torch.randn(1, text, config.get("text_embed_dim", 4096), generator=gen, device=device).to(dtype)
+    return hidden, torch.tensor([700.0], device=device), ctx
+
+
+def full_size(frames: int) -> dict:
+    device = torch.device("cuda")
+    rows = {}
+    with torch.inference_mode():
+        model = random_transformer(device)
+        hidden, t, ctx = inputs({}, frames, 704, 1248, device, torch.bfloat16)
+        want = model(hidden, t, ctx).float()
+        del model
+        torch.cuda.empty_cache()
+        for name, (policy, backend) in FULL_CHOICES.items():
+            os.environ.pop(ENV_FP8_ATTENTION, None)
+            if backend:
+                os.environ[ENV_FP8_ATTENTION] = backend
+            model = random_transformer(device, precision="fp8", policy=policy)
+            rows[name] = compare(model(hidden, t, ctx), want)
+            print(json.dumps({"full": name, **rows[name]}), flush=True)
+            del model
+            torch.cuda.empty_cache()
+    os.environ.pop(ENV_FP8_ATTENTION, None)
+    return rows
+
+
+def reduced() -> dict:
+    device = torch.device("cuda")
+    rows = {}
+    with torch.inference_mode():
+        model = random_transformer(device, **REDUCED)  # bf16, AdaLN float32
+        exact = copy.deepcopy(model).double()
+        hidden, t, ctx = inputs(REDUCED, 33, 352, 640, device, torch.float64)
+        want = exact(hidden, t, ctx)
+        rows["bf16"] = compare(model(hidden, t, ctx), want)
+        for name, policy in (("fp8", Fp8Policy()), ("fp8, bf16 attention", Fp8Policy(attention=False))):
+            rows[name] = compare(quantize_transformer(copy.deepcopy(model), policy)(hidden, t, ctx), want)
+        print(json.dumps({"reduced": rows}), flush=True)
+    return rows
+
+
+def video(steps: int) -> dict:
+    from pan2cli.config import RuntimeConfig
+    from pan2cli.frames import psnr
+    from pan2cli.pipeline import VideoGenerator
+    from pan2cli.pipeline.text import quiet_transformers
+    from scripts.make_tiny_pan2 import (
+        tiny_text_model,
+        write_scheduler_and_index,
+        write_text_encoder,
+        write_tokenizer,
+        write_transformer,
+        write_vae,
+    )
+
+    with tempfile.TemporaryDirectory(prefix="pan2-fp8-") as folder:
+        root = Path(folder)
+        with quiet_transformers():
+            tokenizer = write_tokenizer(root / "tokenizer")
+            write_text_encoder(root / "text_encoder", tiny_text_model(len(tokenizer), seed=0))
+        transformer = random_transformer(torch.device("cuda"), seed=3, **REDUCED).cpu()  # bf16, AdaLN float32
+        write_transformer(root / "transformer", transformer)
+        write_vae(root / "vae", seed=0)
+        write_scheduler_and_index(root, type(tokenizer).__name__)
+        frames = {}
+        for precision in ("bf16", "fp8"):
+            generator = VideoGenerator.from_pretrained(
+                root, config=RuntimeConfig(device="cuda", precision=precision)
+            )
+            result = generator.generate(
+                "a red fox runs through the snow", preset="pan2-5s", steps=steps, frames=33, height=352, width=640,
+            )  # fmt: skip
+            frames[precision] = result.frames
+            del generator
+            torch.cuda.empty_cache()
+        a, b = frames["bf16"], frames["fp8"]
+        diff = (a.float() - b.float()).abs()
+        row = {
+            "frames": list(a.shape), "steps": steps,
+            "psnr_db": round(float(psnr(a, b)), 2),
+            "max_abs_diff_levels": int(diff.max()),
+            "mean_abs_diff_levels": round(float(diff.mean()), 3),
+        }  # fmt: skip
+        print(json.dumps({"video": row}), flush=True)
+        return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true")
+    parser.add_argument("--frames", type=int, default=121)
+    parser.add_argument("--reduced", action="store_true")
+    parser.add_argument("--video", action="store_true")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.reduced:
+        results["reduced_vs_float64"] = reduced()
+    if args.video:
+        results["video_fp8_vs_bf16"] = video(args.steps)
+    if args.full:
+        results["full_size_fp8_vs_bf16"] = full_size(args.frames)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

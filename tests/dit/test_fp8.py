@@ -1,0 +1,307 @@
+"""The fp8 tier: e4m3 quantisation math, the fp8 linear against float64, the fused fp8 kernels against their
+PyTorch references (Triton's CPU interpreter without CUDA, the real kernels on a GPU), and a quantised model."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from pan2cli.dit import fusions  # noqa: E402
+from pan2cli.dit.fp8 import (  # noqa: E402
+    E4M3_MAX,
+    FP8,
+    Fp8Activation,
+    Fp8Linear,
+    NonFiniteError,
+    check_finite,
+    fp8_unsupported_reason,
+    qk_bound,
+    quantize_rows_reference,
+    quantize_weight,
+    quantize_with_scales,
+    row_scales,
+)
+from pan2cli.dit.rope import rope_table  # noqa: E402
+from pan2cli.testing.triton_interpreter import apply as fix_interpreter  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("triton_interpreter_without_cuda")
+fix_interpreter()
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HALF_ULP = 2.0**-4  # e4m3 has 3 mantissa bits: rounding to nearest is within half of 2⁻³, relative
+SUBNORMAL_STEP = 2.0**-9  # e4m3's smallest subnormal spacing (in units of the scale)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEVICE).manual_seed(seed)
+
+
+def _within_rounding(dequantized: torch.Tensor, exact: torch.Tensor, scale: torch.Tensor, ulps: float = 1.0):
+    """Each element within `ulps` roundings of e4m3 (relative half-ulp, or the subnormal half-step · scale)."""
+    bound = ulps * torch.maximum(HALF_ULP * exact.abs(), SUBNORMAL_STEP / 2 * scale[..., None])
+    return bool(((dequantized - exact).abs() <= bound * (1 + 1e-6)).all())
+
+
+# -- quantisation math (CPU) ----------------------------------------------------------------------
+def test_round_trip_is_within_one_rounding_and_the_row_maximum_is_exact():
+    x = torch.randn(64, 96, dtype=torch.float64) * torch.logspace(-3, 3, 64, dtype=torch.float64)[:, None]
+    q = quantize_rows_reference(x)
+    assert q.data.dtype == FP8 and q.scale.shape == (64,)
+    assert _within_rounding(q.dequantize(torch.float64), x, q.scale.double())
+    # the largest magnitude of each row lands on ±448 exactly, so nothing saturates and the range is used
+    assert torch.equal(q.data.float().abs().amax(dim=1), torch.full((64,), E4M3_MAX))
+    assert not torch.equal(q.dequantize(torch.float64), x)
+
+
+def test_values_past_the_scale_saturate_at_448_instead_of_becoming_nan():
+    x = torch.tensor([[1000.0, -3000.0, 12.0, 0.5]])
+    data = quantize_with_scales(x, torch.tensor([1.0]))
+    assert data.float().tolist() == [[448.0, -448.0, 12.0, 0.5]]
+
+
+def test_all_zero_rows_have_scale_one_and_give_the_bias():
+    x = torch.zeros(3, 32)
+    x[1] = torch.randn(32)
+    q = quantize_rows_reference(x)
+    assert q.scale[0] == 1 and q.scale[2] == 1 and torch.all(q.data[0].float() == 0)
+    linear = torch.nn.Linear(32, 16)
+    out = Fp8Linear.from_linear(linear)(q)
+    torch.testing.assert_close(out[0], linear.bias.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(out[2], linear.bias.detach(), rtol=0, atol=0)
+
+
+def test_nan_or_inf_activations_give_nan_rows_and_a_clear_error():
+    x = torch.randn(4, 32)
+    x[1, 5] = float("nan")
+    x[3, 0] = float("inf")
+    assert row_scales(x).isnan().tolist() == [False, True, False, True]
+    out = Fp8Linear.from_linear(torch.nn.Linear(32, 8))(x)
+    assert out[1].isnan().all() and out[3].isnan().all() and torch.isfinite(out[0]).all()
+    with pytest.raises(NonFiniteError, match="step 3 holds NaN or Inf"):
+        check_finite(out, "the latents after step 3")
+    with pytest.raises(NonFiniteError, match="checkpoint is damaged"):
+        quantize_weight(x)
+
+
+def test_weights_get_one_scale_per_output_channel():
+    weight = (
+        torch.randn(48, 40, dtype=torch.float64) * torch.logspace(-2, 2, 48, dtype=torch.float64)[:, None]
+    )
+    data, scale = quantize_weight(weight)
+    torch.testing.assert_close(scale.double(), weight.abs().amax(dim=1) / E4M3_MAX, rtol=1e-6, atol=0)
+    assert _within_rounding(data.double() * scale.double()[:, None], weight, scale.double())
+
+
+def test_fp8_linear_is_within_the_e4m3_bound_of_a_float64_product():
+    """|y − y₆₄| ≤ (2·2⁻⁴ + 2⁻⁸)·Σ|x·w| (+ subnormal steps and float32 accumulation) per element."""
+    gen = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(256, 64, dtype=torch.float64)
+    with torch.no_grad():
+        linear.weight.normal_(0, 256**-0.5, generator=gen)
+        linear.bias.normal_(0, 1, generator=gen)
+    x = torch.randn(32, 256, generator=gen, dtype=torch.float64) * 3
+    got = Fp8Linear.from_linear(linear)(x)
+    want = linear(x)
+    magnitude = x.abs() @ linear.weight.abs().t()
+    bound = (2 * HALF_ULP + HALF_ULP**2) * magnitude + 256 * 2.0**-24 * magnitude + 1e-6
+    assert ((got - want).abs() <= bound).all()
+    error = ((got - want).norm() / want.norm()).item()
+    assert 1e-4 < error < 0.05, error  # lossy, but by e4m3's rounding only
+
+
+def test_qk_bound_bounds_every_normalised_and_rotated_element():
+    head_dim = 64
+    weight = torch.rand(head_dim) * 2 + 0.1
+    x = torch.randn(500, 2, head_dim) * torch.logspace(-4, 4, 500)[:, None, None]
+    x[0, 0] = 0
+    x[1, 0, weight.argmax()] = 1e6  # the largest weight's channel carrying the whole row: the worst case
+    cos, sin = rope_table((1, 20, 25), (16, 24, 24), 256.0, 16 / 24)
+    q, _ = fusions.qk_norm_rope(x, x, weight, weight, cos, sin, eps=1e-6, fused=False)
+    assert q.abs().max() <= qk_bound(head_dim, weight) * (1 + 1e-6)
+    assert q.abs().max() > 0.5 * qk_bound(head_dim, weight)
+
+
+def test_fp8_is_refused_on_the_cpu_with_the_reason():
+    assert "CUDA GPU" in fp8_unsupported_reason("cpu")
+
+
+# -- the fused kernels against their references ----------------------------------------------------
+@pytest.mark.parametrize("batch, tokens, dim, groups", [(1, 37, 256, 1), (2, 24, 96, 3)])
+def test_layer_norm_modulate_quantises_like_its_reference(batch, tokens, dim, groups):
+    gen = _gen(1)
+    x = (torch.randn(batch, tokens, dim, generator=gen, device=DEVICE) * 4 + 1).bfloat16()
+    scale = torch.randn(batch, groups, dim, generator=gen, device=DEVICE) * 0.3
+    shift = torch.randn(batch, groups, dim, generator=gen, device=DEVICE)
+    got = fusions.layer_norm_modulate(x, scale, shift, eps=1e-6, fused=True, quantize=True)
+    exact = fusions.layer_norm_modulate_reference(x.float(), scale, shift, eps=1e-6).double()
+    assert got.data.dtype == FP8 and got.scale.shape == (batch, tokens)
+    torch.testing.assert_close(got.scale.double(), row_scales(exact).double(), rtol=1e-5, atol=0)
+    assert _within_rounding(got.dequantize(torch.float64), exact, got.scale.double(), ulps=1.01)
+
+
+@pytest.mark.parametrize("width", [96, 4096])
+def test_gelu_quantise_matches_gelu_then_quantise(width):
+    gen = _gen(2)
+    x = (torch.randn(5, 3, width, generator=gen, device=DEVICE) * 2).bfloat16()
+    x[0, 1] = 0  # an all-zero row: GELU(0) = 0, scale 1
+    got = fusions.gelu_quantize(x, fused=True)
+    exact = torch.nn.functional.gelu(x.double(), approximate="tanh")
+    assert got.scale[0, 1] == 1 and torch.all(got.data[0, 1].float() == 0)
+    torch.testing.assert_close(got.scale.double(), row_scales(exact).double(), rtol=1e-5, atol=0)
+    assert _within_rounding(got.dequantize(torch.float64), exact, got.scale.double(), ulps=1.01)
+
+
+def test_qk_norm_rope_writes_e4m3_with_its_fixed_scale():
+    gen = _gen(3)
+    grid, heads, head_dim = (2, 3, 5), 2, 64
+    n_video, n_text = 30, 7
+    rand = lambda *s: torch.randn(*s, generator=gen, device=DEVICE).bfloat16()  # noqa: E731
+    q, k, qt, kt = (
+        rand(1, n_video, heads, head_dim),
+        rand(1, n_video, heads, head_dim),
+        rand(1, n_text, heads, head_dim),
+        rand(1, n_text, heads, head_dim),
+    )
+    w = [torch.rand(head_dim, generator=gen, device=DEVICE) + 0.5 for _ in range(4)]
+    cos, sin = rope_table(grid, (16, 24, 24), 256.0, 16 / 24, device=DEVICE)
+    q_bound, k_bound = qk_bound(head_dim, w[0], w[2]), qk_bound(head_dim, w[1], w[3])
+    q8, k8 = fusions.qk_norm_rope(
+        q, k, w[0], w[1], cos, sin, qt, kt, w[2], w[3], eps=1e-6, fused=True,
+        out_dtype=FP8, q_out_mult=E4M3_MAX / q_bound, k_out_mult=E4M3_MAX / k_bound,
+    )  # fmt: skip
+    q_ref, k_ref = fusions.qk_norm_rope_reference(
+        q.float(), k.float(), w[0], w[1], cos, sin, qt.float(), kt.float(), w[2], w[3], eps=1e-6
+    )
+    for got, want, bound in ((q8, q_ref, q_bound), (k8, k_ref, k_bound)):
+        assert got.dtype == FP8 and got.shape == (1, n_video + n_text, heads, head_dim)
+        scale = torch.full(got.shape[:-1], bound / E4M3_MAX, device=DEVICE, dtype=torch.float64)
+        assert _within_rounding(got.double() * scale[..., None], want.double(), scale, ulps=1.01)
+
+
+@pytest.mark.parametrize("transposed", [True, False], ids=["transposed", "bshd"])
+def test_values_quantise_per_head_into_the_attention_layout(transposed):
+    from pan2cli.dit.fp8_attention_kernel import padded_keys
+    from pan2cli.dit.fp8_values_kernel import values_fp8
+
+    gen = _gen(4)
+    heads, head_dim, n_video, n_text = 3, 64, 45, 6
+    video = (torch.randn(2, n_video, heads * head_dim, generator=gen, device=DEVICE) * 5).bfloat16()
+    text = torch.randn(2, n_text, heads * head_dim, generator=gen, device=DEVICE).bfloat16()
+    n = n_video + n_text
+    shape = (2, heads, head_dim, padded_keys(n)) if transposed else (2, n, heads, head_dim)
+    out = torch.full(shape, 99.0, device=DEVICE).to(FP8)  # poisoned: the padding must be written
+    descale = torch.empty(heads, device=DEVICE)
+    values_fp8([video, text], heads, out, descale, transposed=transposed)
+    joint = torch.cat([video, text], dim=1).double().view(2, n, heads, head_dim)
+    torch.testing.assert_close(
+        descale.double(), joint.abs().amax(dim=(0, 1, 3)) / E4M3_MAX, rtol=1e-6, atol=0
+    )
+    got = out[..., :n].permute(0, 3, 1, 2) if transposed else out  # → [B, S, H, D]
+    scale = descale.double()[None, None, :].expand(2, n, heads)
+    assert _within_rounding(got.double() * scale[..., None], joint, scale, ulps=1.01)
+    if transposed:
+        assert torch.all(out[..., n:].float() == 0)
+
+
+@pytest.mark.parametrize("tokens, head_dim", [(70, 64), (130, 128)])
+def test_fp8_attention_matches_its_emulation_and_float64(tokens, head_dim):
+    from pan2cli.dit.fp8_attention import attention_reference
+    from pan2cli.dit.fp8_attention_kernel import fp8_attention, padded_keys
+
+    gen = _gen(5)
+    heads = 2
+    q = torch.randn(1, tokens, heads, head_dim, generator=gen, device=DEVICE)
+    k = torch.randn(1, tokens, heads, head_dim, generator=gen, device=DEVICE)
+    v = torch.randn(1, tokens, heads, head_dim, generator=gen, device=DEVICE) * 3
+    bound = float(max(q.abs().max(), k.abs().max()))
+    q8, k8 = (
+        quantize_with_scales(t, torch.full(t.shape[:-1], bound / E4M3_MAX, device=DEVICE)) for t in (q, k)
+    )
+    v_descale = v.abs().amax(dim=(0, 1, 3)) / E4M3_MAX
+    v8 = quantize_with_scales(v, v_descale[None, None].expand(v.shape[:-1]))
+    v_t = torch.zeros(1, heads, head_dim, padded_keys(tokens), device=DEVICE).to(FP8)
+    v_t[..., :tokens] = v8.permute(0, 2, 3, 1)
+    qk = torch.tensor([(bound / E4M3_MAX) ** 2], device=DEVICE)
+    config = (32, 32, 4, 2) if DEVICE == "cpu" else (64, 64, 4, 2)
+    out = fp8_attention(q8, k8, v_t, qk, v_descale.float(), config=config)
+    emulated = attention_reference(q8, k8, v8, float(qk), v_descale)
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        *(t.double().transpose(1, 2) for t in (q, k, v))
+    ).transpose(1, 2)
+    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert (
+        rel(out, emulated) < 0.03
+    )  # P is rounded against a running maximum in the kernel, the final one here
+    assert rel(out, exact) < 0.08  # e4m3 Q, K, V and P (3 mantissa bits each)
+
+
+# -- a quantised model ------------------------------------------------------------------------------
+def test_a_quantised_model_is_close_to_its_bf16_self_and_keeps_the_rest_in_higher_precision():
+    from pan2cli.dit.model import PAN2Transformer3DModel
+    from pan2cli.dit.quantize import Fp8Policy, quantize_transformer
+
+    torch.manual_seed(0)
+    model = PAN2Transformer3DModel(
+        num_attention_heads=2, attention_head_dim=64, num_layers=2, num_refiner_layers=1,
+        text_embed_dim=32, rope_axes_dim=(16, 24, 24),
+    ).eval()  # fmt: skip
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, p.shape[-1] ** -0.5 if p.dim() > 1 else 0.3)
+    x, t, ctx = torch.randn(1, 97, 2, 6, 8), torch.tensor([500.0]), torch.randn(1, 5, 32)
+    with torch.no_grad():
+        want = model(x, t, ctx)
+        fp8 = quantize_transformer(copy.deepcopy(model))
+        assert fp8.precision == "fp8"
+        block = fp8.transformer_blocks[0]
+        assert isinstance(block.attn.to_q, Fp8Linear) and isinstance(block.ff.net[2], Fp8Linear)
+        assert (
+            not isinstance(block.norm1.linear, Fp8Linear) and block.norm1.linear.weight.dtype == torch.float32
+        )
+        assert not isinstance(fp8.proj_out, Fp8Linear) and not isinstance(
+            fp8.context_refiner[0].attn.to_q, Fp8Linear
+        )
+        fusions.set_fused_kernels(fp8, False)
+        emulated = fp8(x, t, ctx)
+        mixed = quantize_transformer(
+            copy.deepcopy(model), Fp8Policy(attention=False, bf16_blocks=frozenset({1}))
+        )
+        assert not isinstance(mixed.transformer_blocks[1].attn.to_q, Fp8Linear)
+        fusions.set_fused_kernels(mixed, False)
+        partly = mixed(x, t, ctx)
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    assert 1e-4 < rel(emulated, want) < 0.05
+    assert rel(partly, want) < rel(emulated, want)  # less quantised, closer
+    if DEVICE == "cuda":
+        with torch.no_grad():
+            fused = quantize_transformer(copy.deepcopy(model).cuda().bfloat16())(
+                x.cuda(), t.cuda(), ctx.cuda()
+            )
+        assert rel(fused.double().cpu(), want.double()) < 0.06
+
+
+@pytest.mark.gpu
+def test_the_fp8_gemm_equals_its_emulation_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if fp8_unsupported_reason("cuda"):
+        pytest.skip(fp8_unsupported_reason("cuda"))
+    gen = torch.Generator("cuda").manual_seed(6)
+    linear = torch.nn.Linear(512, 384, device="cuda").bfloat16()
+    x = torch.randn(3, 77, 512, generator=gen, device="cuda").bfloat16()
+    fp8 = Fp8Linear.from_linear(linear)
+    got = fp8(x)
+    activation = quantize_rows_reference(x)
+    emulated = (
+        activation.dequantize(torch.float64) @ (fp8.weight.double() * fp8.weight_scale.double()[:, None]).t()
+    )
+    emulated = emulated + fp8.bias.double()
+    assert got.dtype == torch.bfloat16 and got.shape == (3, 77, 384)
+    assert float((got.double() - emulated).norm() / emulated.norm()) < 4e-3  # bf16 output rounding
+    assert isinstance(activation, Fp8Activation) and math.isfinite(float(got.float().abs().max()))
