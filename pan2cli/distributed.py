@@ -10,7 +10,7 @@ prints its own error and the healthy ones exit quietly with the highest code. A 
 decode (out of memory on one rank) is printed by that rank; torchrun then stops the others (SIGTERM,
 which they turn into a quiet exit) or their next collective fails (a quiet exit too when pan2 itself
 launched torchrun; its parent prints one line if no rank did). A rank stopped by a signal it cannot
-see at once (its main thread waits inside NCCL) ends itself `_UNWIND_S` seconds later (`_ExitIfStuck`),
+see at once (its main thread waits inside NCCL) ends itself `launch.UNWIND_S` seconds later (`_ExitIfStuck`),
 before torchrun's 30 s SIGKILL. What the parent does when pan2 launched torchrun: `pan2cli.launch`.
 """
 
@@ -28,10 +28,6 @@ import torch.distributed as dist
 
 from pan2cli import launch
 from pan2cli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, InputError, Pan2Error
-
-# Seconds a rank stopped by Ctrl-C or SIGTERM has to unwind before it leaves without its main thread,
-# which may be stuck in a wait that signal handlers cannot interrupt (NCCL, for a peer that died).
-_UNWIND_S = 3.0
 
 _device: torch.device | None = None  # this rank's device once the process group is up
 _joined = False  # the process group was joined (errors from then on are each rank's own)
@@ -135,7 +131,7 @@ def process_group(device: str | None) -> Iterator[torch.device]:
 
 
 class _ExitIfStuck:
-    """After Ctrl-C or SIGTERM, end this rank `_UNWIND_S` seconds later unless it has left the group by then.
+    """After Ctrl-C or SIGTERM, end this rank `launch.UNWIND_S` seconds later unless it has left the group by then.
 
     Python runs signal handlers in the main thread between bytecodes, so a rank waiting inside NCCL
     for a peer that died never sees torchrun's SIGTERM, and torchrun waits 30 s before its SIGKILL.
@@ -161,14 +157,12 @@ class _ExitIfStuck:
                     return
                 if signal.SIGINT in received or signal.SIGTERM in received:
                     break
-        if self._left.wait(_UNWIND_S):
+        if self._left.wait(launch.UNWIND_S):
             return
-        for path in list(launch._partials):
-            launch._remove_path(path)
         code, line = interrupted_exit()
         if line:
             launch._echo_err(line)
-        os._exit(launch.record_exit(code))
+        launch.end_rank_now(code)
 
     def close(self) -> None:
         self._left.set()
@@ -274,13 +268,19 @@ def interrupted_exit() -> tuple[int, str | None]:
 
 
 def _comm_error_exit(error: BaseException) -> tuple[int, str | None]:
-    # Usually another rank failed and printed why; pan2's launcher says so if none did.
+    # Usually another rank failed and printed why; pan2's launcher says so if none did, or names a hung rank.
     if launch.has_parent_launcher():
-        return launch._EXIT_PEER_LOST, None
+        return (launch._EXIT_PEER_TIMED_OUT if _is_timeout(error) else launch._EXIT_PEER_LOST), None
     return (
         EXIT_FAILURE,
         f"Error: rank {launch.env_rank()} lost contact with the other ranks: {str(error).splitlines()[0]}",
     )
+
+
+def _is_timeout(error: BaseException) -> bool:
+    """A collective that waited PAN2_DIST_TIMEOUT for a peer (gloo: "Timed out waiting 10000ms for recv ...")."""
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
 
 
 def reports_error(error: BaseException) -> bool:

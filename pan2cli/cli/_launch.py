@@ -12,25 +12,40 @@ from pan2cli.errors import InputError
 T = TypeVar("T")
 
 
-def run_on_ranks(ctx: click.Context, gpus: int | None, device: str | None, work: Callable[[object], T]) -> T:
+def run_on_ranks(
+    ctx: click.Context,
+    gpus: int | None,
+    device: str | None,
+    work: Callable[[object], T],
+    check_split: Callable[[int], None] | None = None,
+) -> T:
     """`work(device)` here; under torchrun `work(rank_device)` inside the process group.
 
     With `--gpus N` (N ≥ 2) outside torchrun, the same command is re-launched in N processes and this
     process exits with their outcome (`ctx.exit`).
 
+    Args:
+        check_split: `check_split(N)` raises `InputError` when the inputs cannot be shared by N processes
+            (a row split needs a latent row per process); run here before any process starts. `work`
+            runs the same check on each rank, for a torchrun the user started.
+
     Raises:
-        InputError: more GPUs than visible, or `--gpus` different from torchrun's world size.
+        InputError: more GPUs than visible, inputs that N processes cannot share, or `--gpus` different
+            from torchrun's world size.
     """
     # here, not at the top: they import torch, which `pan2 --help` does not need
     from pan2cli import distributed, launch
 
     if gpus is not None and gpus > 1 and not launch.under_torchrun():
         launch.check_gpus(gpus, device)
+        if check_split is not None:
+            check_split(gpus)
         root = ctx.find_root()
         argv = root.obj["argv"] if isinstance(root.obj, dict) and "argv" in root.obj else sys.argv[1:]
         ctx.exit(launch.launch(gpus, launch.strip_option(argv, "--gpus")))
     if not launch.under_torchrun():
         return work(device)
+    launch.end_with_parent()
     if gpus is not None and gpus != launch.env_world_size():
         raise InputError(
             f"--gpus {gpus} differs from torchrun's {launch.env_world_size()} processes",

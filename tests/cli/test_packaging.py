@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import zipfile
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pan2cli.resources import _find_data_dir
+from tests.subprocess_env import python_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,16 +40,16 @@ def _run(args: list[str], *, cwd: Path, env: dict[str, str] | None = None) -> st
 
 
 def _env(pythonpath: Path) -> dict[str, str]:
-    """Environment for a child Python that imports pan2cli from `pythonpath` only."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    env.update(
-        PYTHONPATH=str(pythonpath),
+    """Environment for a child Python that imports pan2cli from `pythonpath` only: the project root leaves
+    PYTHONPATH, the caller's other entries stay behind `pythonpath` (its packages, hatchling included)."""
+    return python_env(
+        pythonpath,
+        with_project=False,
         PYTHONNOUSERSITE="1",
         PYTHONDONTWRITEBYTECODE="1",  # keep __pycache__ out of the source tree
         PIP_DISABLE_PIP_VERSION_CHECK="1",
         PIP_NO_INPUT="1",
     )
-    return env
 
 
 def _probe(pythonpath: Path, cwd: Path) -> dict:
@@ -60,8 +60,6 @@ def _probe(pythonpath: Path, cwd: Path) -> dict:
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A wheel built from the repository, offline with the venv's hatchling."""
     out = tmp_path_factory.mktemp("wheel")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
     _run(
         [
             sys.executable,
@@ -76,7 +74,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             str(REPO),
         ],
         cwd=out,
-        env=env,
+        env=_env(out),
     )
     wheels = sorted(out.glob("pan2cli-*.whl"))
     assert len(wheels) == 1, f"expected one pan2cli wheel in {out}, found {wheels}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -205,3 +206,84 @@ def test_a_failing_launcher_is_one_error_line(run_cli, tiny_vae, latents_file, m
         "Error: torchrun's agent could not run the 2 processes: "
         "The server socket has failed to listen on any local network address."
     ]
+
+
+def _launch_refused(monkeypatch) -> list:
+    """Replace pan2's launcher by a recorder that starts nothing; returns the list of its calls."""
+    calls = []
+
+    def launch_(nproc, args):
+        calls.append((nproc, list(args)))
+        return 0
+
+    monkeypatch.setattr(launch, "launch", launch_)
+    return calls
+
+
+def test_more_processes_than_latent_rows_fail_before_any_starts(run_cli, tiny_vae, latents_file, monkeypatch):
+    """Issue 27: `--gpus 16` on latents 8 rows high failed only once all 16 processes had started."""
+    started = _launch_refused(monkeypatch)
+    latents = latents_file((48, 1, 8, 2))
+    result = run_cli("decode", latents, "--vae", tiny_vae, "--device", "cpu", "--gpus", 16)
+    assert (result.exit_code, started) == (2, [])
+    assert result.stderr.splitlines() == [
+        "Error: latents of 8 rows cannot be split over 16 processes (at least one row each)",
+        "Hint: use --gpus 8 or fewer",
+    ]
+    assert run_cli("decode", latents, "--vae", tiny_vae, "--device", "cpu", "--gpus", 8).exit_code == 0
+    assert [nproc for nproc, _ in started] == [8]
+
+
+def test_one_prompt_on_more_processes_than_latent_rows_fails_before_any_starts(run_cli, monkeypatch):
+    """One prompt's decode is split by rows (a row per process, 16 pixels): checked before any process starts,
+    unless --no-decode-kernel-parallel decodes whole frames on every rank."""
+    started = _launch_refused(monkeypatch)
+    command = ("generate", "a cat", "--device", "cpu", "--size", "64x96", "--frames", 5, "--gpus", 8)
+    result = run_cli(*command)
+    assert (result.exit_code, started) == (2, [])
+    assert result.stderr.splitlines() == [
+        "Error: a video 64 pixels high has 4 latent rows, too few to split its decode over 8 processes "
+        "(one row each at least)",
+        "Hint: pass --gpus 4 or fewer, a larger --size, or --no-decode-kernel-parallel",
+    ]
+    assert run_cli(*command, "--no-decode-kernel-parallel").exit_code == 0
+    assert [nproc for nproc, _ in started] == [8]
+
+
+def _failure(exitcode: int, timestamp: int = 100):
+    """One of torchrun's per-rank failures (`ChildFailedError.failures`), as `launch._exit_code_of` reads it."""
+    return SimpleNamespace(exitcode=exitcode, timestamp=timestamp)
+
+
+@pytest.mark.parametrize(
+    "exitcodes, recorded, hung, code, lines",
+    [
+        # Every rank chose 130 (signalled one by one): interrupted, not killed.
+        ({0: 130, 1: 130}, {0: 130, 1: 130}, set(), 130, ["Interrupted."]),
+        # Every rank lost contact: one line for all, no rank named as the one that died.
+        ({0: 3, 1: 3}, {0: 3, 1: 3}, set(), 1, ["Error: the ranks lost contact with each other (a rank died, "
+                                                 "or a collective waited longer than PAN2_DIST_TIMEOUT=300 s)"]),
+        # A rank's recorded code wins over what torchrun saw (its SIGKILL after the code was written).
+        ({0: -9, 1: 130}, {0: 130, 1: 130}, set(), 130, ["Interrupted."]),
+        # The one that chose no code is the one that died.
+        ({0: 130, 1: -9}, {0: 130}, set(), 1, ["Error: rank 1 was killed by signal 9 (SIGKILL)"]),
+        # A hung rank that pan2 ended, after its peer's collective timed out.
+        ({0: 4, 1: -9}, {0: 4}, {1}, 1, ["Error: rank 1 hung: rank 0 waited PAN2_DIST_TIMEOUT=300 s for it, "
+                                         "and pan2 ended it",
+                                         "Hint: if a step legitimately takes longer, raise PAN2_DIST_TIMEOUT "
+                                         "(seconds, default 300)"]),
+        # A timeout is the cause, the 130 of the rank torchrun then stopped its consequence.
+        ({0: 4, 1: 130}, {0: 4, 1: 130}, set(), 1, ["Error: rank 0 waited longer than PAN2_DIST_TIMEOUT=300 s "
+                                                    "for the other ranks"]),
+    ],
+    ids=["all-130", "all-lost-contact", "recorded-then-killed", "one-died", "hung", "timed-out"],
+)  # fmt: skip
+def test_ranks_that_chose_their_code_are_never_counted_as_killed(
+    capsys, monkeypatch, exitcodes, recorded, hung, code, lines
+):
+    """Issue 27: counting ranks that recorded their own exit code as killed went unnoticed (every rank
+    chose 130, or lost contact: "rank 0 exited with code 130 without an error message", exit 1)."""
+    monkeypatch.delenv("PAN2_DIST_TIMEOUT", raising=False)
+    failures = {rank: _failure(exitcode) for rank, exitcode in exitcodes.items()}
+    assert launch._exit_code_of(failures, recorded, hung) == code
+    assert capsys.readouterr().err.splitlines() == lines

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,8 +15,7 @@ import torch
 
 from pan2cli.errors import EXIT_INTERRUPTED
 from pan2cli.launch import _EXIT_PEER_LOST
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.subprocess_env import python_env
 
 # Loaded by every process through PYTHONPATH: makes one rank fail (or hang) after its first chunk.
 _FAILING_RANK = """
@@ -86,16 +86,42 @@ if "RANK" in os.environ and os.environ.get("PAN2_TEST_EXITS"):
 """
 
 
+# Loaded by every rank through PYTHONPATH: each rank writes its pid to PIDS/rank<r>; after their first chunk
+# both ranks wait 120 s ("sleep", where a launcher killed then would leave them running), or rank 1 stops
+# itself ("stop": SIGSTOP, hung and deaf to every signal but SIGKILL). PAN2_TEST_POLL_PARENT=1: no prctl,
+# as where Linux's parent-death signal is not to be had.
+_PAUSE_AFTER_THE_FIRST_CHUNK = """
+import os, signal, time
+if "RANK" in os.environ and os.environ.get("PAN2_TEST_PIDS"):
+    if os.environ.get("PAN2_TEST_POLL_PARENT") == "1":
+        import pan2cli.launch
+        pan2cli.launch._signal_when_parent_dies = lambda: False
+    with open(os.path.join(os.environ["PAN2_TEST_PIDS"], "rank" + os.environ["RANK"]), "w") as f:
+        f.write(str(os.getpid()))
+    from pan2cli.vae.model import WanVAEDecoder
+    real = WanVAEDecoder.decode_uint8_chunks
+
+    def decode_uint8_chunks(self, *args, **kwargs):
+        chunks = real(self, *args, **kwargs)
+        yield next(chunks)
+        if os.environ["PAN2_TEST_PAUSE"] == "sleep":
+            time.sleep(120)
+        elif os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        yield from chunks
+
+    WanVAEDecoder.decode_uint8_chunks = decode_uint8_chunks
+"""
+
+
 def _chosen_exit(folder: Path, rank: str) -> str | None:
     """The exit code rank `rank` chose itself (`_RECORD_EXITS`), or None: it died or was SIGKILLed."""
     path = folder / f"exit{rank}"
     return path.read_text() if path.exists() else None
 
 
-def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PAN2_DIST_TIMEOUT": "60", **extra})
-    return env
+def _env(tmp_path: Path, *first: Path, **extra: str) -> dict[str, str]:
+    return python_env(*first, **{"OMP_NUM_THREADS": "1", "PAN2_DIST_TIMEOUT": "60", **extra})
 
 
 def _python(*args, env, cwd, **kwargs):
@@ -121,13 +147,36 @@ def _hooked_env(tmp_path: Path, hook_code: str, **extra: str) -> tuple[Path, dic
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(hook_code)
-    env = _env(tmp_path, **extra)
-    env["PYTHONPATH"] = f"{hook}{os.pathsep}{env['PYTHONPATH']}"
-    return hook, env
+    return hook, _env(tmp_path, hook, **extra)
 
 
 def _error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("Error:")]
+
+
+def _start(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, *args], env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _wait_until_writing(proc: subprocess.Popen, folder: Path, pids: Path) -> None:
+    """Until both ranks left their pid in `pids` (`_PAUSE_AFTER_THE_FIRST_CHUNK`) and rank 0 writes out.mp4."""
+    deadline = time.monotonic() + 60
+    while not (
+        (pids / "rank0").exists()
+        and (pids / "rank1").exists()
+        and any(p.name.startswith(".out.mp4.partial") for p in folder.iterdir())
+    ):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+
+
+def _end_ranks(pids: Path) -> None:
+    """SIGKILL the ranks that left their pid in `pids`, if still there (a failed test leaves none behind)."""
+    for path in pids.glob("rank[0-9]*"):
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(path.read_text()), signal.SIGKILL)
 
 
 @pytest.fixture
@@ -136,7 +185,9 @@ def latents(latents_file):
 
 
 def test_gpus_on_cpu_writes_the_frames_of_one_process(tiny_vae, latents, tmp_path):
-    env = _env(tmp_path)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = _env(tmp_path, TMPDIR=str(tmp))
     one = _python(
         *_decode_args(latents, tiny_vae, "-o", "one.pt"),
         env=env,
@@ -150,6 +201,7 @@ def test_gpus_on_cpu_writes_the_frames_of_one_process(tiny_vae, latents, tmp_pat
     )
     assert two.returncode == 0, two.stderr
     assert two.stdout.strip() == "two.pt"  # rank 0 alone prints the path and the summary
+    assert list(tmp.iterdir()) == []  # issue 27: no torchelastic_* (torchrun's run folder) or pan2-ranks-*
     assert two.stderr.count("9 frames, 48x80") == 1
     a = torch.load(tmp_path / "one.pt", weights_only=True)
     b = torch.load(tmp_path / "two.pt", weights_only=True)
@@ -165,7 +217,7 @@ def test_gpus_on_cpu_writes_the_frames_of_one_process(tiny_vae, latents, tmp_pat
     )  # fmt: skip
     assert direct.returncode == 0, direct.stderr
     assert torch.equal(torch.load(tmp_path / "three.pt", weights_only=True), b)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latents.pt", "one.pt", "three.pt", "two.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latents.pt", "one.pt", "three.pt", "tmp", "two.pt"]
 
 
 def test_more_gpus_than_visible_is_bad_input(run_cli, tiny_vae, latents):
@@ -315,3 +367,68 @@ def test_a_rank_killed_stops_all_and_is_named(tiny_vae, latents_file, tmp_path, 
     # torchrun's SIGTERM (130), or its collective failing on the dead peer (_EXIT_PEER_LOST)
     assert _chosen_exit(hook, other) in (str(EXIT_INTERRUPTED), str(_EXIT_PEER_LOST)), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hook", "latents.pt"]  # no partial output
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
+@pytest.mark.parametrize("poll", ["0", "1"], ids=["parent-death-signal", "polling-the-parent"])
+def test_a_launcher_killed_outright_takes_its_ranks_with_it(tiny_vae, latents, tmp_path, poll):
+    """Issue 27: `kill -9` of `pan2 ... --gpus 2` (a scheduler's job kill) ends its ranks at once, with no
+    output written after it died, no partial file, and nothing left in TMPDIR (pan2's folder of the ranks,
+    torchrun's run folder); by Linux's parent-death signal, or by the thread that polls the parent's pid.
+
+    No clock (issue 18): the ranks wait 120 s after their first chunk, and `communicate` returns once every
+    process holding the launcher's stderr has ended, the ranks included (they inherit it); its 60 s timeout
+    only guards against a hang."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    hook, env = _hooked_env(
+        tmp_path,
+        _PAUSE_AFTER_THE_FIRST_CHUNK,
+        PAN2_TEST_PIDS=str(tmp_path / "hook"),
+        PAN2_TEST_PAUSE="sleep",
+        PAN2_TEST_POLL_PARENT=poll,
+        TMPDIR=str(tmp),
+    )
+    proc = _start(_decode_args(latents, tiny_vae, "--gpus", 2, "-o", "out.mp4"), env, tmp_path)
+    try:
+        _wait_until_writing(proc, tmp_path, hook)
+        proc.kill()  # SIGKILL, to the launcher alone: the ranks run in sessions of their own
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        _end_ranks(hook)
+    assert "Traceback" not in err and not _error_lines(err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hook", "latents.pt", "tmp"]
+    assert list(tmp.iterdir()) == []
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
+def test_a_hung_rank_is_named_as_hung_after_the_timeout(tiny_vae, latents, tmp_path):
+    """Issue 27: a rank that stops answering (SIGSTOP) is named as hung once its peer waited
+    PAN2_DIST_TIMEOUT, not as killed by the SIGKILL that ends it; no output or temporary file is left.
+
+    No clock (issue 18): torchrun alone would SIGKILL the stopped rank 30 s after its SIGTERM, and pan2 then
+    reported "rank 1 was killed by signal 9 (SIGKILL)"; the line says which of the two ended it."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    hook, env = _hooked_env(
+        tmp_path,
+        _PAUSE_AFTER_THE_FIRST_CHUNK,
+        PAN2_TEST_PIDS=str(tmp_path / "hook"),
+        PAN2_TEST_PAUSE="stop",
+        PAN2_DIST_TIMEOUT="6",
+        TMPDIR=str(tmp),
+    )
+    proc = _start(_decode_args(latents, tiny_vae, "--gpus", 2, "-o", "out.mp4"), env, tmp_path)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        _end_ranks(hook)
+    assert proc.returncode == 1, err
+    assert _error_lines(err) == [
+        "Error: rank 1 hung: rank 0 waited PAN2_DIST_TIMEOUT=6 s for it, and pan2 ended it"
+    ], err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hook", "latents.pt", "tmp"]
+    assert list(tmp.iterdir()) == []

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.subprocess_env import python_env
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,13 +19,11 @@ pytestmark = [
 
 
 def _pan2(*args, cwd) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = str(REPO)
     return subprocess.run(
         [sys.executable, "-m", "pan2cli", *map(str, args)],
         capture_output=True,
         text=True,
-        env=env,
+        env=python_env(),
         cwd=cwd,
         timeout=300,
     )

@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.subprocess_env import python_env
+
 SMALL = ["--steps", "1", "--frames", "5", "--size", "64x96", "--device", "cpu"]
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PAN2_DIST_TIMEOUT": "60", **extra})
-    return env
+    return python_env(**{"OMP_NUM_THREADS": "1", "PAN2_DIST_TIMEOUT": "60", **extra})
 
 
 @pytest.fixture
@@ -61,6 +58,8 @@ def test_prompt_file_sharded_over_two_nodes(tiny_pan2, tmp_path, rendezvous_port
                 "is_host=0",
                 "--rdzv-id",
                 "pan2test",
+                "--log-dir",  # torchrun's run folder, else a /tmp/torchelastic_* left behind
+                str(tmp_path / f"torchrun{rank}"),
                 "-m",
                 "pan2cli",
                 "generate",

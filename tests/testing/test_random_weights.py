@@ -6,7 +6,6 @@ import gc
 import importlib.util
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ from pan2cli.testing.random_weights import (
 from pan2cli.vae.checkpoint import load_vae_decoder, original_to_diffusers_key, resolve_vae_checkpoint
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.model import WanVAEDecoder
+from tests.subprocess_env import python_env
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "make_test_checkpoint.py"
@@ -279,8 +279,7 @@ def test_every_format_decodes_like_diffusers(autoencoder_cls, written: dict[str,
 
 
 def test_script_writes_loadable_files(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    env.update(PYTHONPATH=str(REPO), PYTHONDONTWRITEBYTECODE="1")
+    env = python_env(PYTHONDONTWRITEBYTECODE="1")
     out = tmp_path / "out"
     args = [sys.executable, str(SCRIPT), str(out), "--decoder-base-dim", "16", "--base-dim", "16", "--seed", "5",
             "--dtype", "bf16", "--formats", "pth,diffusers", "--no-encoder"]  # fmt: skip

@@ -1,4 +1,5 @@
-"""PyTorch emulations of the decode kernel's three fused ops, from their documented math (`pan2cli/vae/kernel/ops.py`).
+"""PyTorch emulations of the decode kernel's three fused ops, from their documented math (`pan2cli/vae/kernel/ops.py`),
+and of the fixed-order convolution (`pan2cli/vae/kernel/conv.py`).
 
 They stand in for the compiled ops on CPU (the kernel decoder's orchestration tests) and are the oracle of
 the compiled ops' own GPU tests.
@@ -63,6 +64,19 @@ def head_to_uint8(current, previous, before, bias, out):
         v.view(n, h, w, 3, 2, 2).permute(0, 3, 1, 5, 2, 4).reshape(n, 3, 2 * h, 2 * w)
     )  # c r q -> c (h q) (w r)
     out.copy_(torch.round((video + 1) * 127.5).clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1))
+
+
+def fixed_order_conv(x, weight, bias=None, pad_w=0, tiles=None, out_dtype=torch.bfloat16):
+    """`pan2cli.vae.kernel.conv.conv_channels_last`'s math in PyTorch: fp32 sums of the bf16 values, the bias
+    added in fp32, one rounding to `out_dtype`; channels-last in and out (`tiles` changes no value)."""
+    two_d = x.dim() == 4
+    if two_d:
+        x, weight = x.unsqueeze(1), weight.unsqueeze(2)
+    out = F.conv3d(x.float().permute(0, 4, 1, 2, 3), weight.float(), padding=(0, 0, pad_w))
+    if bias is not None:
+        out = out + bias.float().view(-1, 1, 1, 1)
+    out = out.permute(0, 2, 3, 4, 1).to(out_dtype).contiguous()
+    return out.squeeze(1) if two_d else out
 
 
 EMULATED_OPS = SimpleNamespace(

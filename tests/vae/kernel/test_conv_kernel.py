@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from pan2cli.vae.kernel.conv import conv_channels_last
+from tests.subprocess_env import python_env
 
 # TRITON_INTERPRET=1 without CUDA, set for each test of this module only (conftest.py).
 pytestmark = pytest.mark.usefixtures("triton_interpreter_without_cuda")
@@ -127,7 +127,7 @@ def test_compiles_for_hopper_and_blackwell_without_a_gpu(arch, instruction):
         f"    c = compile_layer(layer, {arch})\n"
         "    print(layer, '|', tensor_core_instruction(c), len(c.asm['cubin']) > 0)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "0"}
+    env = python_env(TRITON_INTERPRET="0")
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=False
     )

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -25,6 +24,7 @@ from pan2cli.config import DEFAULT_CHUNK_LATENT_FRAMES
 from pan2cli.frames import psnr
 from pan2cli.testing.random_weights import decoder_from_state
 from pan2cli.vae.model import WanVAEDecoder
+from tests.subprocess_env import python_env
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -221,8 +221,8 @@ print(json.dumps({
 
 
 def _load_in_new_process(cache: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "PAN2_KERNEL_VERBOSE"}  # compiler output to build.log
-    env.update(PAN2_CACHE_DIR=str(cache), PYTHONPATH=str(REPO))
+    env = python_env(PAN2_CACHE_DIR=str(cache))
+    env.pop("PAN2_KERNEL_VERBOSE", None)  # compiler output to build.log
     command = [sys.executable, "-c", _LOAD_AND_REPORT]
     proc = subprocess.run(
         command, check=False, capture_output=True, text=True, env=env, cwd=REPO, timeout=600
@@ -286,7 +286,7 @@ def test_kernels_build_compiles_every_convolution_of_every_video_size(tmp_path):
     """Issue 14: `pan2 kernels build` compiles the fixed-order convolutions once per layer, and decodes
     of other sizes, frame counts and chunks then compile nothing more (Triton would otherwise compile
     a variant per divisibility of the problem's sizes, inside the first decode of each size)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    env = python_env(TRITON_CACHE_DIR=str(tmp_path / "triton"))
     proc = subprocess.run(
         [sys.executable, "-c", _COMPILE_THEN_DECODE], capture_output=True, text=True, env=env, timeout=600
     )
