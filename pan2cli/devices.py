@@ -26,7 +26,9 @@ def resolve_device(name: str | None) -> torch.device:
         raise InputError(f"--device {name!r} is not a device name", hint="use cuda, cuda:N or cpu") from exc
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise InputError("--device cuda: CUDA is not available on this machine", hint="pass --device cpu")
+            raise InputError(
+                f"--device {name}: CUDA is not available on this machine", hint="pass --device cpu"
+            )
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise InputError(f"--device {name}: only {torch.cuda.device_count()} GPU(s) visible")
     elif device.type != "cpu":
@@ -41,3 +43,24 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if name is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, TORCH_DTYPES[name])
+
+
+def resolve_generator_device(name: str | None, device: torch.device) -> torch.device:
+    """Where the initial noise is drawn for a model on `device`: `None` → `device` itself (as IFM's vLLM-Omni
+    runner and the diffusers reference draw it); "cpu"; "cuda" → `device` when it is a GPU, else the current GPU.
+
+    Raises:
+        InputError: "cuda" on a machine without CUDA.
+    """
+    import torch
+
+    if name is None:
+        return device
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise InputError(
+            "--generator-device cuda: CUDA is not available on this machine",
+            hint="pass --generator-device cpu, or leave it out to draw the noise on the device that runs the model",
+        )
+    return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())

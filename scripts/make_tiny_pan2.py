@@ -1,8 +1,10 @@
 """Write a tiny random-weight PAN 2 repository in the IFM/PAN2 release layout, offline, in a few seconds (for tests).
 
 Usage: PYTHONPATH=. python scripts/make_tiny_pan2.py OUT [--seed 0] [--multimodal-text-encoder]
+       [--scheduler-option KEY=JSON ...]
 
-Layout (a Modular Diffusers repository, ../shared/docs/pan2_model.md §3):
+Layout (a Modular Diffusers repository, as IFM/PAN2 on the Hugging Face hub; vLLM-Omni and diffusers load it by
+the component subfolders of its `modular_model_index.json`):
 
     OUT/modular_model_index.json     PAN2ModularPipeline and one loading spec per component
     OUT/transformer/                 PAN2Transformer3DModel, the release's key names, sharded safetensors + index,
@@ -13,7 +15,8 @@ Layout (a Modular Diffusers repository, ../shared/docs/pan2_model.md §3):
     OUT/tokenizer/                   byte-level BPE (Qwen3.5's pre-tokenizer) with <|endoftext|>, <|im_start|>,
                                      <|im_end|> and a ChatML chat template
     OUT/vae/                         Wan2.2 VAE (AutoencoderKLWan, encoder + decoder), diffusers layout
-    OUT/scheduler/                   FlowMatchEulerDiscreteScheduler config (shift 9)
+    OUT/scheduler/                   FlowMatchEulerDiscreteScheduler config (shift 9; --scheduler-option sets
+                                     or adds a key, e.g. shift_terminal=0.1 or stochastic_sampling=true)
 
 Every weight is random (seeded) and away from zero, so that every path of the model changes the output.
 Prints OUT.
@@ -204,14 +207,29 @@ def write_modular_index(root: Path, tokenizer_class: str) -> None:
     (root / "modular_model_index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def write_scheduler_and_index(root: Path, tokenizer_class: str) -> None:
+def write_scheduler_config(root: Path, options: dict | None = None) -> Path:
+    """`scheduler/scheduler_config.json`: `SCHEDULER_CONFIG` with `options` set over it (a value None drops the key)."""
+    config = {**SCHEDULER_CONFIG, **(options or {})}
+    path = root / "scheduler" / "scheduler_config.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({k: v for k, v in config.items() if v is not None}, indent=2) + "\n")
+    return path
+
+
+def write_scheduler_and_index(
+    root: Path, tokenizer_class: str, scheduler_options: dict | None = None
+) -> None:
     """`scheduler/scheduler_config.json` and `modular_model_index.json`, the repository's small files."""
-    (root / "scheduler").mkdir(exist_ok=True)
-    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER_CONFIG, indent=2) + "\n")
+    write_scheduler_config(root, scheduler_options)
     write_modular_index(root, tokenizer_class)
 
 
-def write_tiny_pan2(root: str | Path, seed: int = 0, multimodal_text_encoder: bool = False) -> Path:
+def write_tiny_pan2(
+    root: str | Path,
+    seed: int = 0,
+    multimodal_text_encoder: bool = False,
+    scheduler_options: dict | None = None,
+) -> Path:
     """Write the tiny repository into `root` (created; its component folders must not exist yet); returns `root`.
 
     Args:
@@ -219,6 +237,7 @@ def write_tiny_pan2(root: str | Path, seed: int = 0, multimodal_text_encoder: bo
         seed (`int`, defaults to 0): the same seed writes the same values.
         multimodal_text_encoder (`bool`, defaults to False): write `text_encoder/` as a multimodal Qwen3.5
             checkpoint (config qwen3_5, vision tower included) instead of the text model alone.
+        scheduler_options (`dict`, *optional*): keys set over `SCHEDULER_CONFIG` (a value None drops the key).
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -230,8 +249,21 @@ def write_tiny_pan2(root: str | Path, seed: int = 0, multimodal_text_encoder: bo
         )
         write_transformer(root / "transformer", tiny_transformer(seed + 1))
     write_vae(root / "vae", seed)
-    write_scheduler_and_index(root, type(tokenizer).__name__)
+    write_scheduler_and_index(root, type(tokenizer).__name__, scheduler_options)
     return root
+
+
+def _scheduler_option(ctx, param, values: tuple[str, ...]) -> dict:
+    options = {}
+    for value in values:
+        key, sep, text = value.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{value!r} is not KEY=JSON, e.g. shift=5.0")
+        try:
+            options[key] = json.loads(text)
+        except json.JSONDecodeError:
+            raise click.BadParameter(f"{value!r}: the value is not JSON (e.g. 5.0, true, null)") from None
+    return options
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -242,9 +274,24 @@ def write_tiny_pan2(root: str | Path, seed: int = 0, multimodal_text_encoder: bo
     is_flag=True,
     help="Write text_encoder/ as a multimodal Qwen3.5 checkpoint (config qwen3_5 with a tiny vision tower).",
 )
-def main(out: Path, seed: int, multimodal_text_encoder: bool) -> None:
+@click.option(
+    "--scheduler-option",
+    "scheduler_options",
+    multiple=True,
+    callback=_scheduler_option,
+    metavar="KEY=JSON",
+    help="Set a key of scheduler/scheduler_config.json (repeatable; null drops it), e.g. shift=5.0.",
+)
+def main(out: Path, seed: int, multimodal_text_encoder: bool, scheduler_options: dict) -> None:
     """Write a tiny random-weight PAN 2 repository in the IFM/PAN2 layout to OUT (offline, a few seconds)."""
-    click.echo(write_tiny_pan2(out, seed=seed, multimodal_text_encoder=multimodal_text_encoder))
+    click.echo(
+        write_tiny_pan2(
+            out,
+            seed=seed,
+            multimodal_text_encoder=multimodal_text_encoder,
+            scheduler_options=scheduler_options,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 The field names are the diffusers config keys of `IFM/PAN2` (`PAN2Transformer3DModel`); the defaults live
 in the model's constructor (`pan2cli.dit.model`), which takes exactly these names. Sources for every value:
-../shared/docs/pan2_model.md §2.1 (vLLM-Omni's port of the diffusers model, whose defaults reproduce the
-published 29.20 B parameters and every published file size).
+the constructor of vLLM-Omni's port of the diffusers model (vllm-project/vllm-omni
+`vllm_omni/diffusion/models/pan2/pan2_transformer.py` @f1ef55bd), whose defaults reproduce the published
+29.20 B parameters and every published file size (huggingface.co/IFM/PAN2).
 """
 
 from __future__ import annotations

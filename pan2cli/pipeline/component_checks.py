@@ -15,6 +15,7 @@ from typing import Any, Mapping
 from pan2cli.checkpoints.json_files import read_json_object
 from pan2cli.checkpoints.sharded import LOCAL_FILES, FileView, weight_files, weight_shapes
 from pan2cli.errors import CheckpointError
+from pan2cli.pipeline.scheduler import SchedulerConfig, scheduler_config_from
 
 CONFIG = "config.json"
 SCHEDULER_CONFIG = "scheduler_config.json"
@@ -25,16 +26,14 @@ WEIGHT_STEMS = {
     "vae": ("diffusion_pytorch_model",),
 }
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-_DEFAULT_TIMESTEPS = 1000
 
 
 @dataclass(frozen=True)
 class CheckedComponents:
-    """What the checks read: the transformer's constructor arguments and the scheduler's values."""
+    """What the checks read: the transformer's constructor arguments and the scheduler's config."""
 
     transformer_arguments: dict[str, Any] = field(default_factory=dict)
-    num_train_timesteps: int = _DEFAULT_TIMESTEPS
-    scheduler_shift: float | None = None
+    scheduler: SchedulerConfig = SchedulerConfig()
 
 
 def check_components(folders: Mapping[str, Path], files: FileView = LOCAL_FILES) -> CheckedComponents:
@@ -55,10 +54,8 @@ def check_components(folders: Mapping[str, Path], files: FileView = LOCAL_FILES)
     )
     check_tokenizer(folders["tokenizer"], files)
     check_vae(folders["vae"], files)
-    timesteps, shift = (
-        read_scheduler(folders["scheduler"], files) if "scheduler" in folders else (_DEFAULT_TIMESTEPS, None)
-    )
-    return CheckedComponents(arguments, timesteps, shift)
+    scheduler = read_scheduler(folders["scheduler"], files) if "scheduler" in folders else SchedulerConfig()
+    return CheckedComponents(arguments, scheduler)
 
 
 def _config(folder: Path, files: FileView, name: str, what: str) -> Path:
@@ -147,20 +144,9 @@ def check_vae(folder: Path, files: FileView) -> None:
         )
 
 
-def read_scheduler(folder: Path, files: FileView) -> tuple[int, float | None]:
-    """`num_train_timesteps` (1000 when absent) and `shift` (None when absent) of `scheduler_config.json`, if any."""
+def read_scheduler(folder: Path, files: FileView) -> SchedulerConfig:
+    """The `scheduler_config.json` in `folder` (defaults when there is none), its options checked (`scheduler_config_from`)."""
     path = folder / SCHEDULER_CONFIG
     if not files.exists(path):
-        return _DEFAULT_TIMESTEPS, None
-    config = read_json_object(path)
-    timesteps = config.get("num_train_timesteps", _DEFAULT_TIMESTEPS)
-    if isinstance(timesteps, bool) or not isinstance(timesteps, int) or timesteps < 1:
-        raise CheckpointError(
-            f"{files.label(path)}: num_train_timesteps must be a positive whole number, got {timesteps!r}"
-        )
-    shift = config.get("shift")
-    if shift is not None and (
-        isinstance(shift, bool) or not isinstance(shift, (int, float)) or not shift > 0
-    ):
-        raise CheckpointError(f"{files.label(path)}: shift must be a positive number, got {shift!r}")
-    return timesteps, float(shift) if shift is not None else None
+        return SchedulerConfig()
+    return scheduler_config_from(read_json_object(path), files.label(path))

@@ -8,7 +8,8 @@ Layout (IFM/PAN2, a Modular Diffusers repository):
     text_encoder/  Qwen3.5 (transformers): config.json + model[-0000i-of-0000n].safetensors (+ .index.json)
     tokenizer/     tokenizer.json, tokenizer_config.json, chat template (chat_template.jinja)
     vae/           AutoencoderKLWan: config.json + diffusion_pytorch_model.safetensors
-    scheduler/     optional: scheduler_config.json (`num_train_timesteps`, `shift`)
+    scheduler/     optional: scheduler_config.json (FlowMatchEulerDiscreteScheduler: `num_train_timesteps`, `shift`,
+                   `shift_terminal`; the options pan2 does not run are refused by name: `pipeline.scheduler`)
 
 Without `modular_model_index.json`, a `model_index.json` (`PAN2Pipeline`) is read; with neither, the
 components are in the folders named above. Checks (`component_checks`) run on the small files and the
@@ -25,6 +26,7 @@ from typing import Any, Callable, Mapping
 from pan2cli.checkpoints.json_files import read_json_object
 from pan2cli.errors import CheckpointError, InputError
 from pan2cli.paths import looks_like_path
+from pan2cli.pipeline.scheduler import SchedulerConfig
 
 DEFAULT_MODEL_REPO = "IFM/PAN2"
 COMPONENTS = ("transformer", "text_encoder", "tokenizer", "vae")
@@ -60,8 +62,8 @@ class PAN2Components:
         root: the checkpoint's folder (a hub repo: its snapshot folder in the huggingface_hub cache).
         model_id: the repo id, or the folder's absolute path.
         revision: the commit of the hub snapshot (a folder inside the hub cache: its commit; else None).
-        num_train_timesteps, scheduler_shift: from `scheduler/scheduler_config.json` (1000 / None when absent);
-            the shift is informational: sampling takes the preset's.
+        scheduler: what `scheduler/scheduler_config.json` sets (defaults when absent): the timestep scale, the
+            shift a preset or flag may override, the terminal stretch.
         folders: component name → folder (a component from another repo: in that repo's snapshot).
         sources: component name → where it came from (`repo@commit:subfolder`, or a path), for messages.
         transformer_arguments: the checked constructor arguments of `transformer/config.json`.
@@ -70,14 +72,22 @@ class PAN2Components:
     root: Path
     model_id: str
     revision: str | None
-    num_train_timesteps: int = 1000
-    scheduler_shift: float | None = None
+    scheduler: SchedulerConfig = SchedulerConfig()
     folders: Mapping[str, Path] = field(default_factory=dict)
     sources: Mapping[str, str] = field(default_factory=dict)
     transformer_arguments: Mapping[str, Any] = field(default_factory=dict)
 
     def folder(self, name: str) -> Path:
         return self.folders.get(name, self.root / name)
+
+    @property
+    def num_train_timesteps(self) -> int:
+        return self.scheduler.num_train_timesteps
+
+    @property
+    def scheduler_shift(self) -> float | None:
+        """The scheduler config's `shift` (None when it sets none)."""
+        return self.scheduler.shift
 
 
 def _place(index: Mapping[str, Any], name: str, source: str) -> ComponentPlace:
@@ -161,8 +171,8 @@ def local_components(root: Path) -> PAN2Components:
         del folders["scheduler"]
     checked = check_components(folders, LOCAL_FILES)
     return PAN2Components(
-        root, str(root), cached_commit(root), checked.num_train_timesteps, checked.scheduler_shift,
-        folders, {name: str(folder) for name, folder in folders.items()}, checked.transformer_arguments,
+        root, str(root), cached_commit(root), checked.scheduler, folders,
+        {name: str(folder) for name, folder in folders.items()}, checked.transformer_arguments,
     )  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 """PAN 2's condition channels: 48 condition latents and 1 mask, concatenated to the noisy latents (97 channels in all).
 
 Text-to-video: all zeros. Image-to-video: latent frame 0 holds the start image's normalised latent and the
-mask is 1 on that frame, 0 elsewhere (../shared/docs/pan2_model.md §6). The noisy latents themselves are
+mask is 1 on that frame, 0 elsewhere (`prepare_condition_latents` of vllm-project/vllm-omni
+`vllm_omni/diffusion/models/pan2/pipeline_pan2.py`). The noisy latents themselves are
 never replaced: frame 0 is generated like the others, with the same timestep.
 """
 

@@ -173,7 +173,7 @@ def hub_components(repo_id: str, revision: str | None = None) -> PAN2Components:
         if place.name in folders
     }
     return PAN2Components(
-        main.root, repo_id, main.commit, checked.num_train_timesteps, checked.scheduler_shift, folders, sources,
+        main.root, repo_id, main.commit, checked.scheduler, folders, sources,
         checked.transformer_arguments,
     )  # fmt: skip
 

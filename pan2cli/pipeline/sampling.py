@@ -8,9 +8,11 @@ One video on several processes (issue 15), every rank holding the whole transfor
   video tokens are split over the half and the attention switches to a split over heads (the heads must
   divide evenly, else that half runs its pass whole on each rank);
 - without guidance, the sequence split over all ranks.
-Every rank then applies the same guidance and Euler step to the same tensors, so all hold the same
-latents, equal to one process's up to the kernels' rounding (exact in float64 on the CPU over 2, 3 and
-4 gloo ranks: tests/pipeline/test_sampling.py).
+Every rank starts from rank 0's initial noise (`initial_noise`: each rank draws it from the same seed on the
+same kind of device, and rank 0's is broadcast, so that GPUs that draw differently cannot split a video)
+and applies the same guidance and Euler step to the same tensors, so all hold the same latents, equal to
+one process's up to the kernels' rounding (exact in float64 on the CPU over 2, 3 and 4 gloo ranks:
+tests/pipeline/test_sampling.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,35 @@ import torch.distributed as dist
 from pan2cli import distributed
 from pan2cli.dit.parallel import SequenceParallel
 from pan2cli.pipeline.scheduler import euler_step, guided, uses_guidance
+
+
+def initial_noise(
+    shape: Sequence[int],
+    seed: int,
+    generator_device: torch.device,
+    device: torch.device,
+    *,
+    split: bool = False,
+) -> torch.Tensor:
+    """The initial noise of a sample as the release draws it: float32 `randn` from a generator on `generator_device`
+    seeded with `seed`, drawn on that device, then moved to `device`.
+
+    IFM's vLLM-Omni runner makes `torch.Generator(device=generator_device or <the worker's GPU>).manual_seed(seed)`
+    and draws `randn(shape, dtype=float32)` with it on that device (diffusers' `randn_tensor`); the same seed on
+    another kind of device gives other numbers (and on a GPU, a large draw depends on the GPU's SM count).
+
+    Args:
+        shape: `[1, 48, T, h, w]`.
+        seed: 0 ≤ seed < 2**64.
+        generator_device: where the generator draws (`RuntimeConfig.torch_generator_device`).
+        device: where the latents go (the model's device).
+        split: every rank samples this video: all take rank 0's noise.
+    """
+    generator = torch.Generator(device=generator_device).manual_seed(seed)
+    noise = torch.randn(tuple(shape), generator=generator, device=generator_device, dtype=torch.float32)
+    if split:
+        noise = distributed.broadcast_from_main(noise)
+    return noise.to(device)
 
 
 def split_ranks(world: int, passes: int) -> list[list[int]]:

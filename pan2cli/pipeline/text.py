@@ -1,8 +1,8 @@
 """The PAN 2 text recipe: Qwen3.5's chat template with a system message, the tokens after the user header, `hidden_states[-3]`.
 
 Source for every constant: vLLM-Omni's PAN 2 pipeline (`encode_prompt` in
-vllm-project/vllm-omni:vllm_omni/diffusion/models/pan2/pipeline_pan2.py @f1ef55bd, identical in IFM's fork),
-summarised in ../shared/docs/pan2_model.md §4.
+vllm-project/vllm-omni:vllm_omni/diffusion/models/pan2/pipeline_pan2.py @f1ef55bd, identical in IFM's fork
+MBZUAI-IFM/vllm-omni-pan2). The prompt is encoded as it is given, surrounding whitespace included, as there.
 """
 
 from __future__ import annotations

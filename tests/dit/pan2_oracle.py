@@ -1,8 +1,8 @@
 """An independent, readable reference of the PAN 2 transformer (test oracle only).
 
-Written from the specification (`shared/docs/pan2_model.md` §2.1–2.3) and the public sources it cites
-(the vLLM-Omni port of diffusers' `PAN2Transformer3DModel`, diffusers 0.42.1 building blocks). It shares
-no code with `pan2cli.dit`: diffusers' `TimestepEmbedding`, `AdaLayerNormZero`, `AdaLayerNormContinuous`,
+Written from the public sources (vLLM-Omni's port of diffusers' `PAN2Transformer3DModel`,
+vllm-project/vllm-omni `vllm_omni/diffusion/models/pan2/pan2_transformer.py` @f1ef55bd; diffusers 0.42.1
+building blocks). It shares no code with `pan2cli.dit`: diffusers' `TimestepEmbedding`, `AdaLayerNormZero`, `AdaLayerNormContinuous`,
 `RMSNorm`, `FeedForward` and `get_1d_rotary_pos_embed` are used where they state the semantics exactly;
 the pieces diffusers computes in float32 internally (RMSNorm variance, timestep sinusoid, RoPE positions)
 are computed here in the model's dtype when that is float64 ("a float64 model computes everything in

@@ -46,7 +46,7 @@ def inputs(batch=1, frames=3, height=4, width=6, text=5, seed=1, dtype=torch.flo
 
 
 def test_release_config_has_the_released_tensors():
-    """At the default config: 1,418 tensors, 29,201,996,992 parameters (../shared/docs/pan2_model.md §2.3-2.4)."""
+    """At the default config: 1,418 tensors, 29,201,996,992 parameters (vLLM-Omni's `pan2_transformer.py` defaults)."""
     shapes = expected_shapes({})
     assert len(shapes) == 1418
     assert sum(torch.Size(s).numel() for s in shapes.values()) == 29_201_996_992

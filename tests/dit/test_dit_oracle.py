@@ -1,7 +1,8 @@
 """pan2cli's PAN 2 transformer against an independent oracle (`tests/dit/pan2_oracle.py`).
 
-The oracle is written from the specification (shared/docs/pan2_model.md §2.1–2.3) and diffusers' public
-building blocks, not from pan2cli's code. Both models get the same random weights (through the
+The oracle is written from the release's definition (vLLM-Omni's port of the diffusers model,
+vllm-project/vllm-omni `vllm_omni/diffusion/models/pan2/pan2_transformer.py` @f1ef55bd) and diffusers'
+public building blocks, not from pan2cli's code. Both models get the same random weights (through the
 checkpoint key names) and inputs; the outputs must agree to float64 rounding, and to a measured
 float32 tolerance when pan2cli runs in float32.
 """

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import torch
 
 from pan2cli.dit.model import PAN2Transformer3DModel
+from tests.subprocess_env import python_env
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "make_tiny_pan2.py"
@@ -23,7 +23,7 @@ COMPONENTS = {
 
 
 def _run(*args):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = python_env()
     return subprocess.run(
         [sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, env=env, cwd=REPO
     )
@@ -36,7 +36,8 @@ def test_help():
 
 def test_command_writes_the_release_layout(tmp_path):
     out = tmp_path / "PAN2"
-    res = _run(out, "--seed", 3)
+    options = ("shift=5.0", "shift_terminal=0.1", "use_dynamic_shifting=null", "stochastic_sampling=true")
+    res = _run(out, "--seed", 3, *(arg for option in options for arg in ("--scheduler-option", option)))
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == str(out)
     for name in (
@@ -64,7 +65,10 @@ def test_command_writes_the_release_layout(tmp_path):
             "revision": None,
         }
     scheduler = json.loads((out / "scheduler" / "scheduler_config.json").read_text())
-    assert scheduler["_class_name"] == "FlowMatchEulerDiscreteScheduler" and scheduler["shift"] == 9.0
+    assert scheduler == {
+        "_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": "0.37.0", "num_train_timesteps": 1000,
+        "shift": 5.0, "shift_terminal": 0.1, "stochastic_sampling": True,
+    }  # fmt: skip
     assert json.loads((out / "text_encoder" / "config.json").read_text())["model_type"] == "qwen3_5_text"
 
     shards = sorted((out / "transformer").glob("diffusion_pytorch_model-*.safetensors"))
@@ -100,3 +104,20 @@ def test_tokenizer_header_and_multimodal_text_encoder(tmp_path):
         starts = [i for i in range(len(ids)) if ids[i : i + len(header)] == header]
         assert len(starts) == 1, prompt
         assert tok.decode(ids[starts[0] + len(header) :]) == prompt + "<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_scheduler_config_default_and_options(tmp_path):
+    """The release's config by default (shift 9); `--scheduler-option KEY=JSON` sets or (null) drops a key."""
+    from click.testing import CliRunner
+
+    from scripts.make_tiny_pan2 import main, write_scheduler_config
+
+    path = write_scheduler_config(tmp_path)
+    assert json.loads(path.read_text()) == {
+        "_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": "0.37.0", "num_train_timesteps": 1000,
+        "shift": 9.0, "use_dynamic_shifting": False,
+    }  # fmt: skip
+    for bad, message in (("shift", "is not KEY=JSON"), ("shift=five", "the value is not JSON")):
+        res = CliRunner().invoke(main, [str(tmp_path / "out"), "--scheduler-option", bad])
+        assert res.exit_code == 2 and message in res.output
+    assert not (tmp_path / "out").exists()

@@ -89,6 +89,33 @@ def test_empty_prompt_is_encoded_as_a_space(encoder):
     assert encoder.tokenizer.decode(ids[start:]).startswith(" <|im_end|>")
 
 
+def test_surrounding_whitespace_reaches_the_encoder(tiny_text, encoder, tmp_path):
+    """Issue 27: the release encodes the prompt as given. " a cat\n" is other tokens and other features than
+    "a cat", through the settings (`settings_with`) and a prompt file's records (JSON and plain text) alike;
+    whitespace alone still counts as no prompt."""
+    from pan2cli.config import settings_with
+    from pan2cli.pipeline.jobs import GenerationJob
+    from pan2cli.pipeline.prompts import read_prompt_file
+    from pan2cli.presets import load_preset
+
+    ids, start = encoder.token_ids(" a cat\n")
+    plain_ids, plain_start = encoder.token_ids("a cat")
+    assert encoder.tokenizer.decode(ids[start:]).startswith(" a cat\n<|im_end|>")
+    assert ids[start:] != plain_ids[plain_start:]
+    assert not torch.equal(
+        encoder.encode(" a cat\n").features[:, :3], encoder.encode("a cat").features[:, :3]
+    )
+
+    preset = load_preset("pan2-5s")
+    assert settings_with(preset, {"prompt": " a cat\n"}).prompt == " a cat\n"
+    (tmp_path / "p.json").write_text(json.dumps([" a cat\n", {"prompt": "\ta dog "}]))
+    (tmp_path / "p.txt").write_text("  a cat  \n# a comment\n   \n")
+    records = [r.prompt for name in ("p.json", "p.txt") for r in read_prompt_file(tmp_path / name)[0]]
+    assert records == [" a cat\n", "\ta dog ", "  a cat  "]
+    with pytest.raises(InputError, match="the prompt is empty"):
+        GenerationJob(settings_with(preset, {"prompt": " \n\t"}))
+
+
 def test_long_prompt_keeps_1536_tokens_and_counts_the_cut(encoder):
     prompt = " ".join(["snow"] * 1700)
     ids, start = encoder.token_ids(prompt)
