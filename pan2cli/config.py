@@ -28,6 +28,7 @@ from pan2cli.constants import (
     valid_size,
 )
 from pan2cli.errors import InputError
+from pan2cli.outputs import FPS_RANGE, fps_problem
 
 if TYPE_CHECKING:
     import torch
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
 SAMPLERS = ("euler",)
 # The compiled CUDA decoder: "auto" where it applies, "off" the reference decoder, "require" fail when it cannot run.
 DECODE_KERNEL_MODES = ("auto", "off", "require")
+# Where the initial noise is drawn (`RuntimeConfig.generator_device`); None: on the device that runs the model.
+GENERATOR_DEVICES = ("cpu", "cuda")
+# The DiT's arithmetic (`RuntimeConfig.precision`): bf16 as released, or the fp8 tier (pan2cli.dit.quantize).
+PRECISIONS = ("bf16", "fp8")
 # Latent frames per VAE decoder pass after the first: the output does not depend on it, the memory does.
 DEFAULT_CHUNK_LATENT_FRAMES = 4
 
@@ -77,10 +82,10 @@ RULES: dict[str, Rule] = {
     "width": Rule(
         int, "an integer", valid_size, f"must be a positive multiple of {SIZE_MULTIPLE}", _SIZE_HINT
     ),
-    "fps": Rule((int, float), "a number", _positive_number, "must be > 0 and finite"),
+    "fps": Rule((int, float), "a number", lambda v: fps_problem(v) is None, f"must be {FPS_RANGE}"),
     "steps": Rule(int, "an integer", lambda v: v >= 1, "must be >= 1"),
     "guidance": _POSITIVE_NUMBER,
-    "flow_shift": _POSITIVE_NUMBER,
+    "flow_shift": Rule((int, float, type(None)), "a number", _positive_number, "must be a finite number > 0"),
     "seed": Rule(int, "an integer", valid_seed, "must be between 0 and 2**64 - 1"),
     "sampler": Rule(str, "a string", lambda v: v in SAMPLERS, f"must be one of: {', '.join(SAMPLERS)}"),
     "negative_prompt": Rule(str, "a string"),
@@ -102,6 +107,18 @@ RULES: dict[str, Rule] = {
     "decode_kernel_parallel": Rule(bool, "True or False"),
     "dit_fused_kernels": Rule(bool, "True or False"),
     "offload": Rule(bool, "True or False"),
+    "precision": Rule(
+        (str, type(None)),
+        "a precision name",
+        lambda v: v in PRECISIONS,
+        f"must be one of: {', '.join(PRECISIONS)}",
+    ),
+    "generator_device": Rule(
+        (str, type(None)),
+        "a device type",
+        lambda v: v in GENERATOR_DEVICES,
+        f"must be one of: {', '.join(GENERATOR_DEVICES)} (or None: the device that runs the model)",
+    ),
 }
 
 
@@ -137,13 +154,14 @@ class GenerationSettings:
     The fields between `prompt` and `image` are a preset file's keys, in its order.
 
     Attributes:
-        prompt: The text ("" in a preset); surrounding whitespace is dropped.
+        prompt: The text ("" in a preset), given to the text encoder as it is (surrounding whitespace too).
         frames: Video frames, 1 + 4 * (latent frames - 1), as the Wan2.2 VAE requires.
         height, width: Video size in pixels, multiples of 32.
         fps: Frames per second of the written video.
         steps: Denoising steps.
         guidance: Classifier-free guidance scale (≤ 1: no negative pass).
-        flow_shift: Timestep shift s of the flow-matching schedule σ' = s·σ/(1+(s−1)·σ).
+        flow_shift: Timestep shift s of the flow-matching schedule σ' = s·σ/(1+(s−1)·σ); None: the checkpoint's
+            (`shift` of its `scheduler/scheduler_config.json`).
         seed: Random seed, 0 <= seed < 2**64.
         sampler: Sampler name, one of `SAMPLERS`.
         negative_prompt: Negative prompt for classifier-free guidance ("" for none).
@@ -160,7 +178,7 @@ class GenerationSettings:
     fps: float
     steps: int
     guidance: float
-    flow_shift: float
+    flow_shift: float | None = None
     seed: int
     sampler: str
     negative_prompt: str
@@ -168,10 +186,10 @@ class GenerationSettings:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        object.__setattr__(self, "prompt", self.prompt.strip())
         for name in ("guidance", "flow_shift"):
             # Floats even when a file says `guidance = 3`, so that dumps are consistent.
-            object.__setattr__(self, name, float(getattr(self, name)))
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, float(getattr(self, name)))
         if self.image is not None:
             object.__setattr__(self, "image", Path(self.image))
 
@@ -219,14 +237,12 @@ def settings_with(base: GenerationSettings, *layers: Mapping[str, Any]) -> Gener
         TypeError: A name that is no setting.
     """
     values = {name: getattr(base, name) for name in SETTINGS_FIELDS}
-    duration = None
     for layer in layers:
-        given = {name: value for name, value in layer.items() if value is not None}
-        if "frames" in given and "duration" in given:
+        if layer.get("frames") is not None and layer.get("duration") is not None:
             raise InputError("--frames and --duration both set the length", hint="pass one of them")
-        if "frames" in given or "duration" in given:
-            duration = given.pop("duration", None)
-        values.update(given)
+    given = {name: value for name, (_, value) in given_settings(*layers).items()}
+    duration = given.pop("duration", None)
+    values.update(given)
     if duration is not None:
         if (
             isinstance(duration, bool)
@@ -239,9 +255,24 @@ def settings_with(base: GenerationSettings, *layers: Mapping[str, Any]) -> Gener
     return GenerationSettings(**values)
 
 
+def given_settings(*layers: Mapping[str, Any]) -> dict[str, tuple[int, Any]]:
+    """The values the layers give over the base, as `settings_with` takes them: name → (index of the layer whose
+    value wins, value). None gives nothing; a layer giving the length (`frames` or `duration`) drops an earlier
+    layer's. The sidecar's `overrides` are these, with where each came from."""
+    given: dict[str, tuple[int, Any]] = {}
+    for index, layer in enumerate(layers):
+        values = {name: value for name, value in layer.items() if value is not None}
+        if values.keys() & {"frames", "duration"}:
+            given.pop("frames", None)
+            given.pop("duration", None)
+        given.update((name, (index, value)) for name, value in values.items())
+    return given
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """How the models run, not what they generate: the same video whatever these are (up to rounding).
+    """How the models run, not what they generate: the same video whatever these are (up to rounding), but
+    `generator_device`, which decides the noise a seed gives.
 
     Attributes:
         device: `cuda`, `cuda:N` or `cpu`; None: cuda when available.
@@ -259,6 +290,14 @@ class RuntimeConfig:
             time: same output, a fraction of the memory.
         chunk_latent_frames: Latent frames per VAE decoder pass after the first (the first is one frame);
             the output does not depend on it, larger chunks use more memory and give larger GEMMs.
+        generator_device: Where the initial noise is drawn, one of `GENERATOR_DEVICES`: None on the device
+            that runs the model (a CUDA generator on a GPU), as IFM's vLLM-Omni runner and the diffusers
+            reference draw it, so that a seed gives their video; "cpu" as a CPU run, or a vLLM-Omni request
+            with `generator_device="cpu"`; "cuda" as a GPU run (on GPUs with as many SMs: the CUDA draw of a
+            large tensor depends on the SM count).
+        precision: The DiT's arithmetic, one of `PRECISIONS`: "bf16" as released, or "fp8" (e4m3 linears and
+            attention in the 44 blocks, quantised at load; lossy, about twice bf16's speed on fp8 tensor cores:
+            `pan2cli.dit.quantize`); fp8 needs a CUDA GPU with fp8 tensor cores (`check_precision`).
 
     Raises:
         InputError: On construction, naming every field with the wrong type or an invalid value.
@@ -272,9 +311,35 @@ class RuntimeConfig:
     dit_fused_kernels: bool = True
     offload: bool = False
     chunk_latent_frames: int = DEFAULT_CHUNK_LATENT_FRAMES
+    generator_device: str | None = None
+    precision: str = "bf16"
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        if self.precision is None:
+            raise InputError("'precision' must be one of: " + ", ".join(PRECISIONS))
+
+    def check_precision(self, device: torch.device) -> None:
+        """Raise `InputError` when `precision` cannot run on `device` (fp8 on the CPU, or a GPU without fp8
+        tensor cores), before anything loads."""
+        if self.precision != "fp8":
+            return
+        if not self.dit_fused_kernels:
+            raise InputError(
+                "--precision fp8 runs with the fused DiT kernels (they write its e4m3 activations)",
+                hint="drop --no-dit-fused-kernels, or run with --precision bf16",
+            )
+        from pan2cli.dit.fp8 import fp8_unsupported_reason
+
+        reason = fp8_unsupported_reason(device)
+        if reason is not None:
+            raise InputError(f"--precision fp8: {reason}", hint="run with --precision bf16 (the default)")
+
+    def torch_generator_device(self, device: torch.device) -> torch.device:
+        """Where the initial noise is drawn for a model on `device` (checked: cuda without CUDA is bad input)."""
+        from pan2cli.devices import resolve_generator_device
+
+        return resolve_generator_device(self.generator_device, device)
 
     def torch_device(self) -> torch.device:
         """The device to run on (checked: a CUDA device that does not exist is bad input)."""

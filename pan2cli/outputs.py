@@ -5,6 +5,8 @@ No torch here: the CLI imports this to build its options, and `pan2 --help` must
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import re
 from pathlib import Path
@@ -30,6 +32,13 @@ X264_PRESETS = (
     "veryslow",
 )
 DEFAULT_X264_PRESET = "faster"
+# Frame rates an H.264 MP4 carries and a player shows, checked with the other settings before anything loads.
+# The bundled ffmpeg (n9.0) writes 1e-5 to 1e6 fps (below, the rate rounds to 0 and it fails after the whole
+# decode; 1e9 is stored as "1001k"); x264's highest level (6.2) allows 4869 fps at PAN 2's 704x1248 and 2048
+# at 1080p. Below 0.01 fps a frame lasts over a minute and a half; no display shows 1000 distinct frames a second.
+MIN_FPS = 0.01
+MAX_FPS = 1000.0
+FPS_RANGE = f"a number from {MIN_FPS:g} to {MAX_FPS:g} (frames per second)"
 _FRAME_NAME = re.compile(r"frame_\d+\.png")  # the files of a PNG output (`VideoWriter._write_png`)
 
 
@@ -93,6 +102,30 @@ def check_output_path(path: Path, overwrite: bool) -> None:
                 "it is not replaced",
                 hint="choose another output path",
             )
+
+
+def fps_problem(fps: object) -> str | None:
+    """What is wrong with `fps` as the frame rate of a video (`FPS_RANGE`), or None."""
+    if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not math.isfinite(fps):
+        return f"{fps!r} is not a finite number"
+    if not MIN_FPS <= fps <= MAX_FPS:
+        return (
+            f"{fps:g} is outside {MIN_FPS:g} to {MAX_FPS:g} frames per second, the rates an H.264 MP4 carries"
+        )
+    return None
+
+
+def check_not_stdout(output: str | None) -> None:
+    """`-o -` asks for the video on stdout, which pan2 does not write (MP4 needs a seekable file).
+
+    Raises:
+        InputError: `output` is "-".
+    """
+    if output == "-":
+        raise InputError(
+            "-o -: pan2 writes video to files, not to stdout (an MP4 is finished by seeking back into it)",
+            hint="name a file, e.g. -o video.mp4 (the path written is printed on stdout)",
+        )
 
 
 def check_format(fmt: str) -> None:

@@ -33,6 +33,8 @@ class Preset(GenerationSettings):
         description: One line for `pan2 presets list`.
         chunk_latent_frames: Latent frames the VAE decoder takes per chunk: `pan2 generate`'s
             `RuntimeConfig.chunk_latent_frames` unless `--chunk-latent-frames` is given.
+        precision: The DiT's precision, "bf16" or "fp8" (`RuntimeConfig.precision`) unless `--precision` is
+            given; None (not in the file): bf16.
         source: The `.toml` file the preset was read from.
 
     Raises:
@@ -44,6 +46,7 @@ class Preset(GenerationSettings):
     description: str
     chunk_latent_frames: int
     source: Path
+    precision: str | None = None
 
     def __post_init__(self) -> None:
         # `source` first: every other message names it. Accept a str so that
@@ -65,7 +68,14 @@ FILE_KEYS = (
     "description",
     *(name for name in SETTINGS_FIELDS if name not in ("prompt", "image")),
     "chunk_latent_frames",
+    "precision",
 )
+# Keys a preset file may leave out, and what decides when it does.
+NOT_SET = {
+    "flow_shift": "the checkpoint's scheduler config decides",
+    "precision": "bf16 unless --precision is given",
+}
+OPTIONAL_KEYS = tuple(NOT_SET)
 
 
 def _fix_hint(source: Path) -> str:
@@ -120,7 +130,7 @@ def _load_file(path: Path, name: str) -> Preset:
             f"unknown key{'s' if len(unknown) > 1 else ''} {keys} (valid keys: {', '.join(FILE_KEYS)})"
         )
         hint = "the preset name is the file name" if "name" in unknown else None
-    missing = [k for k in FILE_KEYS if k not in data]
+    missing = [k for k in FILE_KEYS if k not in data and k not in OPTIONAL_KEYS]
     if missing:
         keys = ", ".join(repr(k) for k in missing)
         problems.append(f"missing key{'s' if len(missing) > 1 else ''} {keys}")
@@ -178,6 +188,15 @@ def load_preset(name_or_path: str | os.PathLike[str]) -> Preset:
     )
 
 
+def preset_label(preset: Preset) -> str:
+    """How a run records its preset (the JSON sidecar): a shipped preset by its name, a user's file by its
+    absolute path; `load_preset` takes either back."""
+    shipped = _shipped_files().get(preset.name)
+    if shipped is not None and shipped.resolve() == preset.source.resolve():
+        return preset.name
+    return str(preset.source.resolve())
+
+
 def preset_to_dict(preset: Preset) -> dict[str, Any]:
     """Turn a preset into plain JSON-ready values, for `pan2 presets show` and JSON sidecars.
 
@@ -209,7 +228,12 @@ def preset_to_toml(preset: Preset) -> str:
         f"# {preset.frames} frames = {preset.latent_frames} latent frames, {preset.duration_s:.2f} s; "
         f"latent shape {list(preset.latent_shape)}",
     ]
-    lines += [f"{key} = {_toml_value(getattr(preset, key))}" for key in FILE_KEYS]
+    lines += [
+        f"{key} = {_toml_value(getattr(preset, key))}"
+        if getattr(preset, key) is not None
+        else f"# {key}: not set ({NOT_SET[key]})"
+        for key in FILE_KEYS
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 import os
 import queue
@@ -20,7 +19,14 @@ import torch
 from pan2cli.errors import InputError, Pan2Error
 
 # Where outputs go lives in pan2cli.outputs (no torch: the CLI imports it for --help).
-from pan2cli.outputs import DEFAULT_CRF, DEFAULT_X264_PRESET, X264_PRESETS, check_format, check_output_path
+from pan2cli.outputs import (
+    DEFAULT_CRF,
+    DEFAULT_X264_PRESET,
+    X264_PRESETS,
+    check_format,
+    check_output_path,
+    fps_problem,
+)
 
 
 class VideoWriter:
@@ -318,7 +324,7 @@ def open_video_writer(
     Args:
         path: the output file (mp4, pt) or folder (png).
         fmt: one of OUTPUT_FORMATS.
-        fps: frames per second (> 0); used by mp4 only.
+        fps: frames per second (`pan2cli.outputs.FPS_RANGE`); used by mp4 only.
         crf: x264 constant rate factor, 0 (lossless) .. 51; used by mp4 only.
         overwrite: whether an existing `path` may be replaced at commit.
         preset: x264's speed/size preset (`X264_PRESETS`); used by mp4 only.
@@ -332,8 +338,8 @@ def open_video_writer(
     """
     check_format(fmt)
     # numbers.Real/Integral also admit numpy scalars; bool is excluded on purpose.
-    if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not math.isfinite(fps) or fps <= 0:
-        raise InputError(f"fps must be a positive number, got {fps!r}")
+    if (problem := fps_problem(fps)) is not None:
+        raise InputError(f"fps {problem}")
     if isinstance(crf, bool) or not isinstance(crf, numbers.Integral) or not 0 <= crf <= 51:
         raise InputError(f"crf must be an integer from 0 to 51, got {crf!r}", hint="17 is visually lossless")
     if preset not in X264_PRESETS:

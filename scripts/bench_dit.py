@@ -218,7 +218,8 @@ def main() -> None:
     if main_rank:
         print(json.dumps({k: v for k, v in results.items() if k != "runs"}), flush=True)
     dtype = next(model.x_embedder.parameters()).dtype
-    for frames in args.frames:
+    # Variants outside, lengths inside: the bf16 variants run every length before the model is quantised.
+    for variant, frames in ((v, f) for v in args.variants for f in args.frames):
         height, width = (64, 96) if args.small else (args.height, args.width)
         shape = (1, 97, 1 + (frames - 1) // 4, height // 16, width // 16)
         video_tokens = shape[2] * shape[3] // 2 * shape[4] // 2
@@ -231,71 +232,68 @@ def main() -> None:
             dtype
         )  # " " through the template
         timestep = torch.tensor([900.0], device=device)
-        for variant in args.variants:
-            use_variant_precision(model, variant)
-            set_fused_kernels(model, variant != "unfused" and device.type == "cuda")
-            backend = {
-                "fused-cudnn": SDPBackend.CUDNN_ATTENTION,
-                "fused-flash": SDPBackend.FLASH_ATTENTION,
-            }.get(variant)
-            if variant == "compiled":
-                for block in model.transformer_blocks:
-                    block.compile()  # one graph per block; the 44 blocks share the compiled code
-            pan2_order = variant in ("pan2", "compiled", *FP8_VARIANTS)
-            attention = attention_backends() if pan2_order else contextlib.nullcontext()
+        use_variant_precision(model, variant)
+        set_fused_kernels(model, variant != "unfused" and device.type == "cuda")
+        backend = {
+            "fused-cudnn": SDPBackend.CUDNN_ATTENTION,
+            "fused-flash": SDPBackend.FLASH_ATTENTION,
+        }.get(variant)
+        if variant == "compiled":
+            for block in model.transformer_blocks:
+                block.compile()  # one graph per block; the 44 blocks share the compiled code
+        pan2_order = variant in ("pan2", "compiled", *FP8_VARIANTS)
+        attention = attention_backends() if pan2_order else contextlib.nullcontext()
 
-            if distributed_run:  # one step of the pipeline's loop, split over the ranks
+        if distributed_run:  # one step of the pipeline's loop, split over the ranks
 
-                def step():
-                    latents, condition = hidden[:, :48].float(), hidden[:, 48:]
-                    denoise(model, latents, condition, cond, uncond, [0.9, 0.8], 2.5, 1000, split=True,
-                            cfg_parallel=not args.sequence_only)  # fmt: skip
+            def step():
+                latents, condition = hidden[:, :48].float(), hidden[:, 48:]
+                denoise(model, latents, condition, cond, uncond, [0.9, 0.8], 2.5, 1000, split=True,
+                        cfg_parallel=not args.sequence_only)  # fmt: skip
 
-            else:
+        else:
 
-                def step():
-                    model(hidden, timestep, cond)
-                    model(hidden, timestep, uncond)
+            def step():
+                model(hidden, timestep, cond)
+                model(hidden, timestep, uncond)
 
-            with (
-                torch.inference_mode(),
-                attention,
-                sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext(),
-            ):
-                step()  # warm-up: Triton compiles, cuBLAS picks its kernels
+        with (
+            torch.inference_mode(),
+            attention,
+            sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext(),
+        ):
+            step()  # warm-up: Triton compiles, cuBLAS picks its kernels
+            sync()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            times = []
+            for _ in range(args.steps):
+                begin = time.perf_counter()
+                step()
                 sync()
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                times = []
-                for _ in range(args.steps):
-                    begin = time.perf_counter()
-                    step()
-                    sync()
-                    times.append(time.perf_counter() - begin)
-                kinds, top = (
-                    profile_step(step, sync) if args.profile and device.type == "cuda" else (None, None)
-                )
-            seconds = min(times)
-            if kinds and "host-to-device copies" in kinds:  # how much of the copying the compute hid
-                compute = sum(v for k, v in kinds.items() if k != "host-to-device copies")
-                copies = kinds["host-to-device copies"]
-                kinds["copy_hidden_fraction"] = round(
-                    max(0.0, min(1.0, (compute + copies - 1e3 * seconds) / copies)), 3
-                )
-            flops = forward_flops(config, video_tokens, args.text) + forward_flops(config, video_tokens, 12)
-            row = {
-                "frames": frames, "variant": variant, "video_tokens": video_tokens, "text_tokens": args.text,
-                "cfg_step_s": round(seconds, 3), "cfg_step_s_all": [round(t, 3) for t in times],
-                "tflops_per_step": round(flops / 1e12, 1), "tflop_per_s": round(flops / seconds / 1e12, 1),
-                "fifty_steps_min": round(50 * seconds / 60, 1),
-                "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
-                "ranks": results["ranks"], "precision": model.precision, "weights_gib": weights_gib(model),
-                "fp8_attention": fp8_attention_name(model),
-                "profile_ms": kinds, "top_kernels_ms_calls": top,
-            }  # fmt: skip
-            results["runs"].append(row)
-            if main_rank:
-                print(json.dumps(row), flush=True)
+                times.append(time.perf_counter() - begin)
+            kinds, top = profile_step(step, sync) if args.profile and device.type == "cuda" else (None, None)
+        seconds = min(times)
+        if kinds and "host-to-device copies" in kinds:  # how much of the copying the compute hid
+            compute = sum(v for k, v in kinds.items() if k != "host-to-device copies")
+            copies = kinds["host-to-device copies"]
+            kinds["copy_hidden_fraction"] = round(
+                max(0.0, min(1.0, (compute + copies - 1e3 * seconds) / copies)), 3
+            )
+        flops = forward_flops(config, video_tokens, args.text) + forward_flops(config, video_tokens, 12)
+        row = {
+            "frames": frames, "variant": variant, "video_tokens": video_tokens, "text_tokens": args.text,
+            "cfg_step_s": round(seconds, 3), "cfg_step_s_all": [round(t, 3) for t in times],
+            "tflops_per_step": round(flops / 1e12, 1), "tflop_per_s": round(flops / seconds / 1e12, 1),
+            "fifty_steps_min": round(50 * seconds / 60, 1),
+            "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+            "ranks": results["ranks"], "precision": model.precision, "weights_gib": weights_gib(model),
+            "fp8_attention": fp8_attention_name(model),
+            "profile_ms": kinds, "top_kernels_ms_calls": top,
+        }  # fmt: skip
+        results["runs"].append(row)
+        if main_rank:
+            print(json.dumps(row), flush=True)
     if args.out and main_rank:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
     if distributed_run:

@@ -68,7 +68,9 @@ def random_transformer(
         if precision == "fp8" and part in model.transformer_blocks:
             from pan2cli.dit.quantize import Fp8Policy, quantize_block
 
-            quantize_block(part, policy or Fp8Policy())
+            policy = policy or Fp8Policy()
+            if index - (len(parts) - len(model.transformer_blocks)) not in policy.bf16_blocks:
+                quantize_block(part, policy)
     embedding = torch.empty(model.context_type_embedding.shape, dtype=dtype, device=device)
     embedding.normal_(0.0, 0.02, generator=torch.Generator(device).manual_seed(seed + len(parts)))
     model.context_type_embedding = torch.nn.Parameter(embedding, requires_grad=False)

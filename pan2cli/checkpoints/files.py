@@ -5,6 +5,7 @@ wording of their failures for every caller (checkpoints raise `CheckpointError`,
 from __future__ import annotations
 
 import pickle
+import warnings
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,6 +143,14 @@ def tensor_reader(
     return lambda key: opened[files[key]].load(key)
 
 
+def _torch_load(path: Path, mmap: bool) -> object:
+    """`torch.load` on the CPU, tensors only. A plain pickle (not torch.save's) makes torch warn in two lines
+    about its protocol before the one-line error that says what is wrong with the file: not that warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
 def read_pickle(path: Path, errors: ReadErrors = CHECKPOINT_ERRORS, *, mmap: bool = False) -> object:
     """`torch.load(path, weights_only=True)` on the CPU: whatever the file holds (tensors, dicts, numbers).
 
@@ -155,11 +164,11 @@ def read_pickle(path: Path, errors: ReadErrors = CHECKPOINT_ERRORS, *, mmap: boo
     _check_not_empty(path, errors)
     try:
         try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return _torch_load(path, mmap)
         except RuntimeError as exc:
             if not mmap or "mmap" not in str(exc):
                 raise
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return _torch_load(path, False)
     except MemoryError:
         raise
     except pickle.UnpicklingError as exc:

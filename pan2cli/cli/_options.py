@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from pan2cli.constants import DTYPE_NAMES
+from pan2cli.outputs import fps_problem
 
 device_option = click.option(
     "--device",
@@ -30,3 +33,17 @@ gpus_option = click.option(
 quiet_option = click.option(
     "-q", "--quiet", is_flag=True, help="No progress bar and no summary on stderr (errors are still printed)."
 )
+
+
+def check_fps(ctx, param, value):
+    """`--fps`: a frame rate an MP4 carries (`pan2cli.outputs.FPS_RANGE`), refused when parsed: before anything loads."""
+    if value is not None and (problem := fps_problem(value)) is not None:
+        raise click.BadParameter(problem)
+    return value
+
+
+def ignored_revision(revision: str | None, source: str | None, flag: str) -> str | None:
+    """The warning for `--revision` beside a local `--vae`/`--model` (a revision names a commit of a hub repo), or None."""
+    if revision is None or source is None or not Path(source).expanduser().exists():
+        return None
+    return f"--revision {revision} is ignored: {flag} {source} is a local path, not a Hugging Face repo"

@@ -13,10 +13,14 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
+    Task,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.table import Column
+from rich.text import Text
 
 # Rich writes to stderr only; stdout stays clean for paths and --json.
 stderr = Console(stderr=True, highlight=False)
@@ -37,6 +41,41 @@ def warn(line: str) -> None:
     click.echo(f"Warning: {line}", err=True)
 
 
+# Below this terminal width the bar leaves out when the first item came (the decode's summary line says it).
+_WIDE_ENOUGH_FOR_FIRST = 100
+
+
+class _Description(ProgressColumn):
+    """The bar's description, the column that gives way on a narrow terminal (cut with an ellipsis)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            table_column=Column(no_wrap=False)
+        )  # rich narrows only such columns before the others
+
+    def render(self, task: Task) -> Text:
+        return Text(task.description, no_wrap=True, overflow="ellipsis")
+
+
+def _columns(unit: str, first: bool, width: int) -> list[ProgressColumn]:
+    """Description, bar, `done/total unit`, rate, [first item], elapsed, remaining. The numbers keep their width
+    (an 80-column terminal shows them whole); the description and then the bar give way."""
+
+    def whole() -> Column:
+        return Column(no_wrap=True)
+
+    columns = [
+        _Description(),
+        BarColumn(table_column=Column(no_wrap=False)),
+        MofNCompleteColumn(table_column=whole()),
+        TextColumn(unit, table_column=whole()),
+        TextColumn("{task.fields[rate]}", table_column=whole()),
+    ]
+    if first and width >= _WIDE_ENOUGH_FOR_FIRST:
+        columns.append(TextColumn("{task.fields[first]}", table_column=whole()))
+    return [*columns, TimeElapsedColumn(table_column=whole()), TimeRemainingColumn(table_column=whole())]
+
+
 @contextmanager
 def progress_bar(
     description: str, total: int, unit: str, quiet: bool = False, first: str | None = None
@@ -44,21 +83,12 @@ def progress_bar(
     """A rich progress bar on stderr with the rate in `unit`/s; off under --quiet or when stderr is not a terminal.
 
     Yields a callable `advance(n)`. With `first` (say "first frame"), the bar also shows how long the
-    first item took to arrive ("first frame after 0.31 s").
+    first item took to arrive ("first frame after 0.31 s") on a terminal of 100 columns or more.
     """
     if quiet or not sys.stderr.isatty():
         yield lambda n=1: None
         return
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn(unit),
-        TextColumn("{task.fields[rate]}"),
-        TextColumn("{task.fields[first]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
+    columns = _columns(unit, first is not None, stderr.width)
     start = time.perf_counter()
     done = 0
     with Progress(*columns, console=stderr, transient=True) as bar:

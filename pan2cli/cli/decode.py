@@ -16,22 +16,33 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 import click
 
 from pan2cli.cli._launch import run_on_ranks
-from pan2cli.cli._options import device_option, dtype_option, gpus_option, quiet_option
+from pan2cli.cli._options import (
+    check_fps,
+    device_option,
+    dtype_option,
+    gpus_option,
+    ignored_revision,
+    quiet_option,
+)
 from pan2cli.cli._output import gib, info, progress_bar, result, status, warn
 from pan2cli.config import DECODE_KERNEL_MODES, DEFAULT_CHUNK_LATENT_FRAMES, RuntimeConfig
 from pan2cli.errors import InputError
 from pan2cli.outputs import (
     DEFAULT_CRF,
     DEFAULT_X264_PRESET,
+    MAX_FPS,
+    MIN_FPS,
     OUTPUT_FORMATS,
     X264_PRESETS,
+    check_not_stdout,
     check_output_path,
     default_output_path,
+    fps_problem,
 )
 from pan2cli.vae.config import DEFAULT_VAE_REPO
 
@@ -131,6 +142,7 @@ def plan_outputs(
             several inputs, two videos with one name, or an output that is one of the inputs.
     """
     folder = single = None
+    check_not_stdout(output)
     if output is None:
         fmt = fmt or "mp4"
     elif len(sources) > 1 or (fmt != "png" and (output.endswith(("/", os.sep)) or Path(output).is_dir())):
@@ -159,6 +171,21 @@ def plan_outputs(
         seen[key] = job
         _check_not_an_input(job.output, [s.path for s in sources])
     return fmt, jobs
+
+
+def _frame_rate(fps: float | None, source: LatentInput) -> float:
+    """The video's frame rate: `--fps` (checked when parsed), else the latents file's, else `DEFAULT_FPS`.
+
+    Raises:
+        InputError: the file's rate is not one an MP4 carries (`pan2cli.outputs.FPS_RANGE`).
+    """
+    if fps is not None:
+        return fps
+    if source.fps is not None and (problem := fps_problem(source.fps)) is not None:
+        raise InputError(
+            f"latents file {source.path}: its fps {problem}", hint="pass --fps F to choose the frame rate"
+        )
+    return source.fps or DEFAULT_FPS
 
 
 def _check_not_an_input(output: Path, inputs: list[Path]) -> None:
@@ -220,9 +247,10 @@ def _check_not_an_input(output: Path, inputs: list[Path]) -> None:
 )
 @click.option(
     "--fps",
-    type=click.FloatRange(min=0, min_open=True),
+    type=float,
+    callback=check_fps,
     default=None,
-    help=f"Frame rate of the video.  [default: the latents file's `fps`, else {DEFAULT_FPS:g}]",
+    help=f"Frame rate of the video, {MIN_FPS:g} to {MAX_FPS:g}.  [default: the latents file's `fps`, else {DEFAULT_FPS:g}]",
 )
 @click.option(
     "--crf",
@@ -301,7 +329,22 @@ def decode_command(
         device = None if rank_device is None else str(rank_device)
         _decode(dataclasses.replace(options, runtime=dataclasses.replace(runtime, device=device)))
 
-    run_on_ranks(ctx, gpus, device, on_rank)
+    run_on_ranks(ctx, gpus, device, on_rank, check_split=lambda world: _check_row_split(latents, world))
+
+
+def _check_row_split(latents: Iterable[LatentInput | Path], world: int) -> None:
+    """Every video's latent rows can be split over `world` processes, one row each at least: in pan2's
+    launcher before any process starts (`latents` as paths), and on each rank (a user's own torchrun).
+
+    Raises:
+        InputError: fewer latent rows than processes, or latents that cannot be read.
+    """
+    from pan2cli.latents import load_latents
+    from pan2cli.vae.parallel import split_rows
+
+    for source in latents:
+        source = load_latents(source) if isinstance(source, Path) else source
+        split_rows(source.latents.shape[-2], world)
 
 
 def _decode(options: DecodeOptions):
@@ -312,7 +355,6 @@ def _decode(options: DecodeOptions):
     from pan2cli.latents import load_latents
     from pan2cli.vae.decoder import decode_latents, open_decoder
     from pan2cli.vae.kernel.decoder import WanKernelDecoder
-    from pan2cli.vae.parallel import split_rows
     from pan2cli.video import open_video_writer
 
     main = distributed.is_main()
@@ -327,14 +369,16 @@ def _decode(options: DecodeOptions):
         fmt, jobs = plan_outputs(sources, options.output, options.fmt)
         for job in jobs:
             check_output_path(job.output, options.overwrite)
+            _frame_rate(options.fps, job.source)
         device = options.runtime.torch_device()
         torch_dtype = options.runtime.torch_dtype(device)
         if world > 1:
-            for source in sources:
-                split_rows(source.latents.shape[-2], world)
+            _check_row_split(sources, world)
     except InputError as exc:
         error = exc
     distributed.raise_if_any_failed(error)
+    if main and (line := ignored_revision(options.revision, options.vae, "--vae")):
+        warn(line)
     if main and device.type == "cpu" and torch_dtype == torch.bfloat16:
         # Issue 12: a decode took 40 s in bf16 and 1 s in fp32 on a 2-core x86 CPU (PyTorch's CPU convs are slow in bf16).
         warn(
@@ -362,7 +406,7 @@ def _decode(options: DecodeOptions):
     # 3. Decode each video, writing it chunk by chunk (rank 0 writes; the others decode their rows).
     for job in jobs:
         z = job.source.latents[job.index]
-        frame_rate = options.fps or job.source.fps or DEFAULT_FPS
+        frame_rate = _frame_rate(options.fps, job.source)
         started = time.perf_counter()
         writing = (
             open_video_writer(

@@ -61,7 +61,27 @@ def collect_report() -> dict:
         "decode_default": f"{device}, {str(resolve_dtype(None, device)).removeprefix('torch.')}",
         "decode_path": kernel_status().decode_path,
         "attention": _attention(device),
+        "fp8": _fp8(device),
     }
+
+
+def _fp8(device) -> str:
+    """Whether `--precision fp8` runs here, which fp8 attention it would take, or why it does not run."""
+    from pan2cli.dit.fp8 import fp8_unsupported_reason
+    from pan2cli.dit.fp8_attention import fp8_attention_backend
+    from pan2cli.errors import InputError
+
+    reason = fp8_unsupported_reason(device)
+    if reason is not None:
+        return f"no: {reason}"
+    try:
+        backend, why_not_cudnn = fp8_attention_backend()
+    except InputError as exc:  # a bad PAN2_FP8_ATTENTION
+        return f"yes, but {exc}"
+    attention = (
+        "cuDNN's fp8 attention" if backend == "cudnn" else f"pan2's Triton fp8 attention ({why_not_cudnn})"
+    )
+    return f"yes (--precision fp8: e4m3 linears, {attention})"
 
 
 def _attention(device) -> str:
@@ -86,7 +106,7 @@ def _attention(device) -> str:
 @click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def doctor_command(as_json):
-    """Report Python, torch, CUDA, GPUs, ffmpeg, cache folders and which decode path would run.
+    """Report Python, torch, CUDA, GPUs, ffmpeg, cache folders, which decode path would run and whether fp8 runs.
 
     \b
     Examples:

@@ -21,14 +21,28 @@ from pathlib import Path
 import click
 
 from pan2cli.cli._launch import run_on_ranks
-from pan2cli.cli._options import device_option, dtype_option, gpus_option, quiet_option
+from pan2cli.cli._options import (
+    check_fps,
+    device_option,
+    dtype_option,
+    gpus_option,
+    ignored_revision,
+    quiet_option,
+)
 from pan2cli.cli._output import info, progress_bar, result, warn
-from pan2cli.config import DECODE_KERNEL_MODES, RuntimeConfig, settings_with
+from pan2cli.config import (
+    DECODE_KERNEL_MODES,
+    GENERATOR_DEVICES,
+    PRECISIONS,
+    RuntimeConfig,
+    given_settings,
+    settings_with,
+)
 from pan2cli.constants import MAX_SEED
 from pan2cli.errors import InputError
-from pan2cli.outputs import DEFAULT_CRF
+from pan2cli.outputs import DEFAULT_CRF, MAX_FPS, MIN_FPS, check_not_stdout
 from pan2cli.pipeline.components import DEFAULT_MODEL_REPO
-from pan2cli.presets import DEFAULT_PRESET, load_preset
+from pan2cli.presets import DEFAULT_PRESET, load_preset, preset_label
 
 
 @dataclass(frozen=True)
@@ -36,8 +50,8 @@ class GenerateOptions:
     """`pan2 generate`'s parameters as parsed (see `generate_command`); each rank runs `_generate` with its own device.
 
     `flags` holds the settings given on the command line (None options left out, `--size` as height and
-    width, `--duration` as it is); `runtime` the run-time options but the chunk, which is
-    `chunk_latent_frames` or the preset's.
+    width, `--duration` as it is); `runtime` the run-time options but the chunk and the precision, which are
+    `chunk_latent_frames` or the preset's, and `runtime.precision` when `precision_given`, else the preset's.
     """
 
     prompt: str | None
@@ -54,6 +68,7 @@ class GenerateOptions:
     runtime: RuntimeConfig
     chunk_latent_frames: int | None
     quiet: bool
+    precision_given: bool = False
 
 
 def _parse_size(ctx, param, value):
@@ -70,14 +85,41 @@ def _latents_path(output: Path) -> Path:
     return output.with_name(f"{output.stem}.latents.pt")
 
 
+# The flag that gives each setting, for the sidecar's `overrides` (`--size` gives two; the others are `--NAME`).
+_FLAGS = {
+    "height": "--size",
+    "width": "--size",
+    "flow_shift": "--flow-shift",
+    "negative_prompt": "--negative-prompt",
+}
+
+
+def _overrides(flags: dict, record) -> dict:
+    """The settings given over the preset as `settings_with` applies them, each with where it came from (its
+    flag, or the prompt-file record): `{"seed": {"value": 7, "from": "record"}, "steps": {"value": 2, "from":
+    "--steps"}}`; paths absolute."""
+    layers = (flags, record.settings() if record is not None else {})
+    return {
+        name: {
+            "value": os.path.abspath(value) if isinstance(value, Path) else value,
+            "from": _FLAGS.get(name, f"--{name}") if layer == 0 else "record",
+        }
+        for name, (layer, value) in given_settings(*layers).items()
+        if name != "prompt"
+    }
+
+
 def _jobs(
     prompt, prompts_file, output, preset, flags, save_latents, overwrite, skip_existing, crf, world, rank
 ):
-    """(jobs of this rank, skipped outputs, warnings, is_batch); everything checked, nothing loaded."""
+    """(jobs of this rank, failed records of this rank, skipped outputs, warnings, is_batch); everything checked,
+    nothing loaded. A prompt-file record that cannot run is a failure of its own (an InputError naming the file
+    and the record), reported while the others run; a bad flag or file is the command's error."""
     from pan2cli.pipeline.jobs import GenerationJob
     from pan2cli.pipeline.prompts import read_prompt_file, shard, slugify
 
     warnings: list[str] = []
+    check_not_stdout(output)
     if prompts_file is not None:
         if prompt is not None:
             raise InputError("give a PROMPT or --prompts FILE, not both")
@@ -85,6 +127,7 @@ def _jobs(
         folder = Path(output) if output is not None else Path.cwd()
         if not folder.is_dir():
             raise InputError(f"-o {folder}: with --prompts, -o is an existing folder", hint="create it first")
+        settings_with(preset, flags)  # the flags alone: a bad one is every record's, the command's error
         entries = [(r, folder / f"{r.stem}.mp4") for r in shard(records, rank, world)]
     else:
         if prompt is None:
@@ -99,31 +142,36 @@ def _jobs(
                 )
             output = Path(output) / f"{slugify(prompt)}.mp4"
         entries = [(None, Path(output) if output is not None else Path.cwd() / f"{slugify(prompt)}.mp4")]
-    jobs, skipped = [], []
+    label = preset_label(preset)
+    jobs, failures, skipped = [], [], []
     for record, out in entries:
+        if record is not None and record.problem is not None:
+            failures.append(record.problem)
+            continue
         if out.suffix.lower() != ".mp4":
             raise InputError(f"-o {out}: pan2 generate writes MP4 files (.mp4)")
         if skip_existing and out.exists():
             skipped.append(out)
             continue
-        metadata = {
-            "preset": preset.name,
-            "overrides": {k: (str(v) if isinstance(v, Path) else v) for k, v in flags.items()},
-        }
+        metadata = {"preset": label, "overrides": _overrides(flags, record)}
+        origin = None
         if record is not None:
-            metadata.update(index=record.index, name=record.name)
+            origin = f"{prompts_file}: prompt {record.index} ({record.stem})"
+            metadata.update(prompts_file=os.path.abspath(prompts_file), index=record.index, name=record.name)
         try:
             settings = settings_with(preset, {**flags, "prompt": prompt}, record.settings() if record else {})
             job = GenerationJob(
                 settings, output=out, latents_path=_latents_path(out) if save_latents else None, overwrite=overwrite,
-                crf=crf, return_frames=False, metadata=metadata, redo_leftovers=skip_existing,
+                crf=crf, return_frames=False, metadata=metadata, redo_leftovers=skip_existing, origin=origin,
+                flow_shift_source="--flow-shift" if "flow_shift" in flags else f"preset {label}",
             )  # fmt: skip
         except InputError as exc:
             if record is None:
                 raise
-            raise InputError(f"prompt {record.index} ({record.stem}): {exc}", hint=exc.hint) from exc
+            failures.append(InputError(f"{origin}: {exc}", hint=exc.hint))
+            continue
         jobs.append(job)
-    return jobs, skipped, warnings, prompts_file is not None
+    return jobs, failures, skipped, warnings, prompts_file is not None
 
 
 @click.command("generate")
@@ -133,7 +181,9 @@ def _jobs(
     "prompts_file",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="A prompt file: JSON records (prompt, negative_prompt, duration, image, seed, name) or plain text, one prompt per line.",
+    help="A prompt file: JSON (a list of records: prompt, negative_prompt, duration, image, seed, name), JSON Lines "
+    "(.jsonl, one record per line) or plain text (one prompt per line); image paths are relative to the file. A bad "
+    "record is reported with its number and the others run.",
 )
 @click.option(
     "-o",
@@ -172,7 +222,8 @@ def _jobs(
     "flow_shift",
     type=click.FloatRange(min=0, min_open=True),
     default=None,
-    help="Flow shift s of the schedule σ' = s·σ/(1+(s−1)·σ).  [default: the preset's, 9]",
+    help="Flow shift s of the schedule σ' = s·σ/(1+(s−1)·σ); overrides the preset's and the checkpoint's "
+    "(scheduler/scheduler_config.json), which a preset without flow_shift uses.  [default: the preset's, 9]",
 )
 @click.option(
     "--seed",
@@ -201,9 +252,10 @@ def _jobs(
 )
 @click.option(
     "--fps",
-    type=click.FloatRange(min=0, min_open=True),
+    type=float,
+    callback=check_fps,
     default=None,
-    help="Frame rate.  [default: the preset's, 24]",
+    help=f"Frame rate, {MIN_FPS:g} to {MAX_FPS:g}.  [default: the preset's, 24]",
 )
 @click.option(
     "--negative-prompt",
@@ -260,6 +312,23 @@ def _jobs(
     show_default=True,
     help="H.264 quality (0 lossless, 17 visually lossless).",
 )
+@click.option(
+    "--generator-device",
+    type=click.Choice(GENERATOR_DEVICES),
+    default=None,
+    help="Where the initial noise is drawn for the seed. By default on the device that runs the model (a CUDA "
+    "generator on a GPU), as IFM's vLLM-Omni runner and the diffusers reference draw it: the same seed gives "
+    'their video. cpu: as a CPU run, or a vLLM-Omni request with generator_device="cpu".  [default: the model\'s device]',
+)
+@click.option(
+    "--precision",
+    type=click.Choice(PRECISIONS),
+    default=None,
+    help="The DiT's arithmetic. bf16: as released. fp8: e4m3 linears and attention in the 44 blocks (weights "
+    "quantised at load, activations per token), 1.5x faster per step at 5 s of video on an H200 and 43 GiB "
+    "instead of 67, but lossy (docs/BENCHMARKS.md has the errors); needs a GPU with fp8 tensor cores (Ada, "
+    "Hopper, Blackwell).  [default: the preset's, else bf16]",
+)
 @dtype_option
 @device_option
 @gpus_option
@@ -292,6 +361,8 @@ def generate_command(
     decode_kernel_parallel,
     chunk_latent_frames,
     crf,
+    generator_device,
+    precision,
     dtype,
     device,
     gpus,
@@ -306,6 +377,13 @@ def generate_command(
     the end if any failed). On one H200 a denoising step takes about 4.4 s for 5 s of video, 12 s for
     10 s and 38 s for 20 s (50 steps: about 4, 10 and 31 minutes).
 
+    Seeds: the initial noise is drawn as IFM's vLLM-Omni runner and the diffusers reference draw it (float32,
+    from a generator on the device that runs the model; --generator-device picks another) and the prompt
+    is encoded as given, so a seed gives their video for the same settings, up to rounding (on a GPU, one
+    with as many SMs). The code of IFM's own runner (ifm-ai/PAN2) is not public: its videos cannot be
+    checked this way. The flow shift is --flow-shift, else the preset's (9 in the shipped ones), else the
+    checkpoint's scheduler/scheduler_config.json; a line on stderr says when it is not the checkpoint's.
+
     \b
     Examples:
       pan2 generate "a skater drops into a bowl" --preset pan2-5s -o skater.mp4
@@ -319,19 +397,49 @@ def generate_command(
     )  # fmt: skip
     runtime = RuntimeConfig(
         device=device, dtype=dtype, decode_kernel=decode_kernel, decode_kernel_parallel=decode_kernel_parallel,
-        dit_fused_kernels=dit_fused_kernels, offload=offload,
+        dit_fused_kernels=dit_fused_kernels, offload=offload, generator_device=generator_device,
+        **({"precision": precision} if precision is not None else {}),
     )  # fmt: skip
+    if generator_device is not None:  # cuda without CUDA is bad input before any process starts
+        runtime.torch_generator_device(runtime.torch_device())
     options = GenerateOptions(
         prompt=prompt, prompts_file=prompts_file, output=output, model=model, revision=revision, preset=preset,
         flags={k: v for k, v in flags.items() if v is not None}, save_latents=save_latents, skip_existing=skip_existing,
         overwrite=overwrite, crf=crf, runtime=runtime, chunk_latent_frames=chunk_latent_frames, quiet=quiet,
+        precision_given=precision is not None,
     )  # fmt: skip
 
     def on_rank(rank_device) -> int:
         device = None if rank_device is None else str(rank_device)
         return _generate(dataclasses.replace(options, runtime=dataclasses.replace(runtime, device=device)))
 
-    return run_on_ranks(ctx, gpus, device, on_rank)
+    return run_on_ranks(
+        ctx, gpus, device, on_rank, check_split=lambda world: _check_decode_split(options, world)
+    )
+
+
+def _check_decode_split(options: GenerateOptions, world: int) -> None:
+    """One prompt on `world` processes of one machine is decoded split by rows (`--decode-kernel-parallel`):
+    its video needs a latent row (16 pixels) per process. Checked in pan2's launcher before any process
+    starts, and on each rank (a user's own torchrun).
+
+    Raises:
+        InputError: fewer latent rows than processes.
+    """
+    if (
+        options.prompts_file is not None
+        or options.prompt is None
+        or not options.runtime.decode_kernel_parallel
+    ):
+        return
+    settings = settings_with(load_preset(options.preset), {**options.flags, "prompt": options.prompt})
+    rows = settings.latent_shape[-2]
+    if rows < world:
+        raise InputError(
+            f"a video {settings.height} pixels high has {rows} latent rows, too few to split its decode "
+            f"over {world} processes (one row each at least)",
+            hint=f"pass --gpus {rows} or fewer, a larger --size, or --no-decode-kernel-parallel",
+        )
 
 
 def _progress(quiet: bool):
@@ -343,7 +451,7 @@ def _progress(quiet: bool):
 
 def _generate(options: GenerateOptions) -> int:
     """The command's work in this process (the only one, or one rank of several)."""
-    from pan2cli import distributed  # here, like the pipeline: `pan2 --help` does not load torch
+    from pan2cli import distributed, launch  # here, like the pipeline: `pan2 --help` does not load torch
     from pan2cli.pipeline import VideoGenerator
 
     world, rank = distributed.world_size(), distributed.rank()
@@ -352,30 +460,39 @@ def _generate(options: GenerateOptions) -> int:
     error = None
     try:
         preset = load_preset(options.preset)
-        jobs, skipped, warnings, batch = _jobs(
+        jobs, failures, skipped, warnings, batch = _jobs(
             options.prompt, options.prompts_file, options.output, preset, options.flags, options.save_latents, options.overwrite, options.skip_existing,
             options.crf, world if options.prompts_file else 1, rank if options.prompts_file else 0,
         )  # fmt: skip
         chunk = (
             options.chunk_latent_frames or preset.chunk_latent_frames
         )  # a runtime option the preset names too
-        config = dataclasses.replace(options.runtime, chunk_latent_frames=chunk)
-        config.torch_device()
+        # Runtime options a preset names too: the flag's value, else the preset's.
+        precision = options.runtime.precision if options.precision_given else (preset.precision or "bf16")
+        config = dataclasses.replace(options.runtime, chunk_latent_frames=chunk, precision=precision)
+        device = config.torch_device()
+        config.torch_generator_device(device)
+        config.check_precision(device)
+        if world > 1 and launch.env_local_world_size(world) == world:  # the generator's rule for a row split
+            _check_decode_split(options, world)
     except InputError as exc:
         error = exc
     distributed.raise_if_any_failed(error)
     quiet = options.quiet
     quiet_here = quiet or (not main and not batch)
     if main:
-        for line in warnings:
+        for line in [*warnings, *_option_warnings(options, config, device)]:
             warn(line)
+    for failure in failures:  # records that cannot run: each rank reports its own, the others go on
+        _report_failure(failure)
     for path in skipped:
         info(f"Skipping {path}: it exists (--skip-existing).", quiet)
+    if distributed.sum_all(len(jobs)) == 0:  # nothing left to make on any rank: load nothing
+        return _batch_summary(batch, quiet, [], len(failures), len(skipped))
 
     # 2. Locate the checkpoint (a download, once) and check the jobs against it.
     error, generator = None, None
     try:
-        jobs_checked = []
         # No spinner here: a first run downloads the weights with huggingface_hub's own progress bars.
         if quiet_here:
             from huggingface_hub.utils import disable_progress_bars
@@ -389,15 +506,13 @@ def _generate(options: GenerateOptions) -> int:
             info=lambda line: info(line, quiet_here),
             warn=warn,
         )
-        for job in jobs:
-            generator.check_job(job)
-            jobs_checked.append(job)
+        jobs = [job for job in jobs if _checked(generator, job, batch, failures)]
     except Exception as exc:  # a Pan2Error or the unexpected: the other ranks must not wait either way
         error = exc
     distributed.raise_if_any_failed(error)
 
     # 3. Generate. A single prompt's failure is the command's; in a batch it is reported and the batch goes on.
-    failed: list[tuple[str, BaseException]] = []
+    failed: list[BaseException] = []
 
     def on_result(res) -> None:
         if res.error is None:
@@ -409,24 +524,64 @@ def _generate(options: GenerateOptions) -> int:
                     quiet_here,
                 )
             return
-        label = res.job.output.stem if res.job.output is not None else res.job.settings.prompt
-        failed.append((label, res.error))
+        failed.append(res.error)
         if batch:
-            hint = getattr(res.error, "hint", None)
-            click.echo(f"Error: {label} failed: {res.error}", err=True)
-            if hint:
-                click.echo(f"Hint: {hint}", err=True)
+            _report_failure(res.error, res.job.origin)
 
     results = generator.generate_batch(jobs, ranks_share_jobs=not batch, on_result=on_result) if jobs else []
     if not batch:
         if results and results[0].error is not None:
             raise results[0].error
         return 0
-    # 4. Batch summary: every rank's count, printed by rank 0 once all are done.
+    return _batch_summary(batch, quiet, results, len(failures) + len(failed), len(skipped))
+
+
+def _option_warnings(options: GenerateOptions, config: RuntimeConfig, device) -> list[str]:
+    """Options given that change nothing here: one line each, said by rank 0."""
+    lines = []
+    if (line := ignored_revision(options.revision, options.model, "--model")) is not None:
+        lines.append(line)
+    if config.offload and device.type == "cpu":
+        lines.append(
+            "--offload changes nothing on the CPU: it streams the transformer's blocks from host memory to a GPU, "
+            "and on the CPU they are in host memory already"
+        )
+    return lines
+
+
+def _report_failure(error: BaseException, label: str | None = None) -> None:
+    """One failed prompt of a batch: `Error: ...` (and its hint); the batch goes on."""
+    click.echo(f"Error: {label} failed: {error}" if label else f"Error: {error}", err=True)
+    hint = getattr(error, "hint", None)
+    if hint:
+        click.echo(f"Hint: {hint}", err=True)
+
+
+def _checked(generator, job, batch: bool, failures: list[InputError]) -> bool:
+    """Whether `job` passed `check_job`; in a batch a failure is the record's (reported, kept in `failures`),
+    for one prompt the command's (raised)."""
+    try:
+        generator.check_job(job)
+    except InputError as exc:
+        if not batch:
+            raise
+        failures.append(exc)
+        _report_failure(exc)
+        return False
+    return True
+
+
+def _batch_summary(batch: bool, quiet: bool, results: list, n_failed: int, n_skipped: int) -> int:
+    """A batch's end: every rank's count, printed by rank 0 once all are done; exit 1 if any prompt failed."""
+    from pan2cli import distributed
+
+    if not batch:
+        return 0
     distributed.wait_for_all("generate-done")
-    n_failed = distributed.sum_all(len(failed))
+    n_failed = distributed.sum_all(n_failed)
     n_done = distributed.sum_all(sum(r.error is None for r in results))
-    n_skipped = distributed.sum_all(len(skipped))
+    n_skipped = distributed.sum_all(n_skipped)
+    main = distributed.is_main()
     if main and not quiet:
         info(f"{n_done} video(s) written, {n_skipped} skipped, {n_failed} failed.")
     if main and n_failed:

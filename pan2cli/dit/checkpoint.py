@@ -160,6 +160,8 @@ def load_pan2_transformer(
     revision: str | None = None,
     device: str | torch.device = "cpu",
     keep_fp32_modules: bool = True,
+    precision: str = "bf16",
+    quantize_device: str | torch.device | None = None,
 ) -> PAN2Transformer3DModel:
     """Build the transformer from a checkpoint, strictly (`PAN2Transformer3DModel.from_pretrained` calls this).
 
@@ -168,6 +170,10 @@ def load_pan2_transformer(
         dtype: parameter dtype (None: as stored); the AdaLN linears stay float32 when `keep_fp32_modules`
             (unless `dtype` is float64, which takes everything).
         device: where the model lives; tensors stream there one at a time.
+        precision: "bf16" (as stored, cast to `dtype`), or "fp8": each block is quantised
+            (`pan2cli.dit.quantize.quantize_block`) as soon as its tensors are read, on `quantize_device`
+            (default `device`; the GPU where `device` is the CPU, for `--offload`), then moved to `device`, so
+            the whole bf16 model is never on the device.
 
     Returns:
         The model in eval mode without gradients.
@@ -179,14 +185,33 @@ def load_pan2_transformer(
     model = model_on_meta(ckpt.arguments)
     check_tensor_shapes(ckpt.shapes, ckpt.arguments, str(ckpt.folder))
     read = tensor_reader(ckpt.files)
-    state = {}
-    for key in model.state_dict():
+
+    def load(key: str, where) -> torch.Tensor:
         tensor = float_tensor(read(key), str(ckpt.files[key]), key)
         target = dtype or tensor.dtype
         if keep_fp32_modules and keeps_fp32(key) and target != torch.float64:
             target = torch.float32
-        state[key] = tensor.to(device=device, dtype=target)
-    model.load_state_dict(state, strict=True, assign=True)
+        return tensor.to(device=where, dtype=target)
+
+    keys = list(model.state_dict())
+    if precision == "bf16":
+        model.load_state_dict({key: load(key, device) for key in keys}, strict=True, assign=True)
+        return model.eval().requires_grad_(False)
+    from pan2cli.dit.quantize import quantize_block
+
+    where = quantize_device or device
+    for index, block in enumerate(model.transformer_blocks):
+        prefix = f"transformer_blocks.{index}."
+        block.load_state_dict(
+            {key[len(prefix) :]: load(key, where) for key in keys if key.startswith(prefix)},
+            strict=True,
+            assign=True,
+        )
+        quantize_block(block)
+        block.to(device)
+    rest = {key: load(key, device) for key in keys if not key.startswith("transformer_blocks.")}
+    model.load_state_dict(rest, strict=False, assign=True)  # the keys were checked whole, above
+    model.precision = "fp8"
     return model.eval().requires_grad_(False)
 
 

@@ -1,7 +1,9 @@
 """`PAN2Transformer3DModel`: the released PAN 2 MMDiT (IFM/PAN2, 29.2 B parameters), module for module.
 
 Parameter names are the checkpoint's keys (diffusers names; the table is in `pan2cli.dit.checkpoint`).
-Facts and sources: ../shared/docs/pan2_model.md §2. The forward pass:
+Source: vLLM-Omni's port of diffusers' model (vllm-project/vllm-omni
+`vllm_omni/diffusion/models/pan2/pan2_transformer.py` @f1ef55bd, the same in IFM's fork MBZUAI-IFM/vllm-omni-pan2).
+The forward pass:
 
 1. `x_embedder`: Conv3d 97 → D (kernel = stride = patch (1, 2, 2)); tokens in (t, h, w) order. The 97
    channels are the noisy latents (48), the condition latents (48) and the condition mask (1).

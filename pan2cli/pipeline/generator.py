@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import time
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -32,15 +33,15 @@ from pan2cli.atomic import replace_into
 from pan2cli.config import GenerationSettings, RuntimeConfig, settings_with
 from pan2cli.constants import video_frames
 from pan2cli.dit.attention import attention_backend, attention_backends, attention_order
-from pan2cli.errors import Pan2Error, out_of_memory
+from pan2cli.errors import InputError, Pan2Error, out_of_memory
 from pan2cli.outputs import check_output_path
 from pan2cli.pipeline.components import PAN2Components, resolve_components
 from pan2cli.pipeline.conditioning import condition_latents
-from pan2cli.pipeline.image import encode_image, fit_image, load_image
+from pan2cli.pipeline.image import encode_image, fit_image, load_start_image
 from pan2cli.pipeline.jobs import GenerationJob, GenerationResult, sidecar_path
-from pan2cli.pipeline.sampling import denoise
-from pan2cli.pipeline.scheduler import flow_sigmas, uses_guidance
-from pan2cli.presets import DEFAULT_PRESET, Preset, load_preset
+from pan2cli.pipeline.sampling import denoise, initial_noise, split_ranks
+from pan2cli.pipeline.scheduler import uses_guidance
+from pan2cli.presets import DEFAULT_PRESET, Preset, load_preset, preset_label
 from pan2cli.vae.decoder import decode_latents, open_decoder
 from pan2cli.video import open_video_writer
 
@@ -94,11 +95,20 @@ class VideoGenerator:
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype(self.device)
         self.vae_dtype = self.config.torch_vae_dtype(self.device)
+        self.generator_device = self.config.torch_generator_device(self.device)  # where the noise is drawn
+        self.config.check_precision(self.device)  # fp8 where it cannot run: bad input before anything loads
+        self.fp8_attention: str | None = None  # which fp8 attention ran (`pan2cli.dit.fp8_attention`)
         self.progress = progress or _no_progress
         self.info = info or (lambda line: None)
         self.warn = warn or (lambda line: warnings.warn(line, stacklevel=3))
         self.dit_config = dict(components.transformer_arguments)  # checked by resolve_components
         self.attention: str | None = None  # the SDPA backend of the last sample (pan2cli.dit.attention)
+        # What ran in the last batch, for the sidecar: the DiT's fused kernels, the decoder, the split over processes.
+        self.dit_fused_kernels: bool | None = None
+        self.decoder_path: str | None = None
+        self.decode_rows_split = False
+        self.ranks_share_jobs = False
+        self._shift_notes: set[tuple[float, str]] = set()  # each flow-shift note said once
         attention_order()  # a bad PAN2_ATTENTION is bad input before anything loads
 
     @classmethod
@@ -144,12 +154,14 @@ class VideoGenerator:
             InputError: bad settings or paths (before any model loads); any error of the run.
         """
         preset = preset if isinstance(preset, Preset) else load_preset(preset)
+        shift_given = settings.get("flow_shift") is not None
         job = GenerationJob(
             settings_with(preset, {**settings, "prompt": prompt}),
             output=Path(output) if output is not None else None,
             latents_path=Path(save_latents) if save_latents is not None else None,
             overwrite=overwrite,
-            metadata={"preset": preset.name},
+            metadata={"preset": preset_label(preset)},
+            flow_shift_source="the flow_shift argument" if shift_given else f"preset {preset.name}",
         )
         self.check_job(job)
         result = self.generate_batch([job])[0]
@@ -158,9 +170,24 @@ class VideoGenerator:
         return result
 
     def check_job(self, job: GenerationJob) -> None:
-        """Inputs that can be checked before any model loads (the settings are, on construction): start image, output paths."""
+        """Inputs that can be checked before any model loads (the settings are, on construction): the schedule
+        with the checkpoint's options, start image, output paths.
+
+        Raises:
+            InputError: the first problem found; it starts with `job.origin` when the job has one (a
+                prompt-file record: the batch reports it and makes the others).
+        """
+        try:
+            self._check_job(job)
+        except InputError as exc:
+            if job.origin is None:
+                raise
+            raise InputError(f"{job.origin}: {exc}", hint=exc.hint) from exc
+
+    def _check_job(self, job: GenerationJob) -> None:
+        self.components.scheduler.sigmas(job.settings.steps, self.flow_shift(job.settings)[0])
         if job.settings.image is not None:
-            load_image(job.settings.image)
+            load_start_image(job.settings.image, "--image" if job.origin is None else "'image'")
         if job.output is not None:
             check_output_path(job.output, job.overwrite)
         # The sidecar and latents beside an MP4 that does not exist are left from a run that did not finish
@@ -193,6 +220,7 @@ class VideoGenerator:
         """
         results = [GenerationResult(job) for job in jobs]
         shared = ranks_share_jobs and distributed.world_size() > 1
+        self.ranks_share_jobs = shared
         # 1. Text encoding
         self._encode_texts(results)
         # 2. Start images (image-to-video)
@@ -234,12 +262,13 @@ class VideoGenerator:
                 peak = torch.cuda.max_memory_allocated(self.device) / 2**30
                 result.peak_gpu_gib[stage] = max(result.peak_gpu_gib.get(stage, 0.0), peak)
 
-    def _run_job(self, result: GenerationResult, stage: str, work: Callable[[], None]) -> None:
-        """Run one job's stage; a failure is the job's (recorded, the batch goes on), Ctrl-C is everyone's."""
+    def _run_job(self, result: GenerationResult, stage: str | None, work: Callable[[], None]) -> None:
+        """Run one job's stage, timed as `stage` (None: `work` times its own parts, or nothing); a failure is the
+        job's (recorded, the batch goes on), Ctrl-C is everyone's."""
         if result.error is not None:
             return
         try:
-            with self._timed(result, stage):
+            with self._timed(result, stage) if stage is not None else nullcontext():
                 work()
         except (Pan2Error, ValueError, RuntimeError, OSError) as exc:
             if distributed.is_comm_error(exc):
@@ -248,8 +277,9 @@ class VideoGenerator:
             self._release()
 
     def _load_seconds(self, results: list[GenerationResult], stage: str, seconds: float) -> None:
+        """A model loaded once for `results`: said once, as shared by them, not as a stage each one paid."""
         for result in results:
-            result.seconds[stage] = seconds
+            result.shared_loads[stage] = {"seconds": seconds, "videos": len(results)}
 
     def _encode_texts(self, results: list[GenerationResult]) -> None:
         from pan2cli.pipeline.text import PAN2TextEncoder
@@ -301,7 +331,7 @@ class VideoGenerator:
             settings = result.job.settings
 
             def work(result=result, settings=settings):
-                pixels = fit_image(load_image(settings.image), settings.height, settings.width)
+                pixels = fit_image(load_start_image(settings.image), settings.height, settings.width)
                 result._image_latent = encode_image(encoder, pixels)  # [1, 48, 1, h, w] fp32, normalised
 
             self._run_job(result, "image_encoding", work)
@@ -315,11 +345,19 @@ class VideoGenerator:
 
         cfg = self.config
         folder = self.components.folder("transformer")
+        # fp8: each block quantised on the GPU as it is read (the bf16 model is never whole there).
+        precision = dict(precision=cfg.precision, quantize_device=self.device)
         if cfg.offload:
-            model = load_pan2_transformer(folder, dtype=self.dtype, device="cpu")
+            model = load_pan2_transformer(folder, dtype=self.dtype, device="cpu", **precision)
             enable_block_offload(model, self.device)
         else:
-            model = load_pan2_transformer(folder, dtype=self.dtype, device=self.device)
+            model = load_pan2_transformer(folder, dtype=self.dtype, device=self.device, **precision)
+        if cfg.precision == "fp8":
+            from pan2cli.dit.fp8_attention import fp8_attention_backend
+
+            self.fp8_attention, why_not_cudnn = fp8_attention_backend()
+            if why_not_cudnn:
+                self.info(f"fp8 attention: pan2's Triton kernel ({why_not_cudnn}).")
         fused = False
         if cfg.dit_fused_kernels:
             head_dim = self.dit_config.get("attention_head_dim", 128)
@@ -335,6 +373,7 @@ class VideoGenerator:
             if reason:
                 self.info(f"Using the PyTorch DiT ops: {reason}.")
         set_fused_kernels(model, fused)
+        self.dit_fused_kernels = fused  # what ran, for the sidecar
         return model
 
     def _sample(self, results: list[GenerationResult], shared: bool) -> None:
@@ -346,6 +385,7 @@ class VideoGenerator:
         self._load_seconds(todo, "load_transformer", time.perf_counter() - start)
         for result in todo:
             settings = result.job.settings
+            self._note_flow_shift(result.job)
 
             def work(result=result, settings=settings):
                 with self.progress(f"Denoising ({settings.steps} steps)", settings.steps, "steps") as advance:
@@ -368,6 +408,26 @@ class VideoGenerator:
                 if result.latents is not None:
                     result.latents = distributed.broadcast_from_main(result.latents)
 
+    def flow_shift(self, settings: GenerationSettings, given_by: str | None = None) -> tuple[float, str]:
+        """The flow shift a sample of `settings` runs and where it comes from: the settings' (a preset's or a
+        flag's, named by `given_by`) over the checkpoint's `scheduler_config.json` (`SchedulerConfig.resolve_shift`)."""
+        return self.components.scheduler.resolve_shift(settings.flow_shift, given_by)
+
+    def _note_flow_shift(self, job: GenerationJob) -> None:
+        """One line (once per value and source) when the shift that runs overrides the checkpoint's, or is
+        diffusers' default because neither the settings nor the checkpoint set one."""
+        shift, source = self.flow_shift(job.settings, job.flow_shift_source)
+        checkpoint = self.components.scheduler
+        if checkpoint.shift is not None and shift != checkpoint.shift:
+            line = f"Flow shift {shift:g} from {source}; the checkpoint's {checkpoint.source} sets {checkpoint.shift:g}."
+        elif checkpoint.shift is None and job.settings.flow_shift is None:
+            line = f"Flow shift {shift:g}: {source}."
+        else:
+            return
+        if (shift, source) not in self._shift_notes:
+            self._shift_notes.add((shift, source))
+            self.info(line)
+
     @torch.inference_mode()
     def sample(
         self, model, settings: GenerationSettings, cond: torch.Tensor, uncond: torch.Tensor | None,
@@ -375,10 +435,13 @@ class VideoGenerator:
     ) -> torch.Tensor:  # fmt: skip
         """Flow-matching Euler with classifier-free guidance; returns normalised latents `[1, 48, T, h, w]` float32 on the host.
 
-        The seed contract: the initial noise is `torch.randn(shape, generator=torch.Generator("cpu").manual_seed(seed),
-        dtype=torch.float32)`, so a seed gives the same video on any device. The latents stay float32
-        through the loop and enter the model (with the condition) in its dtype, one timestep σ·1000 for
-        the whole sample; the prediction comes back to float32 for the guidance and the step.
+        The seed contract: the initial noise is `torch.randn(shape, generator=torch.Generator(generator_device)
+        .manual_seed(seed), device=generator_device, dtype=torch.float32)` with the generator on the model's device
+        unless `RuntimeConfig.generator_device` names another (`initial_noise`), as IFM's vLLM-Omni runner and
+        the diffusers reference draw it. The schedule is the checkpoint's (`SchedulerConfig`) with the settings'
+        shift when they give one. The latents stay float32 through the loop and enter the model (with the
+        condition) in its dtype, one timestep σ·num_train_timesteps for the whole sample; the prediction comes
+        back to float32 for the guidance and the step.
 
         Args:
             model: the PAN 2 transformer.
@@ -393,16 +456,20 @@ class VideoGenerator:
                 parallel, `pan2cli.pipeline.sampling`).
         """
         shape = settings.latent_shape
-        generator = torch.Generator(device="cpu").manual_seed(settings.seed)
-        latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
+        latents = initial_noise(shape, settings.seed, self.generator_device, self.device, split=split)
         condition = condition_latents(shape, image_latent).to(self.device, self.dtype)  # [1, 49, T, h, w]
-        sigmas = flow_sigmas(settings.steps, settings.flow_shift).tolist()
+        scheduler = self.components.scheduler
+        sigmas = scheduler.sigmas(settings.steps, self.flow_shift(settings)[0]).tolist()
         self.attention = self._attention_backend(model, shape, cond)
         with attention_backends():  # cuDNN SDPA first, falling through to flash, efficient, math
             latents = denoise(
-                model, latents, condition, cond, uncond, sigmas, settings.guidance, self.components.num_train_timesteps,
+                model, latents, condition, cond, uncond, sigmas, settings.guidance, scheduler.num_train_timesteps,
                 split=split, on_step=on_step,
             )  # fmt: skip
+        if getattr(model, "precision", "bf16") == "fp8":  # a NaN/Inf activation gives NaN latents: say so
+            from pan2cli.dit.fp8 import check_finite
+
+            check_finite(latents, "the latents after denoising with --precision fp8")
         return latents.cpu()
 
     def _attention_backend(self, model, latent_shape, cond: torch.Tensor) -> str:
@@ -434,6 +501,10 @@ class VideoGenerator:
         )
         if note:
             self.info(note)
+        from pan2cli.vae.kernel.decoder import WanKernelDecoder
+
+        self.decoder_path = "compiled kernel" if isinstance(decoder, WanKernelDecoder) else "reference"
+        self.decode_rows_split = parallel
         return decoder, parallel
 
     def _decode(self, results: list[GenerationResult], shared: bool, on_result) -> None:
@@ -446,14 +517,15 @@ class VideoGenerator:
             writes = not shared or distributed.is_main()
             decodes = writes or parallel
             for result in todo:
-                if decodes:
+                if decodes:  # timed inside: the decode, then the end of the MP4's encode ("write")
                     self._run_job(
                         result,
-                        "decode",
+                        None,
                         lambda result=result: self._decode_one(decoder, result, writes, parallel),
                     )
-                if writes and result.error is None:
-                    self._run_job(result, "write", lambda result=result: self._write_extras(result))
+                if writes:
+                    self._run_job(result, "write", lambda result=result: self._write_latents(result))
+                    self._run_job(result, None, lambda result=result: self._write_sidecar(result))
             del decoder
             self._release()
         for result in results:
@@ -470,7 +542,7 @@ class VideoGenerator:
         with writing as writer, launch.partial_output(writer.tmp_path if writer is not None else None):
             sink = _FrameSink(job.return_frames and writes, writer)
             total = video_frames(result.latents.shape[2])
-            with self.progress("Decoding", total, "frames") as advance:
+            with self._timed(result, "decode"), self.progress("Decoding", total, "frames") as advance:
                 decode_latents(
                     decoder,
                     result.latents,
@@ -480,10 +552,13 @@ class VideoGenerator:
                     split_rows=parallel,
                     on_chunk=advance,
                 )
+            if writer is not None:  # ffmpeg encodes beside the decode: its last frames, then the rename
+                with self._timed(result, "write"):
+                    writer.commit()
         result.frames = sink.frames()
         result.output = job.output if writes else None
 
-    def _write_extras(self, result: GenerationResult) -> None:
+    def _write_latents(self, result: GenerationResult) -> None:
         job, settings = result.job, result.job.settings
         if job.latents_path is not None:
             data = {
@@ -492,6 +567,10 @@ class VideoGenerator:
             }  # fmt: skip
             replace_into(job.latents_path, lambda p: torch.save(data, p))
             result.latents_path = job.latents_path
+
+    def _write_sidecar(self, result: GenerationResult) -> None:
+        """The sidecar last, when every stage of the video has its seconds."""
+        job = result.job
         if job.output is not None and job.sidecar:
             path = sidecar_path(job.output)
             text = json.dumps(self.sidecar(result), indent=2) + "\n"
@@ -499,11 +578,20 @@ class VideoGenerator:
             result.sidecar = path
 
     def sidecar(self, result: GenerationResult) -> dict:
-        """The JSON record of one video: settings, model, versions, per-stage seconds."""
+        """The JSON record of one video: settings (the start image by its absolute path), the job's metadata
+        (preset, overrides and where each came from), model, versions, the run-time options as given (`config`)
+        and what ran (`ran`: the DiT's fused kernels, the decoder), the processes and how they split the work,
+        this video's seconds and peak GPU memory per stage (`write`: the MP4's end and the latents file), and
+        the loads it shared with the other videos of the batch (`shared_loads`, each said once)."""
         settings = asdict(result.job.settings)
-        settings["image"] = str(settings["image"]) if settings["image"] is not None else None
+        settings["image"] = os.path.abspath(settings["image"]) if settings["image"] is not None else None
+        # The shift that ran (the settings' or the checkpoint's) and where it came from.
+        settings["flow_shift"], shift_source = self.flow_shift(
+            result.job.settings, result.job.flow_shift_source
+        )
         return {
             **settings,
+            "flow_shift_source": shift_source,
             **result.job.metadata,
             "model": self.components.model_id,
             "revision": self.components.revision,
@@ -511,7 +599,37 @@ class VideoGenerator:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "config": asdict(self.config),
+            "generator_device": self.generator_device.type,  # where the initial noise was drawn
             "attention": self.attention,  # the SDPA backend of the denoising (pan2cli.dit.attention)
+            "ran": {
+                "dit_fused_kernels": self.dit_fused_kernels,
+                "decoder": self.decoder_path,
+                "precision": self.config.precision,
+                "fp8_attention": self.fp8_attention,
+            },  # fmt: skip
+            "processes": self._processes(result.job.settings),
             "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
             "peak_gpu_memory_gib": {k: round(v, 2) for k, v in result.peak_gpu_gib.items()},
+            "shared_loads": {
+                k: {"seconds": round(v["seconds"], 3), "videos": v["videos"]}
+                for k, v in result.shared_loads.items()
+            },
+        }
+
+    def _processes(self, settings: GenerationSettings) -> dict:
+        """How many processes made the batch (`--gpus N`, torchrun) and how they split this video's work."""
+        world = distributed.world_size()
+        if world == 1:
+            return {"count": 1}
+        if not self.ranks_share_jobs:  # a sharded prompt file: each process makes its own videos
+            return {"count": world, "split": "prompts", "rank": distributed.rank()}
+        heads = self.dit_config.get("num_attention_heads", 32)
+        groups = split_ranks(world, 2 if uses_guidance(settings.guidance) else 1)
+        return {
+            "count": world,
+            "split": "one video",
+            "cfg_parallel": len(groups) == 2,  # the two guidance passes on the two halves of the processes
+            # processes per pass that split its tokens (Ulysses; 1 where the heads do not divide evenly)
+            "sequence_parallel": [len(g) if len(g) >= 2 and heads % len(g) == 0 else 1 for g in groups],
+            "decode_rows_split": self.decode_rows_split,
         }

@@ -2,7 +2,8 @@
 
 PAN 2 conditions on the start image by channel concatenation (pan2cli.pipeline.conditioning): the image's
 normalised VAE latent fills latent frame 0 of the condition, with mask 1 there. Preparation follows the
-release (../shared/docs/pan2_model.md §6): scale to cover H x W with sizes rounded, LANCZOS, centre crop
+release (vLLM-Omni's PAN 2 pipeline, vllm-project/vllm-omni
+`vllm_omni/diffusion/models/pan2/pipeline_pan2.py` `prepare_condition_latents`): scale to cover H x W with sizes rounded, LANCZOS, centre crop
 at offsets `round((w − W)/2)`, `round((h − H)/2)` (Python's round: halves to even), pixels `/255·2 − 1`
 in float32, the posterior's mode (its mean, for a diagonal Gaussian) of the VAE encoder, normalised.
 """
@@ -13,12 +14,20 @@ from pathlib import Path
 
 import torch
 
+from pan2cli.constants import VAE_SPATIAL_FACTOR
 from pan2cli.errors import InputError
 from pan2cli.latents import normalize
 
+# A start image smaller than one latent pixel (16x16 pixels of the Wan2.2 VAE) holds no picture to start from.
+MIN_IMAGE_SIDE = VAE_SPATIAL_FACTOR
 
-def load_image(path: str | Path) -> "PIL.Image.Image":  # noqa: F821
+
+def load_image(path: str | Path, what: str = "--image") -> "PIL.Image.Image":  # noqa: F821
     """Open an image file as RGB.
+
+    Args:
+        path: the file.
+        what: how messages name it: the flag, or the field of a prompt-file record (`'image'`).
 
     Raises:
         InputError: missing or unreadable (not an image).
@@ -27,14 +36,30 @@ def load_image(path: str | Path) -> "PIL.Image.Image":  # noqa: F821
 
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"--image {path} does not exist (or is not a file)")
+        raise InputError(f"{what} {path} does not exist (or is not a file)")
     try:
         with Image.open(path) as image:
             return image.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise InputError(
-            f"--image {path} could not be read as an image: {exc}", hint="pass a PNG or JPEG file"
+            f"{what} {path} could not be read as an image: {exc}", hint="pass a PNG or JPEG file"
         ) from exc
+
+
+def load_start_image(path: str | Path, what: str = "--image") -> "PIL.Image.Image":  # noqa: F821
+    """`load_image`, for the start of a video: at least `MIN_IMAGE_SIDE` pixels on each side.
+
+    Raises:
+        InputError: as `load_image`, or a side shorter than `MIN_IMAGE_SIDE` (a 1x1 picture).
+    """
+    image = load_image(path, what)
+    if min(image.size) < MIN_IMAGE_SIDE:
+        raise InputError(
+            f"{what} {path} is {image.width}x{image.height} pixels: a start image needs at least "
+            f"{MIN_IMAGE_SIDE}x{MIN_IMAGE_SIDE} (one latent pixel of the VAE) to hold a picture",
+            hint="pass the picture the video starts from, ideally of the video's size (--size) or larger",
+        )
+    return image
 
 
 def fit_image(image, height: int, width: int) -> torch.Tensor:

@@ -25,10 +25,16 @@ class GenerationJob:
     return_frames: bool = True
     metadata: dict = field(default_factory=dict)  # extra sidecar entries (preset, overrides, name)
     redo_leftovers: bool = False  # replace a sidecar / latents file whose MP4 is missing (`--skip-existing`)
+    origin: str | None = (
+        None  # where the job came from, starting its errors: "prompts.json: prompt 3 (003_a-cat)"
+    )
+    # who set `settings.flow_shift` ("--flow-shift", "preset NAME"), for the flow-shift note and the sidecar
+    flow_shift_source: str | None = None
 
     def __post_init__(self) -> None:
-        # A preset's settings have no prompt; a job's must (bad input before any model loads).
-        if not self.settings.prompt:
+        # A preset's settings have no prompt; a job's must (bad input before any model loads). Whitespace alone
+        # counts as none; otherwise the prompt goes to the text encoder as it is.
+        if not self.settings.prompt.strip():
             raise InputError(
                 "the prompt is empty",
                 hint='pass the text to generate from, e.g. pan2 generate "a cat on a skateboard"',
@@ -44,6 +50,8 @@ class GenerationResult:
     latents: torch.Tensor | None = None
     seconds: dict[str, float] = field(default_factory=dict)
     peak_gpu_gib: dict[str, float] = field(default_factory=dict)  # per stage, CUDA only
+    # A model loaded once for several videos: {"load_transformer": {"seconds": 9.1, "videos": 3}}, not in `seconds`.
+    shared_loads: dict[str, dict] = field(default_factory=dict)
     output: Path | None = None
     sidecar: Path | None = None
     latents_path: Path | None = None

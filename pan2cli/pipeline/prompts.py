@@ -1,17 +1,25 @@
-"""Prompt files for batches: JSON records (PAN 2's own format included) or plain text, one prompt per line.
+"""Prompt files for batches: JSON (PAN 2's own format included), JSON Lines or plain text, one record per video.
 
-JSON: a list of records, or `{"prompts": [...]}`; a record is a string or an object with `prompt` and
-optional `negative_prompt` (text, or a structured object rendered to text), `duration` (seconds),
-`image` (a start image; relative paths are relative to the prompt file), `seed` and `name`. Unknown
-fields are reported (warnings) and ignored. Plain text: one prompt per line; blank lines and lines
-starting with `#` are skipped.
+The format: a `.jsonl` (or `.ndjson`) file is JSON Lines; a `.json` file, or one whose text starts with `[` or
+`{`, is JSON, or JSON Lines when it holds several JSON values, one per line; anything else is plain text.
+- JSON: a list of records, or `{"prompts": [...]}`.
+- JSON Lines: one record per line; blank lines are skipped.
+- A record is a string or an object with `prompt` and optional `negative_prompt` (text, or a structured
+  object rendered to text), `duration` (seconds), `image` (a start image; relative paths are relative to the
+  prompt file), `seed` and `name`. Unknown fields are reported (warnings) and ignored.
+- Plain text: one prompt per line; blank lines and lines starting with `#` are skipped.
+Records are numbered from 0 in file order, the number starting their output names (`003_a-cat.mp4`). A
+record that cannot be used (not valid JSON on its line, another type, no prompt, a bad value) comes back with
+its `problem`, so that the batch reports it with the file and record number and makes the others.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,16 +43,42 @@ class PromptRecord:
     image: Path | None = None
     seed: int | None = None
     name: str | None = None
+    problem: InputError | None = (
+        None  # what makes the record unusable (it names the file and record), or None
+    )
 
     def settings(self) -> dict[str, Any]:
         """The settings this record gives, None where it gives none: the last layer of `settings_with`."""
         return {name: getattr(self, name) for name in RECORD_FIELDS if name != "name"}
 
 
+def _slug(text: str) -> str:
+    """Letters and digits of any script, lower-cased, everything between them one dash: `"A cat, jumping!"` →
+    `"a-cat-jumping"`, `"日本語の猫"` → `"日本語の猫"`, `"!!!"` → `""`. NFKC first, so that one text gives one name
+    whichever way its accents were typed (composed or not)."""
+    text = unicodedata.normalize("NFKC", text).lower()
+    kept = "".join(c if unicodedata.category(c)[0] in "LNM" else "-" for c in text)  # letters, numbers, marks
+    return re.sub(r"-+", "-", kept).strip("-")
+
+
 def slugify(text: str, limit: int = _SLUG_CHARS) -> str:
-    """Lower-case letters, digits and single dashes: `"A cat, jumping!"` → `"a-cat-jumping"` (at most `limit` characters)."""
-    slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
-    return slug[:limit].rstrip("-") or "video"
+    """A file name for `text`, at most `limit` characters: its slug (`_slug`), kept as it is when it fits; a
+    slug that is empty (`"!!!"`) or cut to fit ends in 8 hex digits of the text's SHA-256 (`"video-1f0c..."`),
+    so that different texts get different default names."""
+    slug = _slug(text)
+    if slug and len(slug) <= limit:
+        return slug
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:8]
+    return f"{slug[: limit - len(digest) - 1].rstrip('-') or 'video'}-{digest}"
+
+
+_JSON_KINDS = {bool: "a boolean", int: "an integer", float: "a number", list: "a list", type(None): "null"}
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, in words: `an integer (5)`, `a list`, `null`."""
+    kind = _JSON_KINDS.get(type(value), type(value).__name__)
+    return f"{kind} ({value!r})" if isinstance(value, (bool, int, float)) else kind
 
 
 def render_negative(value: Any) -> str:
@@ -62,12 +96,16 @@ def render_negative(value: Any) -> str:
     return str(value)
 
 
-def _record(raw: Any, index: int, source: Path, warnings: list[str]) -> dict[str, Any]:
-    where = f"{source}: prompt {index}"
+def _record(raw: Any, where: str, source: Path, warnings: list[str]) -> dict[str, Any]:
+    """A record's fields (`where` starts every message: `prompts.json: prompt 3`).
+
+    Raises:
+        InputError: another type, no prompt text, or a field of the wrong type or value.
+    """
     if isinstance(raw, str):
         raw = {"prompt": raw}
     if not isinstance(raw, dict):
-        raise InputError(f"{where} is a {type(raw).__name__}; expected a string or an object with 'prompt'")
+        raise InputError(f"{where} is {_json_kind(raw)}; expected a string or an object with 'prompt'")
     unknown = sorted(set(raw) - set(RECORD_FIELDS))
     if unknown:
         warnings.append(
@@ -76,7 +114,7 @@ def _record(raw: Any, index: int, source: Path, warnings: list[str]) -> dict[str
     prompt = raw.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise InputError(f"{where} has no 'prompt' text")
-    out: dict[str, Any] = {"prompt": prompt.strip()}
+    out: dict[str, Any] = {"prompt": prompt}  # as given: the text encoder sees its whitespace too
     if raw.get("negative_prompt") is not None:
         out["negative_prompt"] = render_negative(raw["negative_prompt"])
     duration = raw.get("duration")
@@ -102,25 +140,24 @@ def _record(raw: Any, index: int, source: Path, warnings: list[str]) -> dict[str
         out["image"] = path if path.is_absolute() else source.parent / path
     name = raw.get("name")
     if name is not None:
-        if not isinstance(name, str) or not slugify(name, 10**6).strip():
+        if not isinstance(name, str) or not _slug(name):
             raise InputError(f"{where}: 'name' must be text with letters or digits, got {name!r}")
         out["name"] = name
     return out
 
 
 def read_prompt_file(path: str | Path) -> tuple[list[PromptRecord], list[str]]:
-    """Read a prompt file.
+    """Read a prompt file (the module docstring says how its format is chosen).
 
     Args:
-        path: `.json` (or any file starting with `[` / `{`) or plain text.
+        path: a JSON, JSON Lines or plain-text file.
 
     Returns:
-        `(records, warnings)`: records in file order with their output stems
-        (`000_a-cat-jumps`, or `000_<name>`), and one line per ignored field.
+        `(records, warnings)`: records in file order with their output stems (`000_a-cat-jumps`, or
+        `000_<name>`), a record that cannot be used with its `problem` set; one line per ignored field.
 
     Raises:
-        InputError: unreadable file, bad JSON, a record without prompt, a bad field value, no prompts,
-            or two records with the same output name.
+        InputError: unreadable file, JSON that is none (or not a list of records), or no prompts.
     """
     path = Path(path)
     try:
@@ -128,38 +165,90 @@ def read_prompt_file(path: str | Path) -> tuple[list[PromptRecord], list[str]]:
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"--prompts {path} could not be read: {exc}") from exc
     warnings: list[str] = []
-    if path.suffix.lower() == ".json" or text.lstrip().startswith(("[", "{")):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"--prompts {path} is not valid JSON: {exc}") from exc
-        if isinstance(data, dict):
-            if "prompts" not in data:
-                raise InputError(
-                    f"--prompts {path} is a JSON object without 'prompts'",
-                    hint='use a list of records, or {"prompts": [...]}',
-                )
-            data = data["prompts"]
-        if not isinstance(data, list):
-            raise InputError(f"--prompts {path}: expected a list of prompt records")
-        raws = [_record(item, i, path, warnings) for i, item in enumerate(data)]
+    if _is_json_lines(path, text):
+        raws = [_checked_record(item, where, path, warnings) for where, item in _json_lines(path, text)]
+    elif path.suffix.lower() == ".json" or text.lstrip().startswith(("[", "{")):
+        raws = [
+            _checked_record(item, f"{path}: prompt {i}", path, warnings)
+            for i, item in enumerate(_json_records(path, text))
+        ]
     else:
-        lines = [line.strip() for line in text.splitlines()]
-        raws = [{"prompt": line} for line in lines if line and not line.startswith("#")]
+        # Each line as written (without its line break), as the text encoder will see it.
+        lines = text.splitlines()
+        raws = [{"prompt": line} for line in lines if line.strip() and not line.lstrip().startswith("#")]
     if not raws:
         raise InputError(f"--prompts {path} holds no prompts")
     width = max(3, len(str(len(raws) - 1)))
     records = []
-    seen: dict[str, int] = {}
     for i, raw in enumerate(raws):
-        stem = f"{i:0{width}d}_{slugify(raw.get('name') or raw['prompt'])}"
-        if stem in seen:
-            raise InputError(
-                f"--prompts {path}: prompts {seen[stem]} and {i} would both be written as {stem}"
+        if isinstance(raw, InputError):
+            records.append(PromptRecord(index=i, prompt="", stem=f"{i:0{width}d}", problem=raw))
+        else:  # the number makes every stem distinct
+            records.append(
+                PromptRecord(
+                    index=i, stem=f"{i:0{width}d}_{slugify(raw.get('name') or raw['prompt'])}", **raw
+                )
             )
-        seen[stem] = i
-        records.append(PromptRecord(index=i, stem=stem, **raw))
     return records, warnings
+
+
+def _is_json_lines(path: Path, text: str) -> bool:
+    """JSON Lines: by its suffix, or JSON text that holds several values (json's "Extra data" after the first)."""
+    if path.suffix.lower() in (".jsonl", ".ndjson"):
+        return True
+    if path.suffix.lower() != ".json" and not text.lstrip().startswith(("[", "{")):
+        return False
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        return exc.msg == "Extra data" and "\n" in text[: exc.pos]
+    return False
+
+
+def _json_lines(path: Path, text: str) -> list[tuple[str, Any]]:
+    """(where, value) of each non-blank line (`prompts.jsonl: prompt 2 (line 4)`), the value an InputError for a
+    line that is not one JSON value."""
+    items = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            where = f"{path}: prompt {len(items)} (line {number})"
+            try:
+                items.append((where, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                items.append((where, InputError(f"{where} is not valid JSON: {exc}")))
+    return items
+
+
+def _json_records(path: Path, text: str) -> list[Any]:
+    """The records of a JSON file: its list, or the `prompts` list of its object."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(
+            f"--prompts {path} is not valid JSON: {exc}",
+            hint='a list of records, {"prompts": [...]}, or one record per line in a .jsonl file',
+        ) from exc
+    if isinstance(data, dict):
+        if "prompts" not in data:
+            raise InputError(
+                f"--prompts {path} is a JSON object without 'prompts'",
+                hint='use a list of records, {"prompts": [...]}, or one record per line in a .jsonl file',
+            )
+        data = data["prompts"]
+    if not isinstance(data, list):
+        raise InputError(f"--prompts {path}: expected a list of prompt records, got {_json_kind(data)}")
+    return data
+
+
+def _checked_record(raw: Any, where: str, source: Path, warnings: list[str]) -> dict[str, Any] | InputError:
+    """`_record`'s fields, or its InputError (a line that is no JSON comes as one): one bad record does not stop
+    the others."""
+    if isinstance(raw, InputError):
+        return raw
+    try:
+        return _record(raw, where, source, warnings)
+    except InputError as exc:
+        return exc
 
 
 def shard(records: list[PromptRecord], rank: int, world: int) -> list[PromptRecord]:

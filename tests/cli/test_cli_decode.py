@@ -23,8 +23,7 @@ import pan2cli.vae.decoder as decode_module  # the CLI imports decode_latents fr
 from pan2cli.frames import frames_to_uint8
 from pan2cli.latents import unnormalize
 from pan2cli.vae.checkpoint import load_vae_decoder
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.subprocess_env import python_env
 
 
 def _frames_on_disk(folder: Path) -> list[str]:
@@ -250,7 +249,7 @@ def test_out_of_memory_is_a_known_failure(run_cli, tiny_vae, latents_file, tmp_p
 
 
 def _pan2(*args, env=None, cwd=None) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    environment = python_env(**(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "pan2cli", *map(str, args)],
         capture_output=True,
@@ -337,7 +336,7 @@ def test_sigterm_removes_the_partial_output_and_exits_143(tiny_vae, latents_file
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(_SLOW_DECODE)
     latents = latents_file((48, 3, 2, 2))
-    env = {**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}"}
+    env = python_env(hook)
     cmd = [
         sys.executable,
         "-m",
@@ -520,11 +519,7 @@ def test_a_decode_imports_nothing_heavy(tiny_vae, latents_file, tmp_path):
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(_REPORT_HEAVY_MODULES)
     report = tmp_path / "modules.txt"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(hook), str(REPO)]),
-        "PAN2_TEST_MODULES": str(report),
-    }
+    env = python_env(hook, PAN2_TEST_MODULES=str(report))
     command = [
         sys.executable,
         "-m",
@@ -716,3 +711,138 @@ def test_unknown_option_with_valid_inputs_is_a_usage_error(run_cli, tiny_vae, la
     assert "Error: No such option '--no-such-option'." in result.stderr
     assert result.stdout == ""
     assert _frames_on_disk(tmp_path) == ["latents.pt"]
+
+
+# Issue 27: what a new user hit, each test failing on the code before its fix.
+
+
+def _no_vae_load(monkeypatch):
+    """Make loading the VAE a test failure: the checks under test must come first."""
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the VAE was loaded before the inputs were checked")
+
+    monkeypatch.setattr(decode_module, "open_decoder", loaded)
+
+
+@pytest.mark.parametrize("fps", ["nan", "inf", "1e-9", "0.005", "1000.5", "1e9", "0", "-24"])
+def test_a_frame_rate_an_mp4_cannot_carry_is_refused_before_the_vae_loads(
+    run_cli, tiny_vae, latents_file, tmp_path, monkeypatch, fps
+):
+    """`--fps` from 0.01 to 1000 (pan2cli.outputs.MIN_FPS, MAX_FPS), refused while parsing: 1e-9 decoded the whole
+    video before ffmpeg failed (exit 1), 1e9 wrote a file stating "1001k fps", nan and inf were refused only after
+    the VAE had loaded."""
+    _no_vae_load(monkeypatch)
+    result = run_cli(
+        "decode", latents_file((48, 1, 2, 2)), "-o", tmp_path / "v.mp4", "--vae", tiny_vae, "--fps", fps
+    )
+    assert result.exit_code == 2, result.stderr
+    assert "Error: Invalid value for '--fps'" in result.stderr and "Traceback" not in result.stderr
+    assert _frames_on_disk(tmp_path) == ["latents.pt"]
+
+
+def test_a_latents_files_frame_rate_is_checked_before_the_vae_loads(
+    run_cli, tiny_vae, latents_file, tmp_path, monkeypatch
+):
+    """A latents file's `fps` out of range is refused before the VAE loads, naming the file; `--fps` overrides it."""
+    path = latents_file((48, 1, 2, 2), fps=1e9)
+    with monkeypatch.context() as patch:
+        _no_vae_load(patch)
+        result = run_cli("decode", path, "-o", tmp_path / "v.mp4", "--vae", tiny_vae)
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"Error: latents file {path}: its fps 1e+09 is outside 0.01 to 1000 frames per second, the rates an H.264 MP4 carries",
+        "Hint: pass --fps F to choose the frame rate",
+    ]
+    result = run_cli("decode", path, "-o", tmp_path / "v.mp4", "--vae", tiny_vae, "--fps", 25)
+    assert result.exit_code == 0, result.stderr
+    assert _mp4_frames(tmp_path / "v.mp4")[1] == 25
+
+
+def test_output_on_stdout_is_refused_with_a_hint(run_cli, tiny_vae, latents_file, tmp_path, monkeypatch):
+    """`-o -` got "Hint: name the file -.mp4"; pan2 writes files, and says so."""
+    _no_vae_load(monkeypatch)
+    result = run_cli("decode", latents_file((48, 1, 2, 2)), "-o", "-", "--vae", tiny_vae)
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [
+        "Error: -o -: pan2 writes video to files, not to stdout (an MP4 is finished by seeking back into it)",
+        "Hint: name a file, e.g. -o video.mp4 (the path written is printed on stdout)",
+    ]
+
+
+def test_device_is_echoed_as_given(run_cli, tiny_vae, latents_file, monkeypatch):
+    """`--device cuda:1` was echoed as `--device cuda:` on a machine without CUDA."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = run_cli("decode", latents_file((48, 1, 2, 2)), "--vae", tiny_vae, "--device", "cuda:1")
+    assert result.exit_code == 2
+    assert result.stderr.splitlines()[0] == "Error: --device cuda:1: CUDA is not available on this machine"
+
+
+def test_revision_reaches_the_hub(run_cli, tiny_vae, latents_file, tmp_path, monkeypatch):
+    """Point 6 of issue 27: `--revision` reaches the hub's download (the bug: the main branch fetched instead).
+    huggingface_hub's download is replaced by one that records the revision and serves the tiny VAE."""
+    import huggingface_hub
+
+    import pan2cli.checkpoints.hub as hub
+
+    asked = []
+
+    def download(repo_id, filename, *, subfolder=None, revision=None, **kwargs):
+        asked.append((repo_id, subfolder, filename, revision))
+        return str(tiny_vae / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(hub, "_use_the_cache_if_unreachable", lambda: None)  # no network probe
+    out = tmp_path / "v.pt"
+    result = run_cli(
+        "decode", latents_file((48, 1, 2, 2)), "-o", out, "--vae", "org/vae", "--revision", "v1.2"
+    )
+    assert result.exit_code == 0, result.stderr
+    assert {revision for *_, revision in asked} == {"v1.2"} and (
+        "org/vae",
+        "vae",
+        "config.json",
+        "v1.2",
+    ) in asked
+    assert "Warning" not in result.stderr
+
+
+def test_revision_with_a_local_vae_says_it_is_ignored(run_cli, tiny_vae, latents_file, tmp_path):
+    """`--revision` names a commit of a hub repo: beside a local `--vae` it changes nothing, and one line says so."""
+    result = run_cli(
+        "decode", latents_file((48, 1, 2, 2)), "-o", tmp_path / "v.pt", "--vae", tiny_vae, "--revision", "v1"
+    )
+    assert result.exit_code == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("Warning:")]
+    assert warnings == [
+        f"Warning: --revision v1 is ignored: --vae {tiny_vae} is a local path, not a Hugging Face repo"
+    ]
+
+
+def test_a_file_that_appears_at_the_output_during_the_decode_is_kept(
+    run_cli, tiny_vae, latents_file, tmp_path, monkeypatch
+):
+    """Point 6 of issue 27: the writer's commit checks the target again: a file written there while the decode ran
+    (another run, another user) is kept, exit 2 with one clear line, no temporary left; `--overwrite` replaces it."""
+    real_decode = decode_module.decode_latents
+    out = tmp_path / "v.mp4"
+
+    def decode_while_another_writes(*args, **kwargs):
+        stats = real_decode(*args, **kwargs)
+        out.write_bytes(b"another run's video")
+        return stats
+
+    monkeypatch.setattr(decode_module, "decode_latents", decode_while_another_writes)
+    path = latents_file((48, 2, 2, 2))
+    result = run_cli("decode", path, "-o", out, "--vae", tiny_vae)
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr.splitlines()[-2:] == [
+        f"Error: output {out} already exists",
+        "Hint: pass --overwrite to replace it",
+    ]
+    assert out.read_bytes() == b"another run's video" and result.stdout == ""
+    assert _frames_on_disk(tmp_path) == ["latents.pt", "v.mp4"]
+    out.unlink()
+    result = run_cli("decode", path, "-o", out, "--vae", tiny_vae, "--overwrite")
+    assert result.exit_code == 0, result.stderr
+    assert len(_mp4_frames(out)[0]) == 5

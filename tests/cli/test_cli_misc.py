@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import subprocess
 import sys
@@ -16,8 +15,7 @@ import torch
 import pan2cli
 from pan2cli.cli import cli
 from pan2cli.presets import load_preset
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.subprocess_env import python_env
 
 
 def _commands(command=cli, path=("pan2",)):
@@ -82,7 +80,7 @@ except SystemExit as exc:
 
 
 def test_help_and_version_do_not_import_torch():
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = python_env()
     for args in [["--version"], *([*path[1:], "--help"] for path, _ in _commands())]:
         proc = subprocess.run(
             [sys.executable, "-c", _HELP_WITHOUT_TORCH, *args], capture_output=True, text=True, env=env
@@ -172,7 +170,7 @@ def test_unknown_preset_exits_2(run_cli):
 
 def _pan2_without_a_gpu(*args, env=None) -> subprocess.CompletedProcess:
     """`python -m pan2cli ARGS` with every GPU hidden (CUDA_VISIBLE_DEVICES=""): the no-GPU behaviour on any host."""
-    environment = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    environment = python_env(CUDA_VISIBLE_DEVICES="", **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "pan2cli", *map(str, args)], capture_output=True, text=True, env=environment
     )
@@ -265,3 +263,33 @@ def test_progress_bar_shows_the_rate_and_the_first_item(monkeypatch):
         advance(8)
     shown = screen.getvalue()
     assert re.search(r"9/9 frames \d+\.\d frames/s first frame after \d+\.\d\d s", shown), shown
+
+
+@pytest.mark.parametrize("width", [80, 200])
+@pytest.mark.parametrize("description", ["Decoding big.pt", "Decoding latents_of_a_long_run_name_0042.pt"])
+def test_progress_bar_fits_the_terminal_with_its_totals_and_times(monkeypatch, width, description):
+    """Issue 27: on an 80-column terminal the bar hid its totals and times (`81/… 0:…`). Every number stays whole
+    at 80 columns (the description gives way, then the bar; the first frame's time waits for 100 columns, the
+    summary line says it), and a wide terminal shows everything."""
+    import io
+
+    from rich.console import Console
+
+    from pan2cli.cli import _output
+
+    screen = io.StringIO()
+    monkeypatch.setattr(
+        _output, "stderr", Console(file=screen, force_terminal=True, color_system=None, width=width)
+    )
+    monkeypatch.setattr(_output.sys.stderr, "isatty", lambda: True)
+    with _output.progress_bar(description, total=81, unit="frames", first="first frame") as advance:
+        advance(40)
+        advance(41)
+    frames = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", line) for line in screen.getvalue().split("\r")]
+    last = [line.rstrip("\n") for line in frames if "81/81" in line][-1]
+    assert len(last) <= width, last
+    assert re.search(
+        r" 81/81 frames \d+\.\d frames/s (first frame after \d+\.\d\d s )?0:00:\d\d 0:00:00$", last
+    ), last
+    assert ("first frame after" in last) == (width >= 100), last
+    assert last.startswith(description if width >= 100 else description[:8]), last

@@ -105,6 +105,39 @@ def test_a_duration_must_be_a_positive_number(duration):
         settings_with(PRESET, {"duration": duration})
 
 
+@pytest.mark.parametrize("fps", [float("nan"), float("inf"), 0.0, 1e-9, 0.0099, 1000.5, 1e9])
+def test_a_frame_rate_an_mp4_cannot_carry_is_refused_with_the_settings(fps, tmp_path):
+    """Issue 27: the frame rate is checked with the other settings, from flags and preset files alike, before
+    anything loads: 0.01 to 1000 fps (1e-9 ran the whole generation before ffmpeg failed; 1e9 wrote a file
+    stating "1001k fps")."""
+    from pan2cli.presets import preset_to_toml
+
+    with pytest.raises(InputError, match=r"invalid 'fps' = .*: must be a number from 0.01 to 1000"):
+        settings_with(PRESET, {"fps": fps})
+    preset = tmp_path / "fast.toml"
+    preset.write_text(
+        preset_to_toml(PRESET).replace("\nfps = 24\n", f"\nfps = {fps!r}\n")
+    )  # nan, inf: TOML floats)
+    with pytest.raises(InputError, match=rf"{preset}: invalid 'fps'"):
+        load_preset(preset)
+    assert (
+        settings_with(PRESET, {"fps": 0.01}).fps == 0.01 and settings_with(PRESET, {"fps": 1000}).fps == 1000
+    )
+
+
+def test_given_settings_are_what_settings_with_applies():
+    """The sidecar's overrides (`given_settings`): each value with the layer it came from, None giving nothing, a
+    later layer's length (frames or duration) replacing an earlier one's."""
+    from pan2cli.config import given_settings
+
+    flags = {"frames": 9, "seed": 1, "steps": None}
+    record = {"duration": 1.0, "seed": 2}
+    assert given_settings(flags, record) == {"seed": (1, 2), "duration": (1, 1.0)}
+    assert given_settings(flags, {"seed": None}) == {"frames": (0, 9), "seed": (0, 1)}
+    settings = settings_with(PRESET, {**flags, "fps": 12.0}, record)
+    assert settings.seed == 2 and settings.frames == 13  # the record's 1 s at 12 fps, not --frames 9
+
+
 def test_an_unknown_setting_is_a_type_error():
     with pytest.raises(TypeError, match="shift"):
         settings_with(PRESET, {"shift": 3.0})
@@ -137,7 +170,9 @@ def test_settings_normalise_prompt_numbers_and_image():
     settings = settings_with(
         PRESET, {"prompt": "  a cat \n", "guidance": 3, "flow_shift": 5, "image": "a.png"}
     )
-    assert settings.prompt == "a cat"
+    assert (
+        settings.prompt == "  a cat \n"
+    )  # as given: the release encodes the prompt's whitespace too (issue 27)
     assert settings.guidance == 3.0 and isinstance(settings.guidance, float)
     assert settings.flow_shift == 5.0 and isinstance(settings.flow_shift, float)
     assert settings.image == Path("a.png")
@@ -202,17 +237,31 @@ def test_pan2_generate_takes_preset_then_flags_then_record(tmp_path):
         {"prompt": "a dog"},
     ]))  # fmt: skip
     flags = {"negative_prompt": "blurry", "seed": 1, "frames": 9, "fps": 12.0, "steps": 2, "flow_shift": 3.0}
-    jobs, skipped, warnings, batch = _jobs(
+    jobs, failures, skipped, warnings, batch = _jobs(
         None, prompts, str(tmp_path), PRESET, flags, False, False, False, 17, 1, 0
     )
-    assert batch and not skipped and not warnings
+    assert batch and not failures and not skipped and not warnings
     record, plain = (job.settings for job in jobs)
     assert plain == settings_with(PRESET, {**flags, "prompt": "a dog"})
     assert (plain.negative_prompt, plain.seed, plain.frames, plain.image) == ("blurry", 1, 9, None)
     assert (record.negative_prompt, record.seed, record.image) == ("dark", 2, tmp_path / "start.png")
     assert record.frames == 13  # the record's 1 s at the flags' 12 fps, not --frames 9
     assert (record.steps, record.flow_shift, record.height) == (2, 3.0, PRESET.height)
-    assert jobs[0].metadata["overrides"] == flags
+    # The sidecar's overrides: what each video's settings took over the preset, and from where (issue 27: the
+    # record's were missing); the record's duration replaced --frames, which is not there.
+    flag = {name: {"value": flags[name], "from": f"--{name.replace('_', '-')}"} for name in flags}
+    from_record = {
+        "seed": 2,
+        "negative_prompt": "dark",
+        "image": str(tmp_path / "start.png"),
+        "duration": 1.0,
+    }
+    assert jobs[0].metadata["overrides"] == {
+        **{name: value for name, value in flag.items() if name != "frames"},
+        **{name: {"value": value, "from": "record"} for name, value in from_record.items()},
+    }
+    assert jobs[1].metadata["overrides"] == flag
+    assert jobs[0].metadata["prompts_file"] == str(prompts) and jobs[0].metadata["index"] == 0
 
     (single,), *_ = _jobs(
         "a fox", None, str(tmp_path / "fox.mp4"), PRESET, flags, False, False, False, 17, 1, 0
@@ -220,19 +269,28 @@ def test_pan2_generate_takes_preset_then_flags_then_record(tmp_path):
     assert single.settings == settings_with(PRESET, {**flags, "prompt": "a fox"})
 
 
-def test_a_record_error_names_the_record(tmp_path):
+def test_a_bad_record_is_its_own_failure_a_bad_flag_the_commands(tmp_path):
+    """Issue 27: a record that cannot run is a failure of its own, naming the file and the record, and the other
+    records are still jobs; a bad flag is every record's problem: the command's error, naming the flag's value."""
     from pan2cli.cli.generate import _jobs
 
     prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps([{"prompt": "a cat", "duration": 1}]))
-    with pytest.raises(InputError, match=r"prompt 0 \(000_a-cat\): invalid 'height' = 60"):
+    prompts.write_text(json.dumps([{"prompt": "a cat", "seed": -1}, {"prompt": "a dog", "duration": 1}]))
+    jobs, failures, *_ = _jobs(None, prompts, str(tmp_path), PRESET, {}, False, False, False, 17, 1, 0)
+    assert [job.settings.prompt for job in jobs] == ["a dog"]
+    assert jobs[0].origin == f"{prompts}: prompt 1 (001_a-dog)"
+    (failure,) = failures
+    assert str(failure).startswith(f"{prompts}: prompt 0: 'seed' must be a whole number")
+    with pytest.raises(InputError, match=r"^invalid 'height' = 60"):
         _jobs(None, prompts, str(tmp_path), PRESET, {"height": 60}, False, False, False, 17, 1, 0)
 
 
 def test_video_generator_takes_preset_then_arguments(monkeypatch):
     from pan2cli.pipeline.generator import VideoGenerator
+    from pan2cli.pipeline.scheduler import SchedulerConfig
 
-    generator = VideoGenerator(SimpleNamespace(transformer_arguments={}), RuntimeConfig(device="cpu"))
+    components = SimpleNamespace(transformer_arguments={}, scheduler=SchedulerConfig())
+    generator = VideoGenerator(components, RuntimeConfig(device="cpu"))
     seen = []
 
     def generate_batch(jobs):
@@ -244,5 +302,10 @@ def test_video_generator_takes_preset_then_arguments(monkeypatch):
     (job,) = seen
     assert job.settings == settings_with(PRESET, {"prompt": "a cat", "steps": 2, "duration": 1, "fps": 12.0})
     assert job.settings.seed == PRESET.seed and job.metadata == {"preset": "pan2-5s"}
+    # Issue 27: a user's preset file is recorded by its absolute path (its stem is no preset `--preset` knows)
+    generator.generate("a cat", preset=dataclasses.replace(PRESET, source=Path("my.toml")))
+    assert seen[-1].metadata == {"preset": str(Path("my.toml").resolve())}
+    generator.generate("a cat", preset=PRESET.source)  # the shipped file, by its path: the shipped preset
+    assert seen[-1].metadata == {"preset": "pan2-5s"}
     with pytest.raises(InputError, match="the prompt is empty"):
         generator.generate(" ", preset=PRESET)

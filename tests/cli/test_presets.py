@@ -14,10 +14,12 @@ from pan2cli.errors import InputError
 from pan2cli.presets import (
     DEFAULT_PRESET,
     FILE_KEYS,
+    OPTIONAL_KEYS,
     Preset,
     list_presets,
     load_preset,
     preset_to_dict,
+    preset_to_toml,
 )
 from pan2cli.resources import presets_dir
 
@@ -195,12 +197,25 @@ def test_name_key_is_unknown(tmp_path: Path) -> None:
     assert info.value.hint == "the preset name is the file name"
 
 
-@pytest.mark.parametrize("key", list(VALID))
+@pytest.mark.parametrize("key", [key for key in VALID if key not in OPTIONAL_KEYS])
 def test_missing_key_names_it(tmp_path: Path, key: str) -> None:
     path = write_preset(tmp_path, drop=(key,))
     with pytest.raises(InputError, match=f"missing key '{key}'") as info:
         load_preset(path)
     assert str(path) in str(info.value)
+
+
+def test_a_preset_without_flow_shift_leaves_it_to_the_checkpoint(tmp_path: Path) -> None:
+    """Issue 27: a preset sets the shift only where it says so; `show` writes the key as a comment, and the
+    file it prints loads back the same."""
+    preset = load_preset(write_preset(tmp_path, drop=("flow_shift",)))
+    assert preset.flow_shift is None and OPTIONAL_KEYS == ("flow_shift", "precision")
+    text = preset_to_toml(preset)
+    assert "# flow_shift: not set (the checkpoint's scheduler config decides)" in text
+    (tmp_path / "again.toml").write_text(text)
+    assert (
+        dataclasses.replace(load_preset(tmp_path / "again.toml"), name="mine", source=preset.source) == preset
+    )
 
 
 @pytest.mark.parametrize(
@@ -216,7 +231,7 @@ def test_missing_key_names_it(tmp_path: Path, key: str) -> None:
         ("height", 0, "positive multiple of 32"),
         ("width", -32, "positive multiple of 32"),
         ("width", 1248.0, "must be an integer"),
-        ("fps", 0, "must be > 0"),
+        ("fps", 0, "must be a number from 0.01 to 1000"),
         ("fps", "24", "must be a number"),
         ("steps", 0, "must be >= 1"),
         ("guidance", 0.0, "finite number > 0"),

@@ -89,9 +89,9 @@ def test_cli_writes_mp4_and_sidecar(tiny_pan2, run_cli, tmp_path):
     assert (
         side["model"] == str(tiny_pan2.resolve())
         and side["pan2cli_version"]
-        and side["overrides"]["steps"] == 2
+        and side["overrides"]["steps"] == {"value": 2, "from": "--steps"}
     )
-    assert {"text_encoding", "denoising", "decode"} <= set(side["seconds"])
+    assert set(side["seconds"]) == {"text_encoding", "denoising", "decode", "write"}
     assert side["attention"] == "cpu"  # the SDPA backend of the denoising: torch's own choice on the CPU
 
 
@@ -194,6 +194,11 @@ def test_cli_offload_and_image_to_video_end_to_end(tiny_pan2, generator, start_i
     )
     assert res.exit_code == 0, res.stderr
     assert _mp4_frames(out).shape == (5, 64, 96, 3)
+    # Issue 27: --offload on the CPU runs (the same frames) but changes nothing there, and one line says so
+    warnings = [line for line in res.stderr.splitlines() if line.startswith("Warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith("Warning: --offload changes nothing on the CPU"), (
+        res.stderr
+    )
     side = json.loads((tmp_path / "door.json").read_text())
     assert side["image"] == str(start_image) and side["config"]["offload"] is True
     saved = torch.load(tmp_path / "door.latents.pt", weights_only=True)["latents"]
@@ -300,7 +305,7 @@ def test_prompt_file_batch_skip_existing_and_failures(tiny_pan2, run_cli, tmp_pa
     again.mkdir()
     res = run_cli("generate", "--prompts", prompts, "--model", tiny_pan2, *CLI_SMALL, "-o", again)
     assert res.exit_code == 1
-    assert "Error: 001_dog-run failed: simulated failure" in res.stderr
+    assert f"Error: {prompts}: prompt 1 (001_dog-run) failed: simulated failure" in res.stderr
     assert "1 prompt(s) failed" in res.stderr
     assert sorted(p.name for p in again.glob("*.mp4")) == [
         "000_a-cat-jumps.mp4",
@@ -373,6 +378,10 @@ def _broken_repo(tiny_pan2, tmp_path, case):
         ("tokenizer without a chat template", "chat template"),
         ("empty prompt", "prompt is empty"),
         ("unreadable image", "could not be read as an image"),
+        (
+            "1x1 start image",
+            "is 1x1 pixels: a start image needs at least 16x16",
+        ),  # issue 27: was taken silently
         ("frames not 1 mod 4", "must be 1 + 4*k"),
         ("size not multiple of 32", "multiple of 32"),
     ],
@@ -395,6 +404,10 @@ def test_bad_input_exits_2_with_one_error_line_and_no_file(case, message, tiny_p
         bad = tmp_path / "bad.png"
         bad.write_text("not an image")
         args += ["--image", bad]
+    elif case == "1x1 start image":
+        dot = tmp_path / "dot.png"
+        iio.imwrite(dot, np.zeros((1, 1, 3), np.uint8))
+        args += ["--image", dot]
     out = tmp_path / "x.mp4"
     small = list(CLI_SMALL)
     if case == "frames not 1 mod 4":
@@ -450,3 +463,265 @@ def test_duration_sets_the_nearest_1_plus_4k_frames(duration, fps, frames):
     assert preset.fps == 24
     settings = settings_with(preset, {"prompt": "a cat", "duration": duration, "fps": fps})
     assert settings.frames == frames and settings.fps == (fps or 24.0)
+
+
+# Issue 27: what a new user hit with `pan2 generate`, and the options whose values no test followed.
+
+
+def test_bad_records_are_reported_with_file_and_number_and_the_others_run(tiny_pan2, run_cli, tmp_path):
+    """One unreadable `image` (or any bad record) stopped the whole batch before it started, named as `--image`, a
+    flag the user never passed. Each bad record is now reported with the file and its number, the good ones are
+    made, exit 1 at the end. The file is JSON Lines: one record per line, one of them no JSON."""
+    (tmp_path / "corrupt.png").write_text("not an image")
+    prompts = tmp_path / "midfail.jsonl"
+    prompts.write_text(
+        '"ok one"\n{"prompt": "bad img", "image": "corrupt.png"}\n{not json\n\n5\n{"prompt": "ok two", "seed": 4}\n'
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    res = run_cli("generate", "--prompts", prompts, "--model", tiny_pan2, *CLI_SMALL, "--steps", 1, "-o", out)
+    assert res.exit_code == 1, res.stderr
+    assert sorted(p.name for p in out.glob("*.mp4")) == ["000_ok-one.mp4", "004_ok-two.mp4"]
+    assert json.loads((out / "004_ok-two.json").read_text())["seed"] == 4
+    # the records the file itself rules out, then the one whose image fails its check, then the summary
+    errors = [line for line in res.stderr.splitlines() if line.startswith("Error:")]
+    assert errors[0].startswith(
+        f"Error: {prompts}: prompt 2 (line 3) is not valid JSON: Expecting property name"
+    )
+    assert (
+        errors[1]
+        == f"Error: {prompts}: prompt 3 (line 5) is an integer (5); expected a string or an object with 'prompt'"
+    )
+    assert errors[2].startswith(
+        f"Error: {prompts}: prompt 1 (001_bad-img): 'image' {tmp_path / 'corrupt.png'} could not be read as an image"
+    )
+    assert errors[3] == "Error: 3 prompt(s) failed (see above)"
+    assert len(errors) == 4 and "--image" not in res.stderr
+    assert "2 video(s) written, 0 skipped, 3 failed." in res.stderr
+
+
+def test_prompt_file_formats(tmp_path):
+    """Issue 27: `.jsonl` files failed with "Extra data" and no hint. JSON Lines by suffix (`.jsonl`, `.ndjson`), or
+    when a JSON-looking file holds one value per line; JSON by `.json` or a leading `[`/`{`; plain text else."""
+    from pan2cli.pipeline.prompts import read_prompt_file
+
+    def prompts(name: str, text: str) -> list[str]:
+        path = tmp_path / name
+        path.write_text(text)
+        records, _ = read_prompt_file(path)
+        return [r.prompt if r.problem is None else f"! {r.problem}" for r in records]
+
+    lines = '{"prompt": "a cat"}\n\n"a dog"\n'
+    assert prompts("p.jsonl", lines) == prompts("p.ndjson", lines) == ["a cat", "a dog"]
+    assert prompts("p.json", lines) == prompts("p.txt", lines) == ["a cat", "a dog"]  # one value per line
+    assert prompts("one.jsonl", '{"prompt": "a cat"}\n') == [
+        "a cat"
+    ]  # one record, not a file of {"prompts": ...}
+    assert prompts("p.json", '{"prompts": ["a cat", {"prompt": "a dog"}]}') == ["a cat", "a dog"]
+    assert prompts("p.txt", "# a comment\na cat\n[not json] a dog\n") == ["a cat", "[not json] a dog"]
+    assert prompts("p.jsonl", '"a cat"\n[1, 2]\ntrue\n') == [
+        "a cat",
+        f"! {tmp_path / 'p.jsonl'}: prompt 1 (line 2) is a list; expected a string or an object with 'prompt'",
+        f"! {tmp_path / 'p.jsonl'}: prompt 2 (line 3) is a boolean (True); expected a string or an object with 'prompt'",
+    ]
+    with pytest.raises(InputError, match="is not valid JSON") as info:
+        prompts("bad.json", '[{"prompt": "a cat"},\n')  # the whole file is one document: nothing to run
+    assert ".jsonl" in info.value.hint
+
+
+@pytest.mark.parametrize(
+    ("prompt", "name"),
+    [
+        ("A cat, jumping!", "a-cat-jumping.mp4"),  # Latin slugs as before
+        ("日本語の猫", "日本語の猫.mp4"),  # letters of every script are kept
+        ("Café au lait", "café-au-lait.mp4"),
+    ],
+)
+def test_default_names_keep_the_words_of_the_prompt(prompt, name, tmp_path, monkeypatch):
+    from pan2cli.cli.generate import _jobs
+    from pan2cli.presets import load_preset
+
+    monkeypatch.chdir(tmp_path)
+    (job,), *_ = _jobs(prompt, None, None, load_preset("pan2-5s"), {}, False, False, False, 17, 1, 0)
+    assert job.output == tmp_path / name
+
+
+def test_default_names_stay_distinct_for_any_prompt(tmp_path, monkeypatch):
+    """Issue 27: prompts without Latin letters all defaulted to `video.mp4`, the second run failing with "already
+    exists". A slug that is empty, or cut at 48 characters, ends in 8 hex digits of the prompt's SHA-256."""
+    import re
+
+    from pan2cli.cli.generate import _jobs
+    from pan2cli.presets import load_preset
+
+    monkeypatch.chdir(tmp_path)
+    long = "a cat walks along the old harbour wall at dawn while the gulls "
+    prompts = ["日本語の猫", "日本語の犬", "!!!", "???", "🐱", long + "circle", long + "scream"]
+    names = [
+        _jobs(prompt, None, None, load_preset("pan2-5s"), {}, False, False, False, 17, 1, 0)[0][0].output.name
+        for prompt in prompts
+    ]
+    assert len(set(names)) == len(prompts), names
+    assert all(re.fullmatch(r"video-[0-9a-f]{8}\.mp4", name) for name in names[2:5]), names
+    assert all(
+        re.fullmatch(r"a-cat-walks-along-the-old-harbour-wall-[0-9a-f]{8}\.mp4", n) for n in names[5:]
+    ), names
+
+
+def test_sidecars_tell_what_ran(tiny_pan2, start_image, run_cli, tmp_path, monkeypatch):
+    """Issue 27: a file preset by its absolute path (its stem is no preset `--preset` takes); overrides from the
+    flags and the record, each with where it came from (the record's replacing `--frames`); the start image by its
+    absolute path; the processes; the DiT kernels and decoder that ran (not `dit_fused_kernels: true` on the CPU);
+    each video's own stage seconds, `write` included, and the loads shared by the batch said once, as shared."""
+    from pan2cli.presets import load_preset, preset_to_toml
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my.toml").write_text(preset_to_toml(load_preset("pan2-5s")))
+    shutil.copy(start_image, tmp_path / "start.png")
+    (tmp_path / "prompts.json").write_text(
+        json.dumps([{"prompt": "the door opens", "image": "start.png", "seed": 7, "duration": 0.2}, "a cat"])
+    )
+    (tmp_path / "out").mkdir()
+    res = run_cli(
+        "generate", "--prompts", "prompts.json", "--model", tiny_pan2, "--preset", "my.toml", "--steps", 1,
+        "--frames", 9, "--size", "64x96", "--device", "cpu", "--revision", "v1", "-o", "out",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.stderr
+    assert f"Warning: --revision v1 is ignored: --model {tiny_pan2} is a local path" in res.stderr
+    door, cat = (
+        json.loads((tmp_path / "out" / name).read_text())
+        for name in ("000_the-door-opens.json", "001_a-cat.json")
+    )
+    assert door["preset"] == cat["preset"] == str(tmp_path / "my.toml")
+    flags = {"steps": (1, "--steps"), "height": (64, "--size"), "width": (96, "--size")}
+    record = {"seed": 7, "image": str(tmp_path / "start.png"), "duration": 0.2}
+    assert door["overrides"] == {
+        **{name: {"value": value, "from": source} for name, (value, source) in flags.items()},
+        **{name: {"value": value, "from": "record"} for name, value in record.items()},
+    }
+    assert cat["overrides"] == {
+        **{name: {"value": value, "from": source} for name, (value, source) in flags.items()},
+        "frames": {"value": 9, "from": "--frames"},
+    }
+    assert (door["frames"], cat["frames"]) == (5, 9)  # 0.2 s at 24 fps
+    assert door["image"] == str(tmp_path / "start.png") and door["prompts_file"] == str(
+        tmp_path / "prompts.json"
+    )
+    assert door["processes"] == {"count": 1}
+    assert door["ran"] == {"dit_fused_kernels": False, "decoder": "reference"}
+    assert set(door["seconds"]) == {"text_encoding", "image_encoding", "denoising", "decode", "write"}
+    assert set(cat["seconds"]) == {"text_encoding", "denoising", "decode", "write"}
+    assert door["shared_loads"] == {
+        **cat["shared_loads"],
+        "load_vae_encoder": door["shared_loads"]["load_vae_encoder"],
+    }
+    assert {name: load["videos"] for name, load in door["shared_loads"].items()} == {
+        "load_text_encoder": 2, "load_vae_encoder": 1, "load_transformer": 2, "load_vae_decoder": 2,
+    }  # fmt: skip
+
+
+def test_the_sidecar_names_the_split_over_processes(monkeypatch):
+    """`processes` in the sidecar (`--gpus N`): a sharded batch names the rank that made the video; one video shared
+    by the ranks names the guidance passes' halves, the sequence split of each and the decode's row split."""
+    from types import SimpleNamespace
+
+    import pan2cli.pipeline.generator as generator_module
+    from pan2cli.config import settings_with
+    from pan2cli.presets import load_preset
+
+    generator = VideoGenerator(
+        SimpleNamespace(transformer_arguments={"num_attention_heads": 4}), RuntimeConfig(device="cpu")
+    )
+    monkeypatch.setattr(generator_module.distributed, "world_size", lambda: 4)
+    monkeypatch.setattr(generator_module.distributed, "rank", lambda: 3)
+    guided, unguided = (settings_with(load_preset("pan2-5s"), {"guidance": g}) for g in (2.5, 1.0))
+    assert generator._processes(guided) == {"count": 4, "split": "prompts", "rank": 3}
+    generator.ranks_share_jobs, generator.decode_rows_split = True, True
+    assert generator._processes(guided) == {
+        "count": 4, "split": "one video", "cfg_parallel": True, "sequence_parallel": [2, 2], "decode_rows_split": True,
+    }  # fmt: skip
+    monkeypatch.setattr(generator_module.distributed, "world_size", lambda: 3)
+    assert generator._processes(unguided)["sequence_parallel"] == [1]  # 4 heads do not split over 3 processes
+    assert generator._processes(guided)["sequence_parallel"] == [1, 2]
+
+
+def test_generate_crf_reaches_the_encoder(tiny_pan2, run_cli, tmp_path):
+    """Point 6 of issue 27: `--crf` reaches x264 (the bug: the default used instead): the same frames (same seed)
+    make a larger file at 0 than at 35."""
+    sizes = {}
+    for crf in (0, 35):
+        out = tmp_path / f"crf{crf}.mp4"
+        res = run_cli(
+            "generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "--steps", 1, "--crf", crf, "-o", out
+        )
+        assert res.exit_code == 0, res.stderr
+        sizes[crf] = out.stat().st_size
+    assert sizes[0] > sizes[35], sizes
+
+
+def test_generate_chunk_latent_frames_reaches_the_decoder(tiny_pan2, run_cli, tmp_path, monkeypatch):
+    """Point 6 of issue 27: `--chunk-latent-frames` reaches the decoder (the bug: the preset's 4 used instead): 4
+    latent frames (13 video frames) in chunks of 2 after the first reach the writer as 1, 8 and 4 frames."""
+    from pan2cli.video import VideoWriter
+
+    written = []
+    real_write = VideoWriter.write
+
+    def recording_write(self, frames):
+        written.append(frames.shape[0])
+        return real_write(self, frames)
+
+    monkeypatch.setattr(VideoWriter, "write", recording_write)
+    args = ("generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "--steps", 1, "--frames", 13)
+    res = run_cli(*args, "--chunk-latent-frames", 2, "-o", tmp_path / "two.mp4")
+    assert res.exit_code == 0, res.stderr
+    assert written == [1, 8, 4]
+    written.clear()
+    res = run_cli(*args, "-o", tmp_path / "preset.mp4")  # the preset's chunk, 4
+    assert res.exit_code == 0, res.stderr
+    assert written == [1, 12]
+
+
+def test_generate_quiet_prints_nothing_on_stderr(tiny_pan2, run_cli, tmp_path):
+    """Point 6 of issue 27: `-q` silences stderr (the bug: the option ignored, each video's line printed); the path
+    written is still on stdout."""
+    out = tmp_path / "q.mp4"
+    res = run_cli("generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "--steps", 1, "-q", "-o", out)
+    assert res.exit_code == 0
+    assert res.stderr == "" and res.stdout == f"{out}\n" and out.is_file()
+
+
+def test_generate_revision_reaches_the_hub(run_cli, tmp_path, monkeypatch):
+    """Point 6 of issue 27: `--revision` reaches the hub (the bug: the main branch asked for instead). The hub's
+    check records what it was asked and stops the run before any download."""
+    import pan2cli.pipeline.hub_check as hub_check
+    from pan2cli.errors import DownloadError
+
+    asked = []
+
+    def hub_components(repo_id, revision=None):
+        asked.append((repo_id, revision))
+        raise DownloadError("stopped before any download")
+
+    monkeypatch.setattr(hub_check, "hub_components", hub_components)
+    res = run_cli(
+        "generate",
+        "a cat",
+        "--model",
+        "org/pan2-test",
+        "--revision",
+        "v1.2",
+        "--device",
+        "cpu",
+        "-o",
+        tmp_path / "x.mp4",
+    )
+    assert res.exit_code == 1 and "Error: stopped before any download" in res.stderr
+    assert asked == [("org/pan2-test", "v1.2")]
+
+
+def test_generate_output_on_stdout_is_refused_with_a_hint(tiny_pan2, run_cli):
+    """Issue 27: `-o -` was told "pan2 generate writes MP4 files (.mp4)"; pan2 writes files, and says so."""
+    res = run_cli("generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "-o", "-")
+    assert res.exit_code == 2
+    assert res.stderr.splitlines()[0].startswith("Error: -o -: pan2 writes video to files, not to stdout")

@@ -1,6 +1,7 @@
 """The start image's preparation (pan2cli/pipeline/image.py) on hand-made PNGs with hand-written expected pixels.
 
-The release's recipe (../shared/docs/pan2_model.md §6): scale to cover H x W (sizes rounded, LANCZOS),
+The release's recipe (`prepare_condition_latents` in vllm-project/vllm-omni
+`vllm_omni/diffusion/models/pan2/pipeline_pan2.py`): scale to cover H x W (sizes rounded, LANCZOS),
 centre crop at `round((w − W)/2)`, `round((h − H)/2)`, pixels `/255·2 − 1` in RGB order. The pictures are
 made of flat colour bands, whose insides any resampling filter leaves exact, and of coordinate ramps
 that are cropped without resampling, so every expected value is written here by hand: a crop from the
@@ -120,3 +121,23 @@ def test_load_image_gives_rgb_from_rgba_grey_and_palette_files(tmp_path):
         image = load_image(tmp_path / name)
         assert image.mode == "RGB" and np.asarray(image)[0, 0].tolist() == [255, 0, 0], name
     assert np.asarray(load_image(tmp_path / "grey.png"))[1, 1].tolist() == [51, 51, 51]
+
+
+@pytest.mark.parametrize(
+    ("height", "width", "ok"), [(1, 1, False), (15, 64, False), (64, 15, False), (16, 16, True)]
+)
+def test_a_start_image_smaller_than_a_latent_pixel_is_refused(tmp_path, height, width, ok):
+    """Issue 27: a 1x1 start image was taken without a word (cover-resized into a flat first frame). Below 16 pixels
+    on a side (one latent pixel of the VAE) it holds no picture: bad input, named as the caller names the image."""
+    from pan2cli.errors import InputError
+    from pan2cli.pipeline.image import load_start_image
+
+    path = _png(tmp_path, np.zeros((height, width, 3), np.uint8) + np.array(SKY, np.uint8))
+    if ok:
+        assert load_start_image(path).size == (width, height)
+        return
+    with pytest.raises(
+        InputError, match=rf"^'image' {path} is {width}x{height} pixels: a start image needs at least 16x16"
+    ):
+        load_start_image(path, "'image'")
+    assert load_image(path).size == (width, height)  # the reader itself takes any size

@@ -208,6 +208,20 @@ def test_custom_object_inside_dict(tmp_path: Path) -> None:
     _raises(path, "holds objects other than plain tensors")
 
 
+def test_a_plain_pickle_gets_our_error_without_torchs_warning(tmp_path: Path) -> None:
+    """Issue 27: a file written by `pickle.dump` (protocol 4, not torch.save's 2) made torch print a two-line
+    UserWarning about the protocol before pan2's one-line error."""
+    import pickle
+    import warnings
+
+    path = tmp_path / "plain.pt"
+    path.write_bytes(pickle.dumps({"latents": 1}, protocol=4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _raises(path, "could not be read")
+    assert [str(w.message) for w in caught] == []
+
+
 def test_pickled_counter(tmp_path: Path) -> None:
     # weights_only=True allows Counter (a dict subclass), so this fails as a dict without latents.
     path = _save(tmp_path, collections.Counter(a=1, b=2))

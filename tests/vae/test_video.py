@@ -372,3 +372,35 @@ def test_mp4_writes_return_while_the_encoder_is_busy(tmp_path, monkeypatch):
     (tmp_path / "go").touch()
     writer.commit()
     assert (tmp_path / "out.mp4").read_bytes() == b"".join(c.numpy().tobytes() for c in chunks)
+
+
+@pytest.mark.parametrize("fmt", OUTPUT_FORMATS)
+def test_commit_keeps_a_file_that_appeared_while_writing(tmp_path: Path, fmt: str) -> None:
+    """Issue 27: the commit checks the target again: a file that appeared at the output path while the frames
+    were written is not replaced without `overwrite` (InputError, nothing of ours left), and is with it."""
+    path = tmp_path / f"clip.{fmt}"
+    frames = _gradient_frames(3, 16, 16)
+    with pytest.raises(InputError, match="already exists"):
+        with open_video_writer(path, fmt, fps=12.0) as writer:
+            writer.write(frames)
+            path.write_bytes(b"another run's file")
+    assert path.read_bytes() == b"another run's file" and _listing(tmp_path) == [path.name]
+    with open_video_writer(path, fmt, fps=12.0, overwrite=True) as writer:
+        writer.write(frames)
+    assert _listing(tmp_path) == [path.name] and (path.is_dir() or path.read_bytes() != b"another run's file")
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize(("fps", "beyond"), [(0.01, 0.0099), (1000.0, 1000.5)])
+def test_mp4_at_the_frame_rate_limits(tmp_path: Path, fps: float, beyond: float) -> None:
+    """Issue 27: the limits of `--fps` (pan2cli.outputs.MIN_FPS, MAX_FPS) are frame rates ffmpeg writes and reads
+    back; just beyond them the writer refuses before anything is written (1e-9 failed in ffmpeg at the end)."""
+    path = tmp_path / "clip.mp4"
+    write_video(_gradient_frames(5, 16, 16), path, "mp4", fps=fps)
+    back, stated = _read_mp4(path)
+    assert back.shape == (5, 16, 16, 3)
+    # ffmpeg states 1000 fps as "1k fps", which imageio's ffmpeg reader parses as 0 (PyAV reads 1000)
+    assert stated == pytest.approx(fps) or (fps == 1000 and stated == 0)
+    with pytest.raises(InputError, match="frames per second"):
+        open_video_writer(tmp_path / "other.mp4", "mp4", fps=beyond)
+    assert _listing(tmp_path) == ["clip.mp4"]

@@ -1,0 +1,106 @@
+"""`--precision bf16|fp8`: the option, its precedence (preset < flag), its refusal where fp8 cannot run, and the
+transformer loaded as fp8 (each block quantised as it is read)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from pan2cli.config import RuntimeConfig
+from pan2cli.errors import InputError
+from pan2cli.presets import load_preset, preset_to_toml
+
+CLI_SMALL = ("--size", "64x64", "--frames", 5, "--steps", 2, "--device", "cpu")
+
+
+def test_precision_is_a_checked_runtime_option():
+    assert RuntimeConfig().precision == "bf16"
+    assert RuntimeConfig(precision="fp8").precision == "fp8"
+    with pytest.raises(InputError, match="'precision' = 'fp16'.*bf16, fp8"):
+        RuntimeConfig(precision="fp16")
+    with pytest.raises(InputError, match="fp8 needs a CUDA GPU"):
+        RuntimeConfig(precision="fp8").check_precision(torch.device("cpu"))
+    with pytest.raises(InputError, match="fused DiT kernels"):
+        RuntimeConfig(precision="fp8", dit_fused_kernels=False).check_precision(torch.device("cpu"))
+    RuntimeConfig(precision="bf16").check_precision(torch.device("cpu"))  # nothing to check
+
+
+def test_a_preset_may_set_the_precision_and_shows_it(tmp_path):
+    shipped = load_preset("pan2-5s")
+    assert shipped.precision is None
+    assert "# precision: not set (bf16 unless --precision is given)" in preset_to_toml(shipped)
+    path = tmp_path / "fast.toml"
+    path.write_text(preset_to_toml(shipped).replace("# precision: not set", 'precision = "fp8"\n#'))
+    assert load_preset(path).precision == "fp8"
+    assert 'precision = "fp8"' in preset_to_toml(load_preset(path))
+    path.write_text(preset_to_toml(shipped).replace("# precision: not set", 'precision = "int4"\n#'))
+    with pytest.raises(InputError, match="'precision' = 'int4'"):
+        load_preset(path)
+
+
+def test_fp8_on_the_cpu_is_refused_before_anything_loads(tiny_pan2, run_cli, tmp_path, monkeypatch):
+    import pan2cli.pipeline.generator as generator
+
+    monkeypatch.setattr(generator.VideoGenerator, "_load_dit", lambda self: pytest.fail("the DiT loaded"))
+    out = tmp_path / "a.mp4"
+    res = run_cli("generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "--precision", "fp8", "-o", out)
+    assert res.exit_code == 2
+    assert "Error: --precision fp8: fp8 needs a CUDA GPU" in res.stderr and "--precision bf16" in res.stderr
+    assert not out.exists()
+
+
+def test_the_flag_wins_over_the_preset_and_the_sidecar_records_what_ran(tiny_pan2, run_cli, tmp_path):
+    preset = tmp_path / "fp8.toml"
+    preset.write_text(
+        preset_to_toml(load_preset("pan2-5s")).replace("# precision: not set", 'precision = "fp8"\n#')
+    )
+    res = run_cli(
+        "generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "--preset", preset, "-o", tmp_path / "a.mp4"
+    )
+    assert res.exit_code == 2 and "--precision fp8" in res.stderr  # the preset's fp8, refused on the CPU
+    out = tmp_path / "b.mp4"
+    res = run_cli(
+        "generate",
+        "a cat",
+        "--model",
+        tiny_pan2,
+        *CLI_SMALL,
+        "--preset",
+        preset,
+        "--precision",
+        "bf16",
+        "-o",
+        out,
+    )
+    assert res.exit_code == 0, res.stderr
+    import json
+
+    sidecar = json.loads(out.with_suffix(".json").read_text())
+    assert sidecar["config"]["precision"] == "bf16"
+    assert sidecar["ran"]["precision"] == "bf16" and sidecar["ran"]["fp8_attention"] is None
+
+
+def test_an_fp8_load_quantises_every_block_and_keeps_the_rest(tiny_pan2):
+    from pan2cli.dit.checkpoint import load_pan2_transformer
+    from pan2cli.dit.fp8 import Fp8Linear
+    from pan2cli.dit.fusions import set_fused_kernels
+
+    bf16 = load_pan2_transformer(tiny_pan2, subfolder="transformer", dtype=torch.float32)
+    fp8 = load_pan2_transformer(tiny_pan2, subfolder="transformer", dtype=torch.float32, precision="fp8")
+    assert fp8.precision == "fp8" and bf16.precision == "bf16"
+    for block in fp8.transformer_blocks:
+        assert isinstance(block.attn.to_q, Fp8Linear) and isinstance(block.ff_context.net[2], Fp8Linear)
+        assert block.norm1.linear.weight.dtype == torch.float32 and not block.norm1.linear.weight.is_meta
+    assert not any(t.is_meta for t in (*fp8.parameters(), *fp8.buffers()))
+    torch.testing.assert_close(fp8.proj_out.weight, bf16.proj_out.weight, rtol=0, atol=0)
+    set_fused_kernels(fp8, False)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 97, 2, 4, 4, generator=gen)
+    ctx = torch.randn(1, 3, bf16.config.text_embed_dim, generator=gen)
+    t = torch.tensor([500.0])
+    with torch.no_grad():
+        want, got = bf16(x, t, ctx), copy.deepcopy(fp8)(x, t, ctx)
+    error = float((got - want).norm() / want.norm())
+    assert 1e-4 < error < 0.1, error
