@@ -12,6 +12,7 @@ weights cannot be downloaded here; random weights tend to amplify rounding more 
    decoded uint8 videos.
 
     python3 scripts/fp8_accuracy.py --full --reduced --video --out accuracy.json
+    python3 scripts/fp8_accuracy.py --write-repo /tmp/reduced   # then: pan2 generate ... --model /tmp/reduced
 """
 
 from __future__ import annotations
@@ -98,10 +99,9 @@ def reduced() -> dict:
     return rows
 
 
-def video(steps: int) -> dict:
-    from pan2cli.config import RuntimeConfig
-    from pan2cli.frames import psnr
-    from pan2cli.pipeline import VideoGenerator
+def write_reduced_repo(root: Path) -> Path:
+    """A tiny random repository in the release's layout whose transformer is `REDUCED` (head_dim 128, as the
+    fp8 kernels want): scripts/make_tiny_pan2.py's tokenizer, text encoder, VAE and scheduler."""
     from pan2cli.pipeline.text import quiet_transformers
     from scripts.make_tiny_pan2 import (
         tiny_text_model,
@@ -112,20 +112,27 @@ def video(steps: int) -> dict:
         write_vae,
     )
 
+    with quiet_transformers():
+        tokenizer = write_tokenizer(root / "tokenizer")
+        write_text_encoder(root / "text_encoder", tiny_text_model(len(tokenizer), seed=0))
+    transformer = random_transformer(torch.device("cuda"), seed=3, **REDUCED).cpu()  # bf16, AdaLN float32
+    write_transformer(root / "transformer", transformer)
+    write_vae(root / "vae", seed=0)
+    write_scheduler_and_index(root, type(tokenizer).__name__)
+    return root
+
+
+def video(steps: int) -> dict:
+    from pan2cli.config import RuntimeConfig
+    from pan2cli.frames import psnr
+    from pan2cli.pipeline import VideoGenerator
+
     with tempfile.TemporaryDirectory(prefix="pan2-fp8-") as folder:
-        root = Path(folder)
-        with quiet_transformers():
-            tokenizer = write_tokenizer(root / "tokenizer")
-            write_text_encoder(root / "text_encoder", tiny_text_model(len(tokenizer), seed=0))
-        transformer = random_transformer(torch.device("cuda"), seed=3, **REDUCED).cpu()  # bf16, AdaLN float32
-        write_transformer(root / "transformer", transformer)
-        write_vae(root / "vae", seed=0)
-        write_scheduler_and_index(root, type(tokenizer).__name__)
+        root = write_reduced_repo(Path(folder))
         frames = {}
         for precision in ("bf16", "fp8"):
-            generator = VideoGenerator.from_pretrained(
-                root, config=RuntimeConfig(device="cuda", precision=precision)
-            )
+            config = RuntimeConfig(device="cuda", precision=precision, decode_kernel="off")
+            generator = VideoGenerator.from_pretrained(root, config=config)
             result = generator.generate(
                 "a red fox runs through the snow", preset="pan2-5s", steps=steps, frames=33, height=352, width=640,
             )  # fmt: skip
@@ -152,7 +159,13 @@ def main() -> None:
     parser.add_argument("--video", action="store_true")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--write-repo", type=Path, help="only write the reduced random repository there (for `pan2 generate`)"
+    )
     args = parser.parse_args()
+    if args.write_repo:
+        print(write_reduced_repo(args.write_repo))
+        return
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     if args.reduced:
         results["reduced_vs_float64"] = reduced()

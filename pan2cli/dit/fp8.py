@@ -39,6 +39,8 @@ from pan2cli.errors import Pan2Error
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+# The fp8 attention scales P (in [0, 1]) by 2**P_SHIFT before its e4m3 cast (pan2cli.dit.fp8_attention_kernel).
+P_SHIFT = 8
 # cuBLASLt's fast accumulation for the fp8 GEMMs (module docstring); read once, at import.
 FAST_ACCUMULATION = os.environ.get("PAN2_FP8_FAST_ACCUM", "1").strip() != "0"
 # cuBLASLt has no fast-accumulation kernel for a few rows (CUBLAS_STATUS_NOT_SUPPORTED at 12, the negative

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pan2cli.dit.fp8 import E4M3_MAX, FP8, Fp8Activation, qk_bound, quantize_with_scales
+from pan2cli.dit.fp8 import E4M3_MAX, FP8, P_SHIFT, Fp8Activation, qk_bound, quantize_with_scales
 from pan2cli.dit.fusions import qk_norm_rope
 
 ENV_FP8_ATTENTION = "PAN2_FP8_ATTENTION"  # "cudnn" or "triton"; unset: cuDNN where it runs, else Triton
@@ -58,8 +58,6 @@ def attention_reference(
     q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, qk_descale: float, v_descale: torch.Tensor
 ) -> torch.Tensor:
     """Emulation of `fp8_attention` on `[B, S, H, D]` e4m3 inputs (v8 not transposed) → `[B, S, H, D]` float32."""
-    from pan2cli.dit.fp8_attention_kernel import P_SHIFT
-
     q, k, v = (t.float().transpose(1, 2) for t in (q8, k8, v8))  # [B, H, S, D]
     scores = (q @ k.transpose(-1, -2)) * (qk_descale / math.sqrt(q.shape[-1]))
     p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))

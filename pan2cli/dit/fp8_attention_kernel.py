@@ -31,10 +31,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from pan2cli.dit.fp8 import P_SHIFT
 from pan2cli.triton_support import triton_interpreting
 
-# P is scaled by 2**P_SHIFT before its cast to e4m3 (module docstring).
-P_SHIFT = 8
 FP8 = torch.float8_e4m3fn
 
 

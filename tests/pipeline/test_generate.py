@@ -608,7 +608,12 @@ def test_sidecars_tell_what_ran(tiny_pan2, start_image, run_cli, tmp_path, monke
         tmp_path / "prompts.json"
     )
     assert door["processes"] == {"count": 1}
-    assert door["ran"] == {"dit_fused_kernels": False, "decoder": "reference"}
+    assert door["ran"] == {
+        "dit_fused_kernels": False,
+        "decoder": "reference",
+        "precision": "bf16",
+        "fp8_attention": None,
+    }
     assert set(door["seconds"]) == {"text_encoding", "image_encoding", "denoising", "decode", "write"}
     assert set(cat["seconds"]) == {"text_encoding", "denoising", "decode", "write"}
     assert door["shared_loads"] == {
