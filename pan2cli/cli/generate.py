@@ -325,9 +325,10 @@ def _jobs(
     type=click.Choice(PRECISIONS),
     default=None,
     help="The DiT's arithmetic. bf16: as released. fp8: e4m3 linears and attention in the 44 blocks (weights "
-    "quantised at load, activations per token), 1.5x faster per step at 5 s of video on an H200 and 43 GiB "
-    "instead of 67, but lossy (docs/BENCHMARKS.md has the errors); needs a GPU with fp8 tensor cores (Ada, "
-    "Hopper, Blackwell).  [default: the preset's, else bf16]",
+    "quantised at load, activations per token): a step of 5 s of video in 2.69 s instead of 4.31 s on an H200, "
+    "44 GiB instead of 67, but lossy: one forward's velocity 12.6 % off bf16's (relative RMS, random weights) "
+    "with cuDNN's fp8 attention, 5.0 % with PAN2_FP8_ATTENTION=triton (docs/BENCHMARKS.md). Needs a GPU with "
+    "fp8 tensor cores (Ada, Hopper, Blackwell).  [default: the preset's, else bf16]",
 )
 @dtype_option
 @device_option
@@ -374,8 +375,8 @@ def generate_command(
     guidance, the Wan2.2 VAE decode. Settings come from the preset; options override them. Each video
     is written as an MP4 with a JSON sidecar (settings, model, seconds per stage); the paths are
     printed on stdout. With --prompts, a failing prompt is reported and the batch goes on (exit 1 at
-    the end if any failed). On one H200 a denoising step takes about 4.4 s for 5 s of video, 12 s for
-    10 s and 38 s for 20 s (50 steps: about 4, 10 and 31 minutes).
+    the end if any failed). On one H200 a denoising step takes about 4.3 s for 5 s of video, 12 s for
+    10 s and 37 s for 20 s (50 steps: about 4, 10 and 31 minutes); with --precision fp8 2.7, 7.9 and 24 s.
 
     Seeds: the initial noise is drawn as IFM's vLLM-Omni runner and the diffusers reference draw it (float32,
     from a generator on the device that runs the model; --generator-device picks another) and the prompt
