@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,6 +24,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_conv_kernel import _time  # noqa: E402  (median ms, CUDA events, after a warm-up)
 
 from pan2cli.dit.fp8 import E4M3_MAX, FP8  # noqa: E402
 from pan2cli.dit.fp8_attention_kernel import CONFIGS, fp8_attention, padded_keys  # noqa: E402
@@ -46,21 +48,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-cudnn-fp8", action="store_true")
     parser.add_argument("--out", type=Path)
     return parser.parse_args()
-
-
-def timed(fn, repeats: int) -> float:
-    """Median milliseconds of `fn()` over `repeats` after one warm-up call (CUDA events)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def reference_rows(q, k, v, rows: int) -> torch.Tensor:
@@ -115,7 +102,7 @@ def main() -> None:
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
 
-        row["cudnn_bf16_ms"] = timed(bf16, args.repeats)
+        row["cudnn_bf16_ms"] = _time(bf16, args.repeats)
         row["cudnn_bf16_err"] = rel_rms(bf16().transpose(1, 2)[:, : args.check_rows], want)
         bound = math.sqrt(HEAD_DIM)  # unit RMSNorm weights: every element ≤ √D
         q8 = (q.float() * (E4M3_MAX / bound)).to(FP8)
@@ -124,11 +111,11 @@ def main() -> None:
         v_flat = v.reshape(1, s, HEADS * HEAD_DIM)
         v_t = torch.empty(1, HEADS, HEAD_DIM, padded_keys(s), dtype=FP8, device=device)
         v_descale = torch.empty(HEADS, device=device)
-        row["values_fp8_ms"] = timed(lambda: values_fp8([v_flat], HEADS, v_t, v_descale), args.repeats)
+        row["values_fp8_ms"] = _time(lambda: values_fp8([v_flat], HEADS, v_t, v_descale), args.repeats)
         for config in configs:
             name = "triton_fp8_" + "x".join(map(str, config))
             try:
-                row[name + "_ms"] = timed(
+                row[name + "_ms"] = _time(
                     lambda: fp8_attention(q8, k8, v_t, qk_descale, v_descale, config=config), args.repeats
                 )
                 got = fp8_attention(q8, k8, v_t, qk_descale, v_descale, config=config)
@@ -140,7 +127,7 @@ def main() -> None:
                 v8 = torch.empty(1, s, HEADS, HEAD_DIM, dtype=FP8, device=device)
                 v_descale_t = torch.empty(HEADS, device=device)
                 values_fp8([v_flat], HEADS, v8, v_descale_t, transposed=False, per_tensor=True)
-                row["cudnn_fp8_ms"] = timed(
+                row["cudnn_fp8_ms"] = _time(
                     lambda: cudnn_fp8_attention(q8, k8, v8, qk_descale, v_descale_t), args.repeats
                 )
                 o8, o_descale = cudnn_fp8_attention(q8, k8, v8, qk_descale, v_descale_t)

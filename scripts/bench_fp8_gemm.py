@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,25 +21,15 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_conv_kernel import _time  # noqa: E402  (median ms, CUDA events, after a warm-up)
 
 from pan2cli.dit import fusions  # noqa: E402
 from pan2cli.dit.fp8 import Fp8Linear  # noqa: E402
 
+REPEATS = 10
 SHAPES = {"qkvo": (4096, 4096), "fc1": (4096, 32768), "fc2": (32768, 4096)}
-
-
-def timed(fn, repeats: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -66,7 +55,7 @@ def main() -> None:
             ("bf16", lambda: F.linear(x, linear.weight, linear.bias)),
             ("fp8", lambda: fp8(x)),
         ):
-            row[f"{variant}_ms"] = round(timed(fn), 3)
+            row[f"{variant}_ms"] = round(_time(fn, REPEATS), 3)
             got = fn()[:1024].float()
             row[f"{variant}_err"] = round(float((got - want).norm() / want.norm()), 5)
         activation = fp8.quantize_input(x)
@@ -79,7 +68,7 @@ def main() -> None:
             )  # fmt: skip
 
         for variant, fast in (("fp8_gemm_only", False), ("fp8_fast_accum", True)):
-            row[f"{variant}_ms"] = round(timed(lambda: scaled(fast)), 3)
+            row[f"{variant}_ms"] = round(_time(lambda: scaled(fast), REPEATS), 3)
             row[f"{variant}_err"] = round(float((scaled(fast)[:1024].float() - want).norm() / want.norm()), 5)
         for key in [k for k in row if k.endswith("_ms")]:
             row[key[:-3] + "_tflops"] = round(2 * rows * k * n / row[key] / 1e9)
@@ -87,15 +76,15 @@ def main() -> None:
         print(name, json.dumps(row), flush=True)
     x = torch.randn(1, rows, 4096, device=device, generator=gen).bfloat16()
     mod = torch.randn(1, 1, 4096, device=device, generator=gen) * 0.1
-    ms = timed(lambda: fusions.layer_norm_modulate(x, mod, mod, eps=1e-6, fused=True, quantize=True))
+    ms = _time(lambda: fusions.layer_norm_modulate(x, mod, mod, eps=1e-6, fused=True, quantize=True), REPEATS)
     results["layer_norm_modulate_fp8_gbps"] = round(rows * 4096 * 3 / ms / 1e6)
-    ms_bf16 = timed(lambda: fusions.layer_norm_modulate(x, mod, mod, eps=1e-6, fused=True))
+    ms_bf16 = _time(lambda: fusions.layer_norm_modulate(x, mod, mod, eps=1e-6, fused=True), REPEATS)
     results["layer_norm_modulate_bf16_gbps"] = round(rows * 4096 * 4 / ms_bf16 / 1e6)
     h = torch.randn(rows, 32768, device=device, generator=gen).bfloat16()
-    ms = timed(lambda: fusions.gelu_quantize(h, fused=True))
+    ms = _time(lambda: fusions.gelu_quantize(h, fused=True), REPEATS)
     results["gelu_quantize_ms"] = round(ms, 3)
     results["gelu_quantize_gbps"] = round(rows * 32768 * 3 / ms / 1e6)
-    ms = timed(lambda: F.gelu(h, approximate="tanh"))
+    ms = _time(lambda: F.gelu(h, approximate="tanh"), REPEATS)
     results["gelu_bf16_eager_ms"] = round(ms, 3)
     print(json.dumps({k: v for k, v in results.items() if k != "gemms"}), flush=True)
     if args.out:
