@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_conv_kernel import _time  # noqa: E402  (median ms, CUDA events, after a warm-up)
 
 from pan2cli.dit import fusions  # noqa: E402
-from pan2cli.dit.fp8 import Fp8Linear  # noqa: E402
+from pan2cli.dit.fp8 import Fp8Linear, quantize_rows  # noqa: E402
 
 REPEATS = 10
 SHAPES = {"qkvo": (4096, 4096), "fc1": (4096, 32768), "fc2": (32768, 4096)}
@@ -81,7 +81,7 @@ def main() -> None:
     ms_bf16 = _time(lambda: fusions.layer_norm_modulate(x, mod, mod, eps=1e-6, fused=True), REPEATS)
     results["layer_norm_modulate_bf16_gbps"] = round(rows * 4096 * 4 / ms_bf16 / 1e6)
     h = torch.randn(rows, 32768, device=device, generator=gen).bfloat16()
-    ms = _time(lambda: fusions.gelu_quantize(h, fused=True), REPEATS)
+    ms = _time(lambda: quantize_rows(h, fused=True, gelu=True), REPEATS)
     results["gelu_quantize_ms"] = round(ms, 3)
     results["gelu_quantize_gbps"] = round(rows * 32768 * 3 / ms / 1e6)
     ms = _time(lambda: F.gelu(h, approximate="tanh"), REPEATS)

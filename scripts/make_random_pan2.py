@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pan2cli.dit.checkpoint import keeps_fp32, save_pan2_transformer  # noqa: E402
 from pan2cli.dit.model import PAN2Transformer3DModel  # noqa: E402
+from pan2cli.dit.quantize import Fp8Policy, quantize_block  # noqa: E402
 from pan2cli.pipeline.text import quiet_transformers  # noqa: E402
 from pan2cli.vae.config import WanVAEConfig  # noqa: E402
 from scripts.make_tiny_pan2 import write_scheduler_and_index, write_tokenizer, write_vae  # noqa: E402
@@ -60,19 +61,22 @@ def random_transformer(
         param.data = torch.empty_like(
             param, dtype=torch.float32 if keeps_fp32(name) else dtype, device="meta"
         )
-    parts = [module for name, module in model.named_children() if name != "transformer_blocks"]
-    parts += list(model.transformer_blocks)
-    for index, part in enumerate(parts):
+    others = [module for name, module in model.named_children() if name != "transformer_blocks"]
+    for index, part in enumerate(others):
         part.to_empty(device=device)
         _randomise(part, device, seed + index)
-        if precision == "fp8" and part in model.transformer_blocks:
-            from pan2cli.dit.quantize import Fp8Policy, quantize_block
-
-            policy = policy or Fp8Policy()
-            if index - (len(parts) - len(model.transformer_blocks)) not in policy.bf16_blocks:
-                quantize_block(part, policy)
+    policy = policy or Fp8Policy()
+    for index, block in enumerate(model.transformer_blocks):
+        block.to_empty(device=device)
+        _randomise(block, device, seed + len(others) + index)
+        if precision == "fp8" and index not in policy.bf16_blocks:
+            quantize_block(block, policy)
     embedding = torch.empty(model.context_type_embedding.shape, dtype=dtype, device=device)
-    embedding.normal_(0.0, 0.02, generator=torch.Generator(device).manual_seed(seed + len(parts)))
+    embedding.normal_(
+        0.0,
+        0.02,
+        generator=torch.Generator(device).manual_seed(seed + len(others) + len(model.transformer_blocks)),
+    )
     model.context_type_embedding = torch.nn.Parameter(embedding, requires_grad=False)
     model.precision = precision
     return model.eval().requires_grad_(False)

@@ -56,6 +56,11 @@ class Fp8Activation(NamedTuple):
     data: torch.Tensor
     scale: torch.Tensor
 
+    @property
+    def shape(self) -> torch.Size:
+        """The activation's shape (the data's), so that code reads the shape of quantised and plain activations alike."""
+        return self.data.shape
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.data.to(dtype) * self.scale.to(dtype)[..., None]
 
@@ -113,6 +118,30 @@ def quantize_rows_reference(x: torch.Tensor, *, per_tensor: bool = False) -> Fp8
     else:
         scale = row_scales(x)
     return Fp8Activation(quantize_with_scales(x, scale), scale)
+
+
+def quantize_rows(x: torch.Tensor, *, fused: bool, gelu: bool = False) -> Fp8Activation:
+    """x `[..., K]` (of GELU-tanh(x) with `gelu`: the MLP between fc1 and fc2) quantised per row to e4m3.
+
+    Args:
+        x: `[..., K]`, K ≤ 32768 for the fused kernel.
+        fused: one pass of the Triton kernel (`quantize_rows_kernel.py`) instead of the PyTorch reference
+            (GELU in float32, then `quantize_rows_reference`).
+        gelu: apply GELU (tanh approximation) first.
+    """
+    if not fused:
+        if gelu:
+            x = torch.nn.functional.gelu(
+                x.double() if x.dtype == torch.float64 else x.float(), approximate="tanh"
+            )
+        return quantize_rows_reference(x)
+    from pan2cli.dit.quantize_rows_kernel import quantize_rows_fp8
+
+    rows = x.reshape(-1, x.shape[-1])
+    data = torch.empty(rows.shape, dtype=FP8, device=x.device)
+    scale = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+    quantize_rows_fp8(rows, data, scale, gelu=gelu)
+    return Fp8Activation(data.view(x.shape), scale.view(x.shape[:-1]))
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,15 +216,7 @@ class Fp8Linear(nn.Module):
     def quantize_input(self, x: torch.Tensor) -> Fp8Activation:
         if self.input_scaling == "tensor":
             return quantize_rows_reference(x, per_tensor=True)
-        if x.is_cuda:
-            from pan2cli.dit.quantize_rows_kernel import quantize_rows_fp8
-
-            rows = x.reshape(-1, x.shape[-1])
-            data = torch.empty(rows.shape, dtype=FP8, device=x.device)
-            scale = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
-            quantize_rows_fp8(rows, data, scale)
-            return Fp8Activation(data.view(x.shape), scale.view(x.shape[:-1]))
-        return quantize_rows_reference(x)
+        return quantize_rows(x, fused=x.is_cuda)
 
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         if not isinstance(x, Fp8Activation):

@@ -94,8 +94,8 @@ def fp8_attention_backend() -> tuple[str, str | None]:
 def joint_attention_fp8(attn, x, ctx, cos: torch.Tensor, sin: torch.Tensor, fused: bool):
     """`PAN2Attention.forward` with fp8 Q/K/V and attention (module docstring) → (video out, text out)."""
     scales: Fp8AttentionScales = attn.fp8_scales
-    batch, n_video = (x.data if isinstance(x, tuple) else x).shape[:2]
-    n_text = (ctx.data if isinstance(ctx, tuple) else ctx).shape[1]
+    batch, n_video = x.shape[:2]
+    n_text = ctx.shape[1]
     heads = (attn.heads, attn.head_dim)
     q_video, k_video = attn.to_q(x).view(batch, n_video, *heads), attn.to_k(x).view(batch, n_video, *heads)
     q_text, k_text = (

@@ -21,19 +21,25 @@ from pan2cli.triton_support import triton_interpreting
 
 
 @triton.jit
+def _head_tile(V, n_tokens, stride_batch, stride_token, BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """This program's `[BLOCK_T, HEAD_DIM]` tile of V (grid: token block, head, batch; rows past `n_tokens`
+    read as 0) → (tile, its token indices, head, batch)."""
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = batch.to(tl.int64) * stride_batch + tokens.to(tl.int64) * stride_token
+    cols = head * HEAD_DIM + tl.arange(0, HEAD_DIM)
+    v = tl.load(V + rows[:, None] + cols[None, :], mask=(tokens < n_tokens)[:, None], other=0.0)
+    return v, tokens, head, batch
+
+
+@triton.jit
 def _head_amax_kernel(
     V, AMAX, n_tokens, stride_batch, stride_token,
     BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
-    block = tl.program_id(0)
-    head = tl.program_id(1)
-    batch = tl.program_id(2)
-    tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = head * HEAD_DIM + tl.arange(0, HEAD_DIM)
-    ok = (tokens < n_tokens)[:, None]
-    rows = batch.to(tl.int64) * stride_batch + tokens.to(tl.int64) * stride_token
-    v = tl.load(V + rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    magnitude = tl.abs(v)
+    v, _, head, _ = _head_tile(V, n_tokens, stride_batch, stride_token, BLOCK_T, HEAD_DIM)
+    magnitude = tl.abs(v.to(tl.float32))
     magnitude = tl.where(magnitude == magnitude, magnitude, float("inf"))  # NaN → Inf
     tl.atomic_max(AMAX + head, tl.max(tl.max(magnitude, axis=1), axis=0))
 
@@ -44,18 +50,11 @@ def _quantize_values_kernel(
     stride_out_batch, stride_out_head, stride_out_dim, stride_out_token,
     BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
-    block = tl.program_id(0)
-    head = tl.program_id(1)
-    batch = tl.program_id(2)
-    tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
-    dims = tl.arange(0, HEAD_DIM)
-    rows = batch.to(tl.int64) * stride_batch + tokens.to(tl.int64) * stride_token
-    v = tl.load(
-        V + rows[:, None] + (head * HEAD_DIM + dims)[None, :], mask=(tokens < n_tokens)[:, None], other=0.0
-    )
+    v, tokens, head, batch = _head_tile(V, n_tokens, stride_batch, stride_token, BLOCK_T, HEAD_DIM)
     amax = tl.load(AMAX + head)
     inverse = tl.where(amax > 0.0, 448.0 / tl.maximum(amax, 1e-30), 1.0)
     v8 = tl.minimum(tl.maximum(v.to(tl.float32) * inverse, -448.0), 448.0).to(OUT.dtype.element_ty)
+    dims = tl.arange(0, HEAD_DIM)
     out = (
         OUT + batch.to(tl.int64) * stride_out_batch + head.to(tl.int64) * stride_out_head
         + (token_offset + tokens).to(tl.int64)[:, None] * stride_out_token + dims[None, :] * stride_out_dim

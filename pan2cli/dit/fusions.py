@@ -331,26 +331,3 @@ def set_fused_kernels(model: torch.nn.Module, enabled: Optional[bool]) -> int:
         module.fused_kernels = enabled
         switched += 1
     return switched
-
-
-def gelu_quantize(x: torch.Tensor, *, fused: bool):
-    """GELU-tanh(x) quantised per token to e4m3, in one pass when fused (the fp8 MLP between fc1 and fc2).
-
-    Args:
-        x: `[..., F]` (fc1's bf16 output; F ≤ 32768 for the fused kernel).
-        fused: run the Triton kernel instead of the reference (GELU in float32, then `quantize_rows_reference`).
-
-    Returns:
-        An `Fp8Activation` (`[..., F]` e4m3, `[...]` float32 scales).
-    """
-    from pan2cli.dit.fp8 import Fp8Activation, quantize_rows_reference
-
-    if not fused:
-        return quantize_rows_reference(F.gelu(x.to(compute_dtype(x)), approximate="tanh"))
-    from pan2cli.dit.quantize_rows_kernel import quantize_rows_fp8
-
-    rows = x.reshape(-1, x.shape[-1])
-    data = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
-    quantize_rows_fp8(rows, data, scale, gelu=True)
-    return Fp8Activation(data.view(x.shape), scale.view(x.shape[:-1]))

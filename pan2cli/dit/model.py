@@ -39,11 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pan2cli.dit.config import PAN2TransformerConfig
-from pan2cli.dit.fp8 import Fp8Activation
+from pan2cli.dit.fp8 import Fp8Activation, quantize_rows
 from pan2cli.dit.fusions import (
     compute_dtype,
     gated_residual,
-    gelu_quantize,
     layer_norm_modulate,
     qk_norm_rope,
     rms_norm_reference,
@@ -116,7 +115,7 @@ class _Projection(nn.Module):
             value, gate = x.chunk(2, dim=-1)
             return value * F.silu(gate)
         if self.fp8_output:
-            return gelu_quantize(x, fused=use_fused(None, x))
+            return quantize_rows(x, fused=use_fused(None, x), gelu=True)
         return F.gelu(x, approximate="tanh")
 
 
@@ -141,11 +140,6 @@ class PAN2FeedForward(nn.Module):
         for module in self.net:
             x = module(x)
         return x
-
-
-def _tokens(x: torch.Tensor | Fp8Activation) -> tuple[int, int]:
-    """(B, N) of a `[B, N, D]` activation, quantised or not."""
-    return tuple((x.data if isinstance(x, Fp8Activation) else x).shape[:2])
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -249,8 +243,8 @@ class PAN2Attention(nn.Module):
             from pan2cli.dit.fp8_attention import joint_attention_fp8
 
             return joint_attention_fp8(self, x, ctx, cos, sin, fused)
-        batch, n_video = _tokens(x)
-        n_text = _tokens(ctx)[1]
+        batch, n_video = x.shape[:2]
+        n_text = ctx.shape[1]
         heads = (self.heads, self.head_dim)
         q, k = qk_norm_rope(
             self.to_q(x).view(batch, n_video, *heads),
