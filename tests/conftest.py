@@ -121,6 +121,23 @@ def latents_file(tmp_path):
 
 
 @pytest.fixture
+def writer_chunks(monkeypatch) -> list[int]:
+    """The frame count of each `VideoWriter.write` call during the test, in order: the decoder's passes as
+    the writer receives them (each pass hands its frames over in one piece)."""
+    from pan2cli.video import VideoWriter
+
+    chunks: list[int] = []
+    real_write = VideoWriter.write
+
+    def recording_write(self, frames):
+        chunks.append(frames.shape[0])
+        return real_write(self, frames)
+
+    monkeypatch.setattr(VideoWriter, "write", recording_write)
+    return chunks
+
+
+@pytest.fixture
 def run_cli():
     """Invoke `pan2 ARGS...` in-process; returns click's Result (stdout and stderr kept apart)."""
     runner = CliRunner()

@@ -579,27 +579,17 @@ def _mp4_frames(path: Path) -> tuple[torch.Tensor, float]:
     ],
 )
 def test_chunk_latent_frames_sets_the_decoder_passes(
-    run_cli, tiny_vae, latents_file, tmp_path, monkeypatch, chunk, chunks
+    run_cli, tiny_vae, latents_file, tmp_path, writer_chunks, chunk, chunks
 ):
     """Issue 18: `--chunk-latent-frames` reaches the decoder (the bug: the CLI not passing the value on, so
     every decode ran in chunks of 4). The frames are the same whatever the chunk size (the design), so the
     visible effect is the decoder passes: each hands the writer its frames in one piece."""
-    from pan2cli.video import VideoWriter
-
-    written = []
-    real_write = VideoWriter.write
-
-    def recording_write(self, frames):
-        written.append(frames.shape[0])
-        return real_write(self, frames)
-
-    monkeypatch.setattr(VideoWriter, "write", recording_write)
     path = latents_file((48, 5, 2, 2))
     out = tmp_path / "v.pt"
     option = () if chunk is None else ("--chunk-latent-frames", chunk)
     result = run_cli("decode", path, "-o", out, "--vae", tiny_vae, "--device", "cpu", *option)
     assert result.exit_code == 0, result.stderr
-    assert written == chunks
+    assert writer_chunks == chunks
     frames = torch.load(out, weights_only=True)
     # The same video whatever the passes: another summation order may flip a rounding, no more (measured: 1
     # level with one latent frame per pass, float frames 2e-6 apart; 0 with 3).

@@ -19,6 +19,7 @@ from pan2cli.errors import InputError
 from pan2cli.latents import normalize
 from pan2cli.pipeline import VideoGenerator
 from pan2cli.vae.checkpoint import load_vae_encoder
+from tests.pipeline.diffusers_reference import diffusers_latents
 
 SMALL = dict(preset="pan2-5s", steps=2, frames=5, height=64, width=96)
 CLI_SMALL = ("--steps", 2, "--frames", 5, "--size", "64x96", "--device", "cpu")
@@ -97,35 +98,11 @@ def test_cli_writes_mp4_and_sidecar(tiny_pan2, run_cli, tmp_path):
 
 def test_sampler_is_the_release_flow_matching_euler_with_cfg(tiny_pan2, generator):
     """Seeded CPU noise, shifted sigmas, σ·1000 timesteps, u + g·(c − u), Euler: diffusers' scheduler as the oracle."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    from pan2cli.dit import PAN2Transformer3DModel
-    from pan2cli.pipeline.text import PAN2TextEncoder
-
     steps, guidance, seed = 3, 3.5, 11
     got = generator.generate(
         "a red fox", negative_prompt="snow", seed=seed, guidance=guidance, **{**SMALL, "steps": steps}
     ).latents
-
-    encoder = PAN2TextEncoder.load(
-        tiny_pan2 / "text_encoder", tiny_pan2 / "tokenizer", dtype=torch.float32, device=torch.device("cpu")
-    )
-    cond, uncond = encoder.encode("a red fox").features, encoder.encode("snow").features
-    model = PAN2Transformer3DModel.from_pretrained(
-        tiny_pan2, subfolder="transformer", torch_dtype=torch.float32
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_pan2, subfolder="scheduler")
-    scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1])
-    latents = torch.randn(
-        (1, 48, 2, 4, 6), generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32
-    )
-    condition = torch.zeros(1, 49, 2, 4, 6)
-    with torch.no_grad():
-        for t in scheduler.timesteps:
-            x = torch.cat([latents, condition], dim=1)
-            c = model(x, t.expand(1), cond)
-            u = model(x, t.expand(1), uncond)
-            latents = scheduler.step(u + guidance * (c - u), t, latents).prev_sample
+    latents, _ = diffusers_latents(tiny_pan2, "a red fox", "snow", steps=steps, guidance=guidance, seed=seed)
     assert got.shape == latents.shape
     assert (got - latents).abs().max().item() <= 1e-4  # float32 sigmas in diffusers, float64 here
 
@@ -664,27 +641,17 @@ def test_generate_crf_reaches_the_encoder(tiny_pan2, run_cli, tmp_path):
     assert sizes[0] > sizes[35], sizes
 
 
-def test_generate_chunk_latent_frames_reaches_the_decoder(tiny_pan2, run_cli, tmp_path, monkeypatch):
+def test_generate_chunk_latent_frames_reaches_the_decoder(tiny_pan2, run_cli, tmp_path, writer_chunks):
     """Point 6 of issue 27: `--chunk-latent-frames` reaches the decoder (the bug: the preset's 4 used instead): 4
     latent frames (13 video frames) in chunks of 2 after the first reach the writer as 1, 8 and 4 frames."""
-    from pan2cli.video import VideoWriter
-
-    written = []
-    real_write = VideoWriter.write
-
-    def recording_write(self, frames):
-        written.append(frames.shape[0])
-        return real_write(self, frames)
-
-    monkeypatch.setattr(VideoWriter, "write", recording_write)
     args = ("generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "--steps", 1, "--frames", 13)
     res = run_cli(*args, "--chunk-latent-frames", 2, "-o", tmp_path / "two.mp4")
     assert res.exit_code == 0, res.stderr
-    assert written == [1, 8, 4]
-    written.clear()
+    assert writer_chunks == [1, 8, 4]
+    writer_chunks.clear()
     res = run_cli(*args, "-o", tmp_path / "preset.mp4")  # the preset's chunk, 4
     assert res.exit_code == 0, res.stderr
-    assert written == [1, 12]
+    assert writer_chunks == [1, 12]
 
 
 def test_generate_quiet_prints_nothing_on_stderr(tiny_pan2, run_cli, tmp_path):

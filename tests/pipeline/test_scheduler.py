@@ -37,6 +37,7 @@ from pan2cli.pipeline.scheduler import (
 )
 from pan2cli.presets import load_preset
 from scripts.make_tiny_pan2 import SCHEDULER_CONFIG, write_scheduler_config
+from tests.pipeline.diffusers_reference import diffusers_latents
 
 # Shift 3 on 4 steps: linspace 1, 0.75, 0.5, 0.25, 0 → 3σ/(1 + 2σ) = 3/3, 2.25/2.5, 1.5/2, 0.75/1.5, 0/1.
 SIGMAS_SHIFT_3 = [1.0, 0.9, 0.75, 0.5, 0.0]
@@ -311,10 +312,6 @@ def test_generation_runs_the_checkpoint_schedule_as_diffusers_does(tiny_pan2, tm
     """A preset without flow_shift: the checkpoint's shift 5 and terminal shift 0.2 run, as diffusers' scheduler read
     from the same folder runs them (the release's loop written out, diffusers as the oracle); the sidecar says
     which shift ran and where it came from."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    from pan2cli.dit import PAN2Transformer3DModel
-    from pan2cli.pipeline.text import PAN2TextEncoder
 
     repo = _repo_with_scheduler(tiny_pan2, tmp_path, shift=5.0, shift_terminal=0.2)
     preset = dataclasses.replace(load_preset("pan2-5s"), flow_shift=None)
@@ -325,23 +322,10 @@ def test_generation_runs_the_checkpoint_schedule_as_diffusers_does(tiny_pan2, tm
         height=64, width=96, output=tmp_path / "fox.mp4",
     )  # fmt: skip
 
-    encoder = PAN2TextEncoder.load(
-        repo / "text_encoder", repo / "tokenizer", dtype=torch.float32, device="cpu"
+    latents, scheduler = diffusers_latents(
+        repo, "a red fox", "snow", steps=steps, guidance=guidance, seed=seed
     )
-    cond, uncond = encoder.encode("a red fox").features, encoder.encode("snow").features
-    model = PAN2Transformer3DModel.from_pretrained(repo, subfolder="transformer", torch_dtype=torch.float32)
-    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(repo, subfolder="scheduler")
-    scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1])
     assert scheduler.sigmas[-2].item() == pytest.approx(0.2, abs=1e-6)  # the stretch is on
-    latents = torch.randn(
-        (1, 48, 2, 4, 6), generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32
-    )
-    condition = torch.zeros(1, 49, 2, 4, 6)
-    with torch.no_grad():
-        for t in scheduler.timesteps:
-            x = torch.cat([latents, condition], dim=1)
-            c, u = model(x, t.expand(1), cond), model(x, t.expand(1), uncond)
-            latents = scheduler.step(u + guidance * (c - u), t, latents).prev_sample
     assert (result.latents - latents).abs().max().item() <= 1e-4  # float32 levels in diffusers, float64 here
 
     side = json.loads((tmp_path / "fox.json").read_text())
