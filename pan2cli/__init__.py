@@ -1,6 +1,6 @@
 """pan2cli: run the PAN 2 world model and decode its Wan2.2 VAE latents to video."""
 
-__version__ = "0.1.0"
+from pan2cli.version import __version__ as __version__  # re-exported: `pan2cli.__version__`
 
 
 def __getattr__(name: str):

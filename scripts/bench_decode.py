@@ -1,7 +1,8 @@
 """Wan2.2 VAE decode on one GPU, side by side: our kernel path, our reference (bf16), diffusers (bf16, fp32).
 
-Usage: python scripts/bench_decode.py [--latent-shape 1,48,31,44,78] [--accuracy-frames 5] [--repeats 3]
-       [--chunk-latent-frames 4] [--skip-diffusers] [--profile] [--out results.json]
+Usage: python3 scripts/bench_decode.py [--latent-shape 1,48,31,44,78] [--accuracy-frames 5] [--repeats 3]
+       [--chunk-latent-frames 4] [--kernel-variants 4:2] [--skip-diffusers] [--skip-reference] [--profile]
+       [--conv-layers] [--memory-trace] [--out results.json]
 
 Random weights (γ and biases perturbed, `pan2cli.testing.random_weights`) and random latents. Timing: median
 decode seconds over `--repeats` runs after one warm-up (model loading timed separately), CUDA-synchronised;
@@ -11,6 +12,11 @@ compared, as uint8 frames, with our reference decode in fp32 with TF32 off: PSNR
 SSIM (mean over frames and colours, 11x11 Gaussian window). TFLOP/s use the reference algorithm's count
 (1.961 PFLOP for [1,48,31,44,78]: 20.06 TFLOP for the first latent frame, 64.69 for each later one, scaled
 by H·W). Prints a markdown table last.
+
+`--memory-trace` adds, for each kernel variant, which tensors are alive at the decode's memory peak: the
+caching allocator's history of one decode is replayed to the moment of the largest allocated total, and the
+live blocks are listed, largest first, by the innermost pan2cli line that allocated them. The peak does not
+grow with the length: a short `--latent-shape 1,48,9,44,78` with `--skip-diffusers --skip-reference` is enough.
 """
 
 from __future__ import annotations
@@ -211,6 +217,64 @@ def profile_kernel_path(run, z, kernel=None) -> list[tuple[str, float]]:
     return rows
 
 
+def _allocation_site(frames) -> str:
+    for frame in frames:
+        if "pan2cli" in frame["filename"]:
+            return f"{frame['filename'].split('pan2cli/')[-1]}:{frame['line']} {frame['name']}"
+    return frames[0]["name"] if frames else "?"
+
+
+def memory_trace(run, z, top: int = 25) -> dict:
+    """Live blocks at the peak of one decode (after a warm-up), grouped by allocation site, largest first."""
+    for _ in run(z):  # warm-up
+        pass
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    for _ in run(z):
+        pass
+    torch.cuda.synchronize()
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+    # Blocks alive before recording started (weights, histories) are in the segments but not the trace.
+    live = {}
+    for segment in snapshot["segments"]:
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated":
+                live[block["address"]] = (block["size"], _allocation_site(block.get("frames", [])))
+    trace = snapshot["device_traces"][torch.cuda.current_device()]
+    # Walk back from the end state to the state before the trace, then forward to the peak.
+    for event in reversed(trace):
+        if event["action"] == "alloc":
+            live.pop(event["addr"], None)
+        elif event["action"] == "free_completed":
+            live[event["addr"]] = (event["size"], _allocation_site(event["frames"]))
+    start = dict(live)
+    total = sum(size for size, _ in live.values())
+    peak, peak_live = total, dict(live)
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], _allocation_site(event["frames"]))
+            total += event["size"]
+            if total > peak:
+                peak, peak_live = total, dict(live)
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])[0]
+    by_site: dict[str, list[int]] = {}
+    for address, (size, where) in peak_live.items():
+        by_site.setdefault(("(before the decode) " if address in start else "") + where, []).append(size)
+    sites = sorted(by_site.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {
+        "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "replayed_peak_gib": peak / 2**30,
+        "alive_before_the_decode_gib": sum(size for size, _ in start.values()) / 2**30,
+        "at_the_peak": [
+            {"gib": sum(sizes) / 2**30, "blocks": len(sizes), "site": where} for where, sizes in sites
+        ],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -235,7 +299,12 @@ def main() -> None:
         "--conv-layers",
         action="store_true",
         help="first, per conv layer: our CUTLASS conv against cuDNN (and Triton) on the same shapes, in TFLOP/s "
-        "(scripts/bench_conv_kernel.py's table)",
+        "(`scripts/bench_kernels.py conv`'s table)",
+    )
+    parser.add_argument(
+        "--memory-trace",
+        action="store_true",
+        help="for each kernel variant, the tensors alive at the decode's memory peak, by allocation site",
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -262,8 +331,8 @@ def main() -> None:
     results["kernel_load_seconds"] = time.perf_counter() - start
     print(f"kernel build/load: {results['kernel_load_seconds']:.1f} s", flush=True)
     if args.conv_layers:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from bench_conv_kernel import layer_tables
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from scripts.kernels.conv import layer_tables
 
         layer_tables(repeats=10, engines="cudnn,cutlass,triton")
 
@@ -343,6 +412,15 @@ def main() -> None:
             results.setdefault("profile", {})[name] = profile = profile_kernel_path(kernel_run, z, kernel)
             for group, seconds in profile:
                 print(f"  {group:<45} {seconds:7.3f} s", flush=True)
+        if args.memory_trace:
+            results.setdefault("memory_trace", {})[name] = trace = memory_trace(kernel_run, z)
+            print(
+                f"  memory: max allocated {trace['max_memory_allocated_gib']:.2f} GiB, replayed peak "
+                f"{trace['replayed_peak_gib']:.2f} GiB, alive before the decode {trace['alive_before_the_decode_gib']:.2f} GiB",
+                flush=True,
+            )
+            for site in trace["at_the_peak"]:
+                print(f"  {site['gib']:6.3f} GiB in {site['blocks']:4d} blocks  {site['site']}", flush=True)
         del kernel_run, kernel
         torch.backends.cudnn.benchmark = torch.backends.cudnn.deterministic = False
     if not args.skip_reference:

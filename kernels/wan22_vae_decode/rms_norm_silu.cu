@@ -55,7 +55,7 @@ __device__ __forceinline__ void load8_f32(const float* ptr, float (&out)[8]) {
 // NV: vectors of 8 channels per lane (ceil(C / 256)); R: rows per warp. All R·NV row loads of a lane are
 // issued before the first reduction, so several 16-byte loads are in flight per thread (one row of 256
 // channels is one load per lane, too little to cover the memory latency). The kernel is bound by the
-// loads in flight per SM (measured on an H200, docs/KERNEL_NOTES.md v10), so it spends few registers:
+// loads in flight per SM (measured on an H200, docs/KERNEL_NOTES.md), so it spends few registers:
 // rows stay in registers as bf16 (exact: x is bf16, and a sum is rounded to bf16 before the norm anyway),
 // offsets within a frame are 32-bit, and the pointers other than x and sum_out (which may be one
 // tensor: the sum stored in place) are __restrict__, so γ and the bias load early instead of behind the

@@ -9,13 +9,13 @@ import os
 
 import click
 
-import pan2cli
 from pan2cli.cli._errors import Pan2Group
 from pan2cli.cli.decode import decode_command
 from pan2cli.cli.doctor import doctor_command
 from pan2cli.cli.generate import generate_command
 from pan2cli.cli.kernels import kernels_group
 from pan2cli.cli.presets import presets_group
+from pan2cli.version import __version__
 
 _EPILOG = """\b
 Exit codes: 0 done; 2 bad input or usage; 1 any other known failure (download, out of memory, a
@@ -32,7 +32,7 @@ def _set_debug(ctx, param, value):
 
 
 @click.group(cls=Pan2Group, epilog=_EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(pan2cli.__version__, "--version", prog_name="pan2", message="%(prog)s %(version)s")
+@click.version_option(__version__, "--version", prog_name="pan2", message="%(prog)s %(version)s")
 @click.option(
     "--debug",
     is_flag=True,

@@ -8,10 +8,10 @@ import sys
 
 import click
 
-import pan2cli
 from pan2cli.cli._output import result
 from pan2cli.devices import resolve_dtype
 from pan2cli.paths import cache_dir
+from pan2cli.version import __version__
 
 
 def _ffmpeg() -> str:
@@ -49,7 +49,7 @@ def collect_report() -> dict:
             }
         )
     return {
-        "pan2cli": pan2cli.__version__,
+        "pan2cli": __version__,
         "python": f"{platform.python_version()} ({sys.executable})",
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "none (CPU build of torch)",

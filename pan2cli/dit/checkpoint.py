@@ -163,7 +163,7 @@ def load_pan2_transformer(
     precision: str = "bf16",
     quantize_device: str | torch.device | None = None,
 ) -> PAN2Transformer3DModel:
-    """Build the transformer from a checkpoint, strictly (`PAN2Transformer3DModel.from_pretrained` calls this).
+    """Build the transformer from a checkpoint (its `config.json` and safetensors, memory-mapped), strictly.
 
     Args:
         path_or_repo, subfolder, revision: where the checkpoint is (see `resolve_pan2_checkpoint`).

@@ -1,6 +1,6 @@
 """cuDNN's fp8 attention through cudnn-frontend's Python package (optional: `pip install nvidia-cudnn-frontend`).
 
-The alternative to the Triton kernel (`fp8_attention_kernel.py`) that `scripts/bench_fp8_attention.py`
+The alternative to the Triton kernel (`fp8_attention_kernel.py`) that `scripts/bench_kernels.py fp8-attention`
 measures beside it, and that `PAN2_FP8_ATTENTION=cudnn` selects. cuDNN's fp8 SDPA takes one descale per
 tensor for Q, K and V (the V of `values_fp8(..., per_tensor=True)`) and scales P by 448 before its e4m3
 cast. On Hopper it writes the output in e4m3 too (cuDNN 9.19 makes a bf16 output on Blackwell only): each

@@ -13,7 +13,7 @@ nearest even. A quantised tensor is (data, scale) with real value = data · scal
 * the GEMM: `torch._scaled_mm` with row-wise scales on the fp8 tensor cores, bias added in its epilogue,
   bf16 out, with cuBLASLt's fast accumulation (the tensor cores' own ~14-bit-mantissa sums over a K tile,
   without the periodic promotion to float32): measured on an H200 at PAN 2's shapes it is 12 % faster for
-  q/k/v/o and fc1 and adds 0.1 % to the relative error of e4m3's own 3.7 % (scripts/bench_fp8_gemm.py);
+  q/k/v/o and fc1 and adds 0.1 % to the relative error of e4m3's own 3.7 % (scripts/bench_kernels.py fp8-gemm);
   `PAN2_FP8_FAST_ACCUM=0` turns it off. On the CPU (tests) `Fp8Linear` emulates the GEMM: the dequantised
   operands multiplied in float32.
 

@@ -89,7 +89,7 @@ def _fp8_attention_kernel(
     o_desc.store([batch, start_m, head_col], out.to(tl.bfloat16).reshape(1, BLOCK_M, HEAD_DIM))
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages): the default, and the others `bench_fp8_attention.py` sweeps.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages): the default, and the others `scripts/bench_kernels.py fp8-attention` sweeps.
 # Measured on an H200 at 121/241/481 frames (docs/BENCHMARKS.md): 64x128 with 4 warps 654-675 TFLOP/s, 128x128
 # with 8 warps 587-616, the others 460-580.
 DEFAULT_CONFIG = (64, 128, 4, 3)

@@ -1,6 +1,7 @@
 """`PAN2Transformer3DModel`: the released PAN 2 MMDiT (IFM/PAN2, 29.2 B parameters), module for module.
 
-Parameter names are the checkpoint's keys (diffusers names; the table is in `pan2cli.dit.checkpoint`).
+Parameter names are the checkpoint's keys (diffusers names); `pan2cli.dit.checkpoint` holds the key table
+and loads the model (`load_pan2_transformer`).
 Source: vLLM-Omni's port of diffusers' model (vllm-project/vllm-omni
 `vllm_omni/diffusion/models/pan2/pan2_transformer.py` @f1ef55bd, the same in IFM's fork MBZUAI-IFM/vllm-omni-pan2).
 The forward pass:
@@ -23,7 +24,7 @@ The forward pass:
 Numerics: LayerNorm/RMSNorm statistics, modulation, RoPE tables and the timestep sinusoid are computed
 in float32 (float64 when the model is float64: then *everything* is float64); projections and attention
 run in the weights' dtype. The AdaLN linears (`norm1.linear`, `norm_out.linear`) are float32 in the
-release, and `from_pretrained` keeps them (and the modulation they compute) in float32 in a bf16 model:
+release, and `load_pan2_transformer` keeps them (and the modulation they compute) in float32 in a bf16 model:
 17.7 GB instead of 8.9 GB of the 67.3 GB model, for an exact modulation (a bf16 AdaLN shifts the
 modulation by up to 2⁻⁹ relative). Residual updates `x + gate·f(x)` are computed in float32 and
 rounded once.
@@ -363,7 +364,7 @@ class PAN2Transformer3DModel(nn.Module):
         text_norm_eps (`float`, defaults to 1e-5): the text embedder's and refiner's RMSNorms.
     """
 
-    # Stored in float32 in the release and kept so by `from_pretrained` (see the module docstring).
+    # Stored in float32 in the release and kept so by `load_pan2_transformer` (see the module docstring).
     keep_in_fp32_modules = ("norm1.linear", "norm_out.linear")
 
     def __init__(
@@ -415,42 +416,6 @@ class PAN2Transformer3DModel(nn.Module):
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         # Set (`pan2cli.dit.parallel.SequenceParallel`) to split each video's tokens over a process group.
         self.sequence_parallel: SequenceParallel | None = None
-
-    # -- loading ---------------------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(
-        cls,
-        path_or_repo: str,
-        subfolder: str | None = None,
-        torch_dtype: torch.dtype | None = None,
-        revision: str | None = None,
-        *,
-        device: str | torch.device = "cpu",
-        keep_fp32_modules: bool = True,
-    ) -> "PAN2Transformer3DModel":
-        """Load `config.json` + safetensors (single file or sharded through the index), memory-mapped, strictly.
-
-        Args:
-            path_or_repo: a folder (the transformer's, or a repo root holding `transformer/`) or a hub repo id.
-            subfolder: the folder inside it (e.g. "transformer").
-            torch_dtype: parameter dtype; None keeps the checkpoint's dtypes.
-            revision: branch, tag or commit of a hub repo.
-            device: where the weights go (one tensor at a time).
-            keep_fp32_modules: keep `keep_in_fp32_modules` in float32 whatever `torch_dtype` is.
-
-        Raises:
-            CheckpointError: unknown config keys, missing / unexpected / mis-shaped tensors (named).
-        """
-        from pan2cli.dit.checkpoint import load_pan2_transformer
-
-        return load_pan2_transformer(
-            path_or_repo,
-            subfolder=subfolder,
-            dtype=torch_dtype,
-            revision=revision,
-            device=device,
-            keep_fp32_modules=keep_fp32_modules,
-        )
 
     # -- forward ---------------------------------------------------------------------------------
     def rope(

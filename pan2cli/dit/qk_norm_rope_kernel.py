@@ -33,7 +33,7 @@ def _norm_rope_tile(
     """Normalise (and rotate) one `[BLOCK_ROWS, head_dim]` tile of X into OUT; c/s: `[BLOCK_ROWS, HALF]`."""
     if INTERLEAVED:
         # Whole rows, contiguous (16-byte vector loads), then split into the (2i, 2i+1) pairs in registers:
-        # two stride-2 gathers instead cost 8-16x the HBM floor on an H200 (bench_dit_fusions.py).
+        # two stride-2 gathers instead cost 8-16x the HBM floor on an H200 (scripts/bench_kernels.py dit-fusions).
         cols = tl.arange(0, 2 * HALF)
         x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         x1, x2 = tl.split(tl.reshape(x, (BLOCK_ROWS, HALF, 2)))
@@ -173,7 +173,7 @@ def qk_norm_rope(
     n_rows = batch * n_tokens * n_heads
     if n_rows == 0:
         return
-    # 16 rows of 128 at 4 warps: 0.427 ms = 1.02x the HBM floor on an H200 (32 rows: 0.481; bench_dit_fusions sweep)
+    # 16 rows of 128 at 4 warps: 0.427 ms = 1.02x the HBM floor on an H200 (32 rows: 0.481; the dit-fusions benchmark's sweep)
     block_rows = block_rows or max(1, min(64, 2048 // head_dim))
     assert block_rows & (block_rows - 1) == 0, f"block_rows {block_rows} must be a power of two"
     grid = (triton.cdiv(n_rows, block_rows),)

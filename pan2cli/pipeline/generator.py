@@ -27,7 +27,6 @@ from typing import Callable, Iterator
 
 import torch
 
-import pan2cli
 from pan2cli import distributed, launch
 from pan2cli.atomic import replace_into
 from pan2cli.config import GenerationSettings, RuntimeConfig, settings_with
@@ -43,6 +42,7 @@ from pan2cli.pipeline.sampling import denoise, initial_noise, split_ranks
 from pan2cli.pipeline.scheduler import uses_guidance
 from pan2cli.presets import DEFAULT_PRESET, Preset, load_preset, preset_label
 from pan2cli.vae.decoder import decode_latents, open_decoder
+from pan2cli.version import __version__
 from pan2cli.video import open_video_writer
 
 # Progress hook: (description, total, unit) → context manager yielding `advance(n)`.
@@ -595,7 +595,7 @@ class VideoGenerator:
             **result.job.metadata,
             "model": self.components.model_id,
             "revision": self.components.revision,
-            "pan2cli_version": pan2cli.__version__,
+            "pan2cli_version": __version__,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "config": asdict(self.config),

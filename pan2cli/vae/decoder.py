@@ -15,11 +15,10 @@ of the architecture (`WanVAEConfig`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable, Protocol
 
 import torch
 
@@ -29,34 +28,11 @@ from pan2cli.errors import out_of_memory
 from pan2cli.frames import HostCopy, copy_to_host_async
 from pan2cli.latents import unnormalize
 from pan2cli.vae.checkpoint import load_vae_decoder
-from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.kernel.choice import first_use_note, select_decode_path, start_loading_triton
-from pan2cli.vae.parallel import RowSplit, row_split_for
+from pan2cli.vae.parallel import row_split_for
+from pan2cli.vae.protocol import Decoder
 
 OTHER_RANK_NOTE = "Using the reference decoder: another rank could not use the compiled kernel."
-
-
-@runtime_checkable
-class Decoder(Protocol):
-    """What a decode needs of a decoder; the reference `WanVAEDecoder` and the compiled `WanKernelDecoder` both have it."""
-
-    @property
-    def config(self) -> WanVAEConfig: ...
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def dtype(self) -> torch.dtype: ...
-
-    def decode_uint8_chunks(
-        self,
-        z: torch.Tensor,
-        chunk_latent_frames: int = DEFAULT_CHUNK_LATENT_FRAMES,
-        rows: RowSplit | None = None,
-    ) -> Iterator[torch.Tensor]:
-        """Un-normalised latents `(B, z_dim, T, h, w)` → uint8 frames `(B, f, 16h, 16w, 3)` on the device, chunk by chunk."""
-        ...
 
 
 class FrameSink(Protocol):

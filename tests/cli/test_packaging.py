@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pan2cli.resources import _find_data_dir
+from pan2cli.version import __version__
 from tests.subprocess_env import python_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,6 +24,7 @@ from pan2cli.presets import list_presets, load_preset
 from pan2cli.resources import kernels_dir, presets_dir
 print(json.dumps({
     "package": pan2cli.__file__,
+    "version": pan2cli.__version__,
     "presets_dir": str(presets_dir()),
     "kernels_dir": str(kernels_dir()),
     "frames_5s": load_preset("pan2-5s").frames,
@@ -119,6 +121,8 @@ def test_installed_wheel_finds_its_own_data(wheel: Path, tmp_path: Path) -> None
     found = _probe(target, elsewhere)
     package = (target / "pan2cli").resolve()
     assert Path(found["package"]).resolve().parent == package  # the installed copy, not the repo
+    # The wheel's metadata and the installed package carry the version of pan2cli/version.py (hatch reads it).
+    assert wheel.name.startswith(f"pan2cli-{__version__}-") and found["version"] == __version__
     assert Path(found["presets_dir"]) == package / "_presets"
     assert Path(found["kernels_dir"]) == package / "_kernels"
     assert found["frames_5s"] == 121

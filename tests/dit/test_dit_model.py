@@ -145,12 +145,10 @@ def test_every_input_channel_and_the_text_matter():
 
 
 def test_adaln_linears_stay_float32_in_a_bf16_model(tmp_path):
-    from pan2cli.dit.checkpoint import save_pan2_transformer
+    from pan2cli.dit.checkpoint import load_pan2_transformer, save_pan2_transformer
 
     folder = save_pan2_transformer(tiny_model(), tmp_path / "transformer")
-    model = PAN2Transformer3DModel.from_pretrained(
-        tmp_path, subfolder="transformer", torch_dtype=torch.bfloat16
-    )
+    model = load_pan2_transformer(tmp_path, subfolder="transformer", dtype=torch.bfloat16)
     dtypes = {name: p.dtype for name, p in model.named_parameters()}
     assert dtypes["transformer_blocks.1.norm1.linear.weight"] == torch.float32
     assert dtypes["norm_out.linear.bias"] == torch.float32
@@ -159,9 +157,7 @@ def test_adaln_linears_stay_float32_in_a_bf16_model(tmp_path):
     hidden, context = inputs()
     out = model.to(DEVICE)(hidden, torch.tensor([300.0], device=DEVICE), context)
     assert out.dtype == torch.bfloat16 and out.isfinite().all()
-    all_bf16 = PAN2Transformer3DModel.from_pretrained(
-        folder, torch_dtype=torch.bfloat16, keep_fp32_modules=False
-    )
+    all_bf16 = load_pan2_transformer(folder, dtype=torch.bfloat16, keep_fp32_modules=False)
     assert all(p.dtype == torch.bfloat16 for p in all_bf16.parameters())
 
 

@@ -16,14 +16,14 @@ def diffusers_latents(
     """(final latents `shape` float32, the diffusers scheduler that ran) for a text-to-video sample of `repo`."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from pan2cli.dit import PAN2Transformer3DModel
+    from pan2cli.dit import load_pan2_transformer
     from pan2cli.pipeline.text import PAN2TextEncoder
 
     encoder = PAN2TextEncoder.load(
         repo / "text_encoder", repo / "tokenizer", dtype=torch.float32, device="cpu"
     )
     cond, uncond = encoder.encode(prompt).features, encoder.encode(negative_prompt).features
-    model = PAN2Transformer3DModel.from_pretrained(repo, subfolder="transformer", torch_dtype=torch.float32)
+    model = load_pan2_transformer(repo, subfolder="transformer", dtype=torch.float32)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(repo, subfolder="scheduler")
     scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1])
     latents = torch.randn(shape, generator=torch.Generator("cpu").manual_seed(seed), dtype=torch.float32)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from pan2cli.dit.model import PAN2Transformer3DModel
+from pan2cli.dit.checkpoint import load_pan2_transformer
 from tests.subprocess_env import python_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,7 +73,7 @@ def test_command_writes_the_release_layout(tmp_path):
 
     shards = sorted((out / "transformer").glob("diffusion_pytorch_model-*.safetensors"))
     assert len(shards) >= 2
-    model = PAN2Transformer3DModel.from_pretrained(str(out), subfolder="transformer", torch_dtype=None)
+    model = load_pan2_transformer(out, subfolder="transformer", dtype=None)
     assert (
         model.config.text_embed_dim == 32
         and model.config.in_channels == 97

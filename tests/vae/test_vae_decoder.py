@@ -9,8 +9,9 @@ import torch
 from pan2cli.config import RuntimeConfig
 from pan2cli.testing.random_weights import random_decoder
 from pan2cli.vae.config import WanVAEConfig
-from pan2cli.vae.decoder import Decoder, DecodeStats, decode_latents
+from pan2cli.vae.decoder import DecodeStats, decode_latents
 from pan2cli.vae.model import WanVAEDecoder
+from pan2cli.vae.protocol import Decoder
 
 SMALL = WanVAEConfig(base_dim=16, decoder_base_dim=16)
 

@@ -4,7 +4,9 @@
 * `ops`: the extension's ops registered as `torch.ops.pan2.*`.
 * `status`: what is built for this GPU and which decode path a decode takes.
 * `choice`: the kernel decoder or the reference one, and the start-up work around that choice.
-* `decoder`: `WanKernelDecoder`, the decode with the compiled kernels.
+* `decoder`: `WanKernelDecoder`, the decode with the compiled kernels: the walk through the decoder's stages,
+  over `resample` (the resamplers), `layers` (norms and convs by engine), `buffers` (histories, rings,
+  halo rows, pending sums) and `layout` (the weights in the kernels' layout).
 * `conv` (launcher) and `conv_triton` (its Triton kernel): the fixed-order implicit-GEMM convolution.
 
 Import from the submodule; the names below are the package's face for its callers.

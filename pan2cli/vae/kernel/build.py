@@ -29,12 +29,12 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
-import pan2cli
 from pan2cli.errors import KernelBuildError
 from pan2cli.paths import cache_dir
 from pan2cli.resources import kernels_dir
 from pan2cli.triton_support import triton_available
 from pan2cli.vae.kernel.ops import register_ops
+from pan2cli.version import __version__
 
 EXTENSION = "wan22_vae_decode"
 # Compute capability -> the arch-specific target we compile for (wgmma/TMA need the `a` variants).
@@ -85,7 +85,7 @@ class KernelSpec:
         return (
             cache_dir()
             / "kernels"
-            / pan2cli.__version__
+            / __version__
             / f"torch{torch_version}-cu{cuda}-{self.arch}"
             / self.source_hash
         )
@@ -256,9 +256,7 @@ def load_kernel(device: torch.device | None = None) -> SimpleNamespace:
         # MAX_JOBS: honoured when set; ninja's default otherwise.
         if not spec.library.exists():
             with open(spec.log_path, "w") as log:
-                log.write(
-                    f"# pan2 {pan2cli.__version__}: building {EXTENSION} for {arch} ({spec.source_hash})\n"
-                )
+                log.write(f"# pan2 {__version__}: building {EXTENSION} for {arch} ({spec.source_hash})\n")
         module = _import_built(spec.library) if spec.library.exists() else None
         try:
             if module is None:

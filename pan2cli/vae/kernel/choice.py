@@ -23,8 +23,8 @@ from pan2cli.vae.kernel.build import (
 )
 
 if TYPE_CHECKING:
-    from pan2cli.vae.decoder import Decoder
     from pan2cli.vae.model import WanVAEDecoder
+    from pan2cli.vae.protocol import Decoder
 
 # The architecture fields that decide which convolution shapes a decoder launches.
 _LAYER_FIELDS = (

@@ -12,7 +12,7 @@ cuDNN picks its algorithm per problem shape, and on the decoder's low-resolution
 picks others for a band of rows (a rank's share under a row split) or for another number of frames (a
 chunk size) than for the whole problem: the fp32 sums are then added in another order, about 0.1 % of
 the bf16 outputs round the other way, and random-weight decoders amplify that to several uint8 levels
-(scripts/diag_split_rounding.py finds these layers). This kernel computes output (pixel, channel) as
+(docs/KERNEL_NOTES.md lists these layers). This kernel computes output (pixel, channel) as
 
     acc = Σ_{tap in (kt, kh, kw) order} Σ_{c in blocks of BLOCK_K} x[pixel + tap, c] · w[channel, tap, c]
 
@@ -129,7 +129,7 @@ def block_k(c_in: int) -> int:
 
 def _kernel():
     # The @triton.jit code is in conv_triton.py, imported at the first launch: defining it needs `import
-    # triton`, and every decode imports this module (through decoder.py), also on the CPU or where Triton
+    # triton`, and every decode imports this module (through layers.py), also on the CPU or where Triton
     # is not installed.
     from pan2cli.vae.kernel.conv_triton import (
         implicit_gemm_conv,  # Triton only where it runs
@@ -145,7 +145,7 @@ def applies(c_in: int) -> bool:
 
 def _tiles(c_out: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of a layer: chosen by its width only, never by M. Measured
-    on an H200 (scripts/bench_conv_kernel.py): 128x256 with 8 warps and 3 stages is the fastest or within
+    on an H200 (scripts/bench_kernels.py conv): 128x256 with 8 warps and 3 stages is the fastest or within
     run-to-run noise of it on every 1024-channel layer; 4 stages and BLOCK_K 128 were slower. The thinnest
     layer (conv_out's 36 time partials) takes 64-channel tiles."""
     if c_out >= 256:
@@ -177,7 +177,7 @@ def conv_channels_last(
         pad_w: zero columns on each side of the width.
         tiles: (BLOCK_M, BLOCK_N, num_warps, num_stages[, BLOCK_K]) instead of the layer's own (benchmarks
             only; the summation order does not depend on them, measured bit for bit on an H200 for BLOCK_K
-            128 against 64 too; bench_conv_kernel.py).
+            128 against 64 too; scripts/bench_kernels.py conv).
         out_dtype: bf16 (one rounding), or float32: the fp32 sums themselves (conv_out's time partials).
 
     Returns:

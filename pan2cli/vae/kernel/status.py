@@ -46,7 +46,7 @@ def kernel_status(device: torch.device | None = None) -> KernelStatus:
 
 
 def conv_engines(spec) -> str:
-    """Which engine runs each group of the decoder's convolutions with this build (`WanKernelDecoder._engine`)."""
+    """Which engine runs each group of the decoder's convolutions with this build (`KernelLayers._engine`)."""
     triton = triton_available()
     small = (
         "the fixed-order Triton kernel for conv_in and post_quant_conv (48 input channels) and for conv_out "

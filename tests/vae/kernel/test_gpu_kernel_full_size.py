@@ -124,7 +124,7 @@ class TestPeakMemory:
 
         Measured on an H200 by scripts/bench_decode.py, whose latents sit on the GPU (here on the CPU):
         5.80 GiB (5 s) and 5.86 GiB (20 s) since conv_out keeps time partials instead of a history ring
-        (docs/KERNEL_NOTES.md v11)."""
+        (docs/KERNEL_NOTES.md)."""
         z = _latents(latent_frames, 44, 78, seed=latent_frames)  # on the CPU, like loaded latents
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

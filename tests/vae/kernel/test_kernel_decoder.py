@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from pan2cli.frames import frames_to_uint8
 from pan2cli.testing.random_weights import random_vae_state_dict
 from pan2cli.vae.config import WanVAEConfig
-from pan2cli.vae.kernel.decoder import WanKernelDecoder, phase_weights
+from pan2cli.vae.kernel.decoder import WanKernelDecoder
+from pan2cli.vae.kernel.layout import phase_weights
 from pan2cli.vae.model import WanVAEDecoder
 from tests.vae.kernel.emulated_ops import EMULATED_OPS, fixed_order_conv
 
@@ -226,7 +227,7 @@ def test_kernel_path_split_across_processes_equals_one_process(tmp_path, referen
 
 def test_both_decode_paths_are_decoders(reference):
     """`decode_latents` takes either path through the `Decoder` protocol (config, device, dtype, decode_uint8_chunks)."""
-    from pan2cli.vae.decoder import Decoder
+    from pan2cli.vae.protocol import Decoder
 
     assert isinstance(reference, Decoder)
     assert isinstance(WanKernelDecoder(_bf16(reference), EMULATED_OPS), Decoder)

@@ -1,15 +1,23 @@
 """Our fixed-order convs (CUTLASS and Triton) against cuDNN on every conv layer of the decoder (one GPU).
 
-Usage: python scripts/bench_conv_kernel.py [--repeats 20] [--engines cudnn,cutlass] [--triton-tiles] [--layers up2,up3]
-       [--kernel-names] [--configs 128x256p,256x128p]
+Usage: python3 scripts/bench_kernels.py conv [--repeats 20] [--engines cudnn,cutlass] [--triton-tiles]
+       [--layers up2,up3] [--kernel-names] [--configs 128x256p,256x128p] [--ncu]
 
 For each layer shape (channels-last bf16, as the kernel decode path calls them, at a 704x1248 decode's
 sizes): cuDNN through ATen, the CUTLASS conv with each tile configuration of the build, and the Triton
 kernel (its own tiles; `--triton-tiles` adds a sweep); milliseconds per call (CUDA events, median of
 `--repeats` after a warm-up), TFLOP/s, and max |diff| against cuDNN (bf16). The last table weights
 each layer by its share of a decode's FLOPs (docs: wan22_vae.md section 8.1). `--kernel-names` adds the
-CUDA kernels each call launches (cuDNN's names give its tile, cluster and warp-group shapes);
-scripts/ncu_conv_layers.py runs the largest layers once each under Nsight Compute.
+CUDA kernels each call launches (cuDNN's names give its tile, cluster and warp-group shapes).
+
+`--ncu` times nothing: it runs each chosen layer (default up1's 3x3x3 conv and up3's conv1, the largest)
+once in cuDNN and once in each CUTLASS configuration between cudaProfilerStart/Stop, after a warm-up, so
+that Nsight Compute profiles one launch of each (ncu locks the clocks to base: its durations compare the
+kernels' work at equal clocks, docs/KERNEL_NOTES.md):
+
+    ncu --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section Occupancy --section LaunchStats \
+        python3 scripts/bench_kernels.py conv --ncu --configs 128x256p,256x128p-1x2
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ TILES = [
     (256, 128, 8, 2, 128),
     (128, 128, 4, 4),
 ]
+NCU_LAYERS = "up1 3x3x3,up3 conv1"  # the two largest layer classes of a decode
 
 
 def _cudnn(x: torch.Tensor, w: torch.Tensor, pad_w: int) -> torch.Tensor:
@@ -55,6 +64,15 @@ def _cudnn(x: torch.Tensor, w: torch.Tensor, pad_w: int) -> torch.Tensor:
     if w.dim() == 5:
         return F.conv3d(x.permute(0, 4, 1, 2, 3), w, padding=(0, 0, pad_w)).permute(0, 2, 3, 4, 1)
     return F.conv2d(x.permute(0, 3, 1, 2), w, padding=(0, pad_w)).permute(0, 2, 3, 1)
+
+
+def _operands(shape, c_out: int, kernel) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random channels-last bf16 input and filter of one layer (unit-variance outputs)."""
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    c_in = shape[-1]
+    fmt = torch.channels_last_3d if len(kernel) == 3 else torch.channels_last
+    w = (torch.randn(c_out, c_in, *kernel, device="cuda") / (c_in * 9) ** 0.5).to(torch.bfloat16)
+    return x, w.contiguous(memory_format=fmt)
 
 
 def _time(fn, repeats: int) -> float:
@@ -96,8 +114,42 @@ def main() -> None:
     parser.add_argument(
         "--configs", default="", help="CUTLASS tile configurations (default: every one built)"
     )
+    parser.add_argument(
+        "--ncu",
+        action="store_true",
+        help=f"no timing: one launch of each layer per engine for Nsight Compute (default --layers {NCU_LAYERS!r})",
+    )
     args = parser.parse_args()
+    if args.ncu:
+        ncu_launches(args.layers or NCU_LAYERS, args.configs)
+        return
     layer_tables(args.repeats, args.engines, args.layers, args.triton_tiles, args.kernel_names, args.configs)
+
+
+def ncu_launches(layers: str, configs: str = "") -> None:
+    """Each chosen layer once in cuDNN, then once in each CUTLASS configuration (default: every one built),
+    between cudaProfilerStart and cudaProfilerStop, each after a warm-up call outside that window."""
+    from pan2cli.vae.kernel.build import load_kernel
+
+    ops = load_kernel()
+    configs = [c for c in configs.split(",") if c] or ops.cutlass_conv_configs
+    wanted = [p for p in layers.split(",") if p]
+    for name, shape, c_out, kernel, pad_w, _ in LAYERS:
+        if not any(name.startswith(p) for p in wanted):
+            continue
+        x, w = _operands(shape, c_out, kernel)
+        runs = [partial(_cudnn, x, w, pad_w)] + [
+            partial(conv_cutlass, ops, x, w, None, pad_w, c) for c in configs
+        ]
+        for run in runs:
+            run()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        for run in runs:
+            run()
+            torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        print(f"{name}: one launch each of cuDNN, CUTLASS {', '.join(configs)}", flush=True)
 
 
 def layer_tables(
@@ -122,11 +174,8 @@ def layer_tables(
     for name, shape, c_out, kernel, pad_w, decode_tflop in LAYERS:
         if wanted and not any(name.startswith(p) for p in wanted):
             continue
-        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        x, w = _operands(shape, c_out, kernel)
         c_in = shape[-1]
-        fmt = torch.channels_last_3d if len(kernel) == 3 else torch.channels_last
-        w = (torch.randn(c_out, c_in, *kernel, device="cuda") / (c_in * 9) ** 0.5).to(torch.bfloat16)
-        w = w.contiguous(memory_format=fmt)
         cudnn = partial(_cudnn, x, w, pad_w)
         expected = cudnn()
         flop = 2.0 * expected.numel() * c_in * torch.tensor(kernel).prod().item()

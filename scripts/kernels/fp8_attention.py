@@ -8,7 +8,7 @@ error of each against float32 attention on the same inputs (relative RMS over th
 query rows of every head; TF32 off). Inputs are unit-RMS Q/K rows (as after PAN 2's RMSNorm) and N(0, 1)
 values; fp8 inputs are quantised as the tier quantises them (Q/K by the RMSNorm bound, V per head).
 
-    python scripts/bench_fp8_attention.py --frames 121 241 481 --out attention.json
+    python3 scripts/bench_kernels.py fp8-attention --frames 121 241 481 --out attention.json
 """
 
 from __future__ import annotations
@@ -23,14 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_conv_kernel import _time  # noqa: E402  (median ms, CUDA events, after a warm-up)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from pan2cli.dit.fp8 import E4M3_MAX, FP8  # noqa: E402
 from pan2cli.dit.fp8_attention_kernel import CONFIGS, fp8_attention, padded_keys  # noqa: E402
 from pan2cli.dit.fp8_values_kernel import values_fp8  # noqa: E402
+from scripts.kernels.conv import _time  # noqa: E402  (median ms, CUDA events, after a warm-up)
 
 HEADS, HEAD_DIM = 32, 128
 VIDEO_TOKENS = {121: 26598, 241: 52338, 481: 103818}

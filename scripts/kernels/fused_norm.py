@@ -1,12 +1,12 @@
 """The fused-norm conv prototype against the decode's two passes, per 3x3x3 layer (issue 16; one GPU).
 
-Usage: PAN2_KERNEL_EXPERIMENTAL=1 python scripts/bench_fused_norm.py [--repeats 10] [--layers up1,up3]
+Usage: PAN2_KERNEL_EXPERIMENTAL=1 python3 scripts/bench_kernels.py fused-norm [--repeats 10] [--layers up1,up3]
 
-For each residual-block conv of a 704x1248 decode (scripts/bench_conv_kernel.py's LAYERS): today's
+For each residual-block conv of a 704x1248 decode (the `conv` benchmark's LAYERS): today's
 rms_norm_silu (read x, write the normed copy) + the plain conv, against rms_inv (read x, write one fp32 per
 pixel) + the conv that normalises its operand tiles in shared memory; milliseconds (CUDA events, median),
-the conv's TFLOP/s, and max |fused - two passes|. Written before it could run (no device time left in
-the session that wrote it): the first run is its test.
+the conv's TFLOP/s, and max |fused - two passes|. The prototype (kernels/experimental/) measured 2.7-3.0x
+slower than the two passes (docs/KERNEL_NOTES.md says why); this is how a next version is timed.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_conv_kernel import LAYERS, _time  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from pan2cli.vae.kernel import conv  # noqa: E402
 from pan2cli.vae.kernel.build import load_kernel  # noqa: E402
+from scripts.kernels.conv import LAYERS, _time  # noqa: E402
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ TFLOP/s and the relative RMS error against a float32 product of the same bf16 in
 off). Then the kernels that feed the fp8 GEMMs: LayerNorm + modulation + quantisation (D = 4096) and
 GELU + quantisation (F = 32768), in GB/s of bytes read and written.
 
-    python scripts/bench_fp8_gemm.py --frames 121 --out gemm.json
+    python3 scripts/bench_kernels.py fp8-gemm --frames 121 --out gemm.json
 """
 
 from __future__ import annotations
@@ -20,13 +20,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_conv_kernel import _time  # noqa: E402  (median ms, CUDA events, after a warm-up)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from pan2cli.dit import fusions  # noqa: E402
 from pan2cli.dit.fp8 import Fp8Linear, quantize_rows  # noqa: E402
+from scripts.kernels.conv import _time  # noqa: E402  (median ms, CUDA events, after a warm-up)
 
 REPEATS = 10
 SHAPES = {"qkvo": (4096, 4096), "fc1": (4096, 32768), "fc2": (32768, 4096)}

@@ -1,12 +1,15 @@
-"""conv_out at 704x1248, one frame: cuDNN's 3-D conv over three frames (as a history ring would run it) against
-the time partials the kernel decoder runs (one 2-D conv of the frame by the three time taps' filters, 36 fp32
-outputs, the fixed-order Triton kernel), with a sweep of the Triton tiles (all must give the same bits).
+"""conv_out, one 704x1248 frame: cuDNN's 3-D conv over three frames against the Triton time partials.
 
-Usage: python scripts/bench_conv_out.py   (one CUDA GPU; milliseconds per frame, median of 30 runs)
+cuDNN's 3-D conv is how a history ring of three frames would run conv_out; the kernel decoder runs it as time
+partials instead (one 2-D conv of the frame by the three time taps' filters, 36 fp32 outputs, the fixed-order
+Triton kernel). With a sweep of the Triton tiles, all of which must give the same bits.
+
+Usage: python3 scripts/bench_kernels.py conv-out [--repeats 30]   (one CUDA GPU; milliseconds per frame, median)
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from functools import partial
 from pathlib import Path
@@ -14,12 +17,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pan2cli.vae.kernel.conv import conv_channels_last
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_conv_kernel import _time  # noqa: E402
-
-_ms = partial(_time, repeats=30)
+from pan2cli.vae.kernel.conv import conv_channels_last  # noqa: E402
+from scripts.kernels.conv import _time  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, warps, stages); None: the layer's own (`conv._tiles`)
 TILES = [
@@ -35,6 +36,9 @@ TILES = [
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=30, help="timed runs per variant (default 30)")
+    _ms = partial(_time, repeats=parser.parse_args().repeats)
     h, w, c = 352, 624, 256  # conv_out's input at 704x1248 (before the 2x2 unpatchify)
     ring = torch.randn(1, 3, h + 2, w, c, device="cuda").to(torch.bfloat16)  # frames f - 2, f - 1, f
     weight = (torch.randn(12, c, 3, 3, 3, device="cuda") / (c * 27) ** 0.5).to(torch.bfloat16)

@@ -9,8 +9,8 @@ and one whole block: eager unfused, eager fused, compiled unfused, compiled fuse
 Times are medians over `--reps` runs after warm-up, with CUDA events; L2 is flushed before each op run.
 Prints a markdown table last; `--out FILE` writes everything as JSON.
 
-    python scripts/bench_dit_fusions.py --out dit_fusions.json
-    python scripts/bench_dit_fusions.py --device cpu --small     # dry run of the set-up, reference path
+    python3 scripts/bench_kernels.py dit-fusions --out dit_fusions.json
+    python3 scripts/bench_kernels.py dit-fusions --device cpu --small     # dry run of the set-up, reference path
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from pan2cli.dit import fusions, set_fused_kernels  # noqa: E402
 from pan2cli.dit.model import PAN2TransformerBlock  # noqa: E402
