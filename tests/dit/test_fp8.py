@@ -306,3 +306,32 @@ def test_the_fp8_gemm_equals_its_emulation_on_the_gpu():
     assert got.dtype == torch.bfloat16 and got.shape == (3, 77, 384)
     assert float((got.double() - emulated).norm() / emulated.norm()) < 4e-3  # bf16 output rounding
     assert isinstance(activation, Fp8Activation) and math.isfinite(float(got.float().abs().max()))
+
+
+@pytest.mark.gpu
+def test_cudnn_fp8_attention_matches_the_emulation():
+    """cuDNN's fp8 SDPA (the default fp8 attention where cudnn-frontend is installed) computes the attention of
+    its e4m3 inputs, its e4m3 output within e4m3's rounding of the emulation."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if fp8_unsupported_reason("cuda"):
+        pytest.skip(fp8_unsupported_reason("cuda"))
+    pytest.importorskip("cudnn")
+    from pan2cli.dit.cudnn_fp8_attention import cudnn_fp8_attention
+    from pan2cli.dit.fp8_attention import attention_reference
+
+    gen = torch.Generator("cuda").manual_seed(8)
+    tokens, heads, head_dim = 1030, 4, 128
+    q, k = (torch.nn.functional.rms_norm(torch.randn(1, tokens, heads, head_dim, generator=gen, device="cuda"),
+            (head_dim,)) for _ in range(2))  # fmt: skip
+    v = torch.randn(1, tokens, heads, head_dim, generator=gen, device="cuda")
+    bound = math.sqrt(head_dim)
+    q8, k8 = ((t * (E4M3_MAX / bound)).to(FP8) for t in (q, k))
+    v_descale = (v.abs().amax() / E4M3_MAX).expand(heads).contiguous()
+    v8 = (v / v_descale[0]).to(FP8)
+    qk = torch.tensor([(bound / E4M3_MAX) ** 2], device="cuda")
+    o8, o_descale = cudnn_fp8_attention(q8, k8, v8, qk, v_descale)
+    got = o8.double() * o_descale.double()
+    emulated = attention_reference(q8, k8, v8, float(qk), v_descale).double()
+    assert o8.dtype == FP8 and o8.shape == q8.shape and torch.isfinite(got).all()
+    assert float((got - emulated).norm() / emulated.norm()) < 0.06  # e4m3 output: 3 mantissa bits
