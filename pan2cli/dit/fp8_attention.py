@@ -9,7 +9,7 @@ sequence parallelism, which keeps bf16 attention):
    weights setting it);
 3. `values_fp8` quantises V with one scale per head, transposed for the kernel;
 4. cuDNN's fp8 attention through cudnn-frontend (`cudnn_fp8_attention.py`; per-tensor V scale, e4m3 output
-   that `to_out` takes without another quantisation): 13.4 ms at 121 frames on an H200 against 17.6 for our
+   that `to_out` takes without another quantisation): 14.1 ms at 121 frames on an H200 against 16.2 for our
    Triton kernel and 20.4 for cuDNN's bf16 (scripts/bench_kernels.py fp8-attention). Where cudnn-frontend is not
    installed, or cuDNN cannot build the graph on this GPU, our Triton kernel (`fp8_attention_kernel.py`;
    per-head V scale) runs instead, said once on stderr. `PAN2_FP8_ATTENTION=triton` (or `cudnn`) forces one;

@@ -9,11 +9,15 @@ query rows of every head; TF32 off). Inputs are unit-RMS Q/K rows (as after PAN 
 values; fp8 inputs are quantised as the tier quantises them (Q/K by the RMSNorm bound, V per head).
 
     python3 scripts/bench_kernels.py fp8-attention --frames 121 241 481 --out attention.json
+
+`--compare-kernel FILE` times another version of `pan2cli/dit/fp8_attention_kernel.py` beside the tree's, on the
+same inputs (`git show REV:pan2cli/dit/fp8_attention_kernel.py > /tmp/old_kernel.py`), as "compared_*".
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import sys
@@ -44,6 +48,11 @@ def parse_args() -> argparse.Namespace:
         "--configs", default="all", help="Triton configs: 'all', 'default', or BM,BN,warps,stages;... "
     )
     parser.add_argument("--skip-cudnn-fp8", action="store_true")
+    parser.add_argument(
+        "--compare-kernel",
+        type=Path,
+        help="another version of fp8_attention_kernel.py to time beside the tree's",
+    )
     parser.add_argument("--out", type=Path)
     return parser.parse_args()
 
@@ -62,8 +71,17 @@ def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).norm() / want.norm())
 
 
+def load_kernel_file(path: Path):
+    """A version of `fp8_attention_kernel.py` from a file, as its own module (Triton compiles it apart)."""
+    spec = importlib.util.spec_from_file_location("compared_fp8_attention_kernel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     args = parse_args()
+    compared = load_kernel_file(args.compare_kernel) if args.compare_kernel else None
     device = torch.device("cuda")
     configs = (
         CONFIGS if args.configs == "all" else
@@ -110,13 +128,16 @@ def main() -> None:
         v_t = torch.empty(1, HEADS, HEAD_DIM, padded_keys(s), dtype=FP8, device=device)
         v_descale = torch.empty(HEADS, device=device)
         row["values_fp8_ms"] = _time(lambda: values_fp8([v_flat], HEADS, v_t, v_descale), args.repeats)
-        for config in configs:
-            name = "triton_fp8_" + "x".join(map(str, config))
+        kernels = [("triton_fp8_", fp8_attention)]
+        if compared is not None:
+            kernels.append(("compared_triton_fp8_", compared.fp8_attention))
+        for (prefix, attend), config in ((k, c) for c in configs for k in kernels):
+            name = prefix + "x".join(map(str, config))
             try:
                 row[name + "_ms"] = _time(
-                    lambda: fp8_attention(q8, k8, v_t, qk_descale, v_descale, config=config), args.repeats
+                    lambda: attend(q8, k8, v_t, qk_descale, v_descale, config=config), args.repeats
                 )
-                got = fp8_attention(q8, k8, v_t, qk_descale, v_descale, config=config)
+                got = attend(q8, k8, v_t, qk_descale, v_descale, config=config)
                 row[name + "_err"] = rel_rms(got[:, : args.check_rows], want)
             except Exception as error:  # a configuration that does not fit (shared memory) is reported
                 row[name + "_error"] = str(error).splitlines()[0][:200]
