@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -454,6 +455,7 @@ def _generate(options: GenerateOptions) -> int:
     """The command's work in this process (the only one, or one rank of several)."""
     from pan2cli import distributed, launch  # here, like the pipeline: `pan2 --help` does not load torch
     from pan2cli.pipeline import VideoGenerator
+    from pan2cli.pipeline.generator import seconds_since_process_start
 
     world, rank = distributed.world_size(), distributed.rank()
     main = distributed.is_main()
@@ -507,6 +509,10 @@ def _generate(options: GenerateOptions) -> int:
             info=lambda line: info(line, quiet_here),
             warn=warn,
         )
+        age = (
+            seconds_since_process_start()
+        )  # the sidecar's time_to_first_step counts from the command's start
+        generator.clock_start = time.perf_counter() - age if age is not None else None
         jobs = [job for job in jobs if _checked(generator, job, batch, failures)]
     except Exception as exc:  # a Pan2Error or the unexpected: the other ranks must not wait either way
         error = exc

@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -152,6 +153,30 @@ def keeps_fp32(key: str) -> bool:
     return any(f"{name}." in f".{key}" for name in PAN2Transformer3DModel.keep_in_fp32_modules)
 
 
+def loaded_bytes(
+    shapes: dict[str, tuple[int, ...]],
+    dtype: torch.dtype | None = torch.bfloat16,
+    *,
+    keep_fp32_modules: bool = True,
+    precision: str = "bf16",
+) -> int:
+    """Bytes of device memory the loaded model's tensors take (what `load_pan2_transformer` with these
+    arguments makes of a checkpoint with these shapes; `dtype` None counts 2 bytes an element)."""
+    from pan2cli.dit.quantize import is_fp8_weight
+
+    size = torch.empty(0, dtype=dtype).element_size() if dtype is not None else 2
+    total = 0
+    for key, shape in shapes.items():
+        elements = math.prod(shape)
+        if precision == "fp8" and is_fp8_weight(key):
+            total += elements + 4 * shape[0]  # e4m3, and a float32 scale per output channel
+        elif keep_fp32_modules and keeps_fp32(key) and dtype != torch.float64:
+            total += 4 * elements
+        else:
+            total += size * elements
+    return total
+
+
 def load_pan2_transformer(
     path_or_repo: str | Path,
     *,
@@ -162,6 +187,7 @@ def load_pan2_transformer(
     keep_fp32_modules: bool = True,
     precision: str = "bf16",
     quantize_device: str | torch.device | None = None,
+    on_tensor: Callable[[], None] | None = None,
 ) -> PAN2Transformer3DModel:
     """Build the transformer from a checkpoint (its `config.json` and safetensors, memory-mapped), strictly.
 
@@ -174,6 +200,8 @@ def load_pan2_transformer(
             (`pan2cli.dit.quantize.quantize_block`) as soon as its tensors are read, on `quantize_device`
             (default `device`; the GPU where `device` is the CPU, for `--offload`), then moved to `device`, so
             the whole bf16 model is never on the device.
+        on_tensor: called after each tensor is on its device (progress; an exception raised there stops
+            the load: `pan2cli.pipeline.background`).
 
     Returns:
         The model in eval mode without gradients.
@@ -191,7 +219,10 @@ def load_pan2_transformer(
         target = dtype or tensor.dtype
         if keep_fp32_modules and keeps_fp32(key) and target != torch.float64:
             target = torch.float32
-        return tensor.to(device=where, dtype=target)
+        tensor = tensor.to(device=where, dtype=target)
+        if on_tensor is not None:
+            on_tensor()
+        return tensor
 
     keys = list(model.state_dict())
     if precision == "bf16":

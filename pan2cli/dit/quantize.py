@@ -28,6 +28,21 @@ from pan2cli.dit.fp8 import Fp8Linear
 from pan2cli.dit.fp8_attention import Fp8AttentionScales
 
 ATTENTION_LINEARS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+# The checkpoint keys (after `transformer_blocks.{i}.`) of the weights `quantize_block` stores in e4m3.
+FP8_WEIGHTS = frozenset(
+    [f"attn.{name}.weight" for name in (*ATTENTION_LINEARS, "to_out.0")]
+    + [f"{ff}.net.{i}.weight" for ff in ("ff", "ff_context") for i in ("0.proj", "2")]
+)
+
+
+def is_fp8_weight(key: str, policy: "Fp8Policy | None" = None) -> bool:
+    """Whether checkpoint `key` is a weight the fp8 tier holds in e4m3 (one byte an element)."""
+    parts = key.split(".", 2)
+    if len(parts) < 3 or parts[0] != "transformer_blocks" or not parts[1].isdigit():
+        return False
+    if policy is not None and int(parts[1]) in policy.bf16_blocks:
+        return False
+    return parts[2] in FP8_WEIGHTS
 
 
 @dataclass(frozen=True)

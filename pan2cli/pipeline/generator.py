@@ -34,6 +34,7 @@ from pan2cli.constants import video_frames
 from pan2cli.dit.attention import attention_backend, attention_backends, attention_order
 from pan2cli.errors import InputError, Pan2Error, out_of_memory
 from pan2cli.outputs import check_output_path
+from pan2cli.pipeline.background import BackgroundLoad
 from pan2cli.pipeline.components import PAN2Components, resolve_components
 from pan2cli.pipeline.conditioning import condition_latents
 from pan2cli.pipeline.image import encode_image, fit_image, load_start_image
@@ -52,6 +53,40 @@ ProgressFactory = Callable[[str, int, str], "contextmanager"]
 @contextmanager
 def _no_progress(description: str, total: int, unit: str) -> Iterator[Callable[[int], None]]:
     yield lambda n=1: None
+
+
+# Room left beside the text encoder and the transformer for the text encoder's activations and the allocator.
+OVERLAP_MARGIN_BYTES = 4 * 2**30
+
+
+def free_memory(device: torch.device) -> tuple[int | None, str]:
+    """(bytes free for new tensors on `device`, how to name it): the GPU's free memory, or the host's
+    `MemAvailable` (None where it cannot be read)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], "the GPU"
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "the host"
+    except OSError:
+        pass
+    return None, "the host"
+
+
+def seconds_since_process_start() -> float | None:
+    """How long this process has run (Linux: `/proc`; None elsewhere), to 1/CLK_TCK (10 ms)."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+            return float(uptime.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _rounded(entry: dict) -> dict:
+    """A shared load's sidecar entry with its seconds rounded."""
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in entry.items()}
 
 
 class _FrameSink:
@@ -109,6 +144,9 @@ class VideoGenerator:
         self.decode_rows_split = False
         self.ranks_share_jobs = False
         self._shift_notes: set[tuple[float, str]] = set()  # each flow-shift note said once
+        # `time_to_first_step` counts from here: the command's start where the CLI sets it, else each batch's.
+        self.clock_start: float | None = None
+        self._clock_from = "batch start"
         attention_order()  # a bad PAN2_ATTENTION is bad input before anything loads
 
     @classmethod
@@ -221,12 +259,18 @@ class VideoGenerator:
         results = [GenerationResult(job) for job in jobs]
         shared = ranks_share_jobs and distributed.world_size() > 1
         self.ranks_share_jobs = shared
-        # 1. Text encoding
-        self._encode_texts(results)
-        # 2. Start images (image-to-video)
-        self._encode_images(results)
-        # 3. Sampling
-        self._sample(results, shared)
+        self._batch_start = time.perf_counter() if self.clock_start is None else self.clock_start
+        self._clock_from = "batch start" if self.clock_start is None else "command start"
+        # The transformer's weights are read in the background during 1 and 2 where the device holds both
+        # models (the thread ends with the batch's first failure or a Ctrl-C: `BackgroundLoad`).
+        transformer = self._start_transformer_load()
+        with transformer if transformer is not None else nullcontext():
+            # 1. Text encoding
+            self._encode_texts(results, transformer)
+            # 2. Start images (image-to-video)
+            self._encode_images(results, transformer)
+            # 3. Sampling
+            self._sample(results, shared, transformer)
         # 4. Decode and write
         self._decode(results, shared, on_result)
         return results
@@ -276,12 +320,13 @@ class VideoGenerator:
             result.error = exc
             self._release()
 
-    def _load_seconds(self, results: list[GenerationResult], stage: str, seconds: float) -> None:
-        """A model loaded once for `results`: said once, as shared by them, not as a stage each one paid."""
+    def _load_seconds(self, results: list[GenerationResult], stage: str, seconds: float, **overlap) -> None:
+        """A model loaded once for `results`: said once, as shared by them, not as a stage each one paid
+        (`overlap`: `overlapped_with`, the stages it ran beside, and `waited`, the seconds they then waited)."""
         for result in results:
-            result.shared_loads[stage] = {"seconds": seconds, "videos": len(results)}
+            result.shared_loads[stage] = {"seconds": seconds, "videos": len(results), **overlap}
 
-    def _encode_texts(self, results: list[GenerationResult]) -> None:
+    def _encode_texts(self, results: list[GenerationResult], transformer: BackgroundLoad | None) -> None:
         from pan2cli.pipeline.text import PAN2TextEncoder
 
         start = time.perf_counter()
@@ -293,6 +338,8 @@ class VideoGenerator:
         )
         self._load_seconds(results, "load_text_encoder", time.perf_counter() - start)
         todo = [r for r in results if r.error is None]
+        check = transformer.check if transformer is not None else (lambda: None)
+        check()  # a transformer that cannot be read stops the batch now, not after every prompt is encoded
 
         def encode(prompt: str) -> torch.Tensor:
             features, cut = encoder.encode(prompt)
@@ -314,14 +361,17 @@ class VideoGenerator:
 
                 self._run_job(result, "text_encoding", work)
                 advance(1)
+                check()
         encoder.release()
         encoder = None  # frees the model (the closures above share this variable, so no `del`)
         self._release()
 
-    def _encode_images(self, results: list[GenerationResult]) -> None:
+    def _encode_images(self, results: list[GenerationResult], transformer: BackgroundLoad | None) -> None:
         todo = [r for r in results if r.error is None and r.job.settings.image is not None]
         if not todo:
             return
+        if transformer is not None:
+            transformer.check()
         from pan2cli.vae.checkpoint import load_vae_encoder
 
         start = time.perf_counter()
@@ -338,20 +388,52 @@ class VideoGenerator:
         encoder = None  # frees the encoder (the closure above shares this variable, so no `del`)
         self._release()
 
-    def _load_dit(self):
+    def _start_transformer_load(self) -> BackgroundLoad | None:
+        """The transformer's load started in the background (`BackgroundLoad`) where the device has room for it
+        beside the text encoder; else None (it loads after the text encoder is freed), said in one line."""
+        from pan2cli.dit.checkpoint import loaded_bytes, resolve_pan2_checkpoint
+
+        folder = self.components.folder("transformer")
+        if self.config.offload:
+            self.info("Loading the transformer after the text encoder (--offload: one model at a time).")
+            return None
+        shapes = resolve_pan2_checkpoint(folder).shapes
+        self._transformer_tensors = len(shapes)
+        dit_bytes = loaded_bytes(shapes, self.dtype, precision=self.config.precision)
+        text_bytes = sum(
+            p.stat().st_size for p in self.components.folder("text_encoder").glob("*.safetensors")
+        )
+        need = dit_bytes + text_bytes + OVERLAP_MARGIN_BYTES
+        free, where = free_memory(self.device)
+        if free is None or need > free:
+            have = f"{free / 2**30:.1f} GiB free" if free is not None else "free memory unknown"
+            self.info(
+                f"Loading the transformer after the text encoder: both need {need / 2**30:.1f} GiB, {where} has {have}."
+            )
+            return None
+        return BackgroundLoad(self._read_dit, self.device, name="pan2-transformer-load")
+
+    def _read_dit(self, on_tensor: Callable[[], None] | None = None):
+        """The transformer from its checkpoint, on the device (or, with `offload`, its blocks in host memory)."""
         from pan2cli.dit.checkpoint import load_pan2_transformer
-        from pan2cli.dit.fusions import set_fused_kernels, triton_available
         from pan2cli.pipeline.offload import enable_block_offload
 
         cfg = self.config
         folder = self.components.folder("transformer")
         # fp8: each block quantised on the GPU as it is read (the bf16 model is never whole there).
-        precision = dict(precision=cfg.precision, quantize_device=self.device)
+        options = dict(precision=cfg.precision, quantize_device=self.device, on_tensor=on_tensor)
         if cfg.offload:
-            model = load_pan2_transformer(folder, dtype=self.dtype, device="cpu", **precision)
+            model = load_pan2_transformer(folder, dtype=self.dtype, device="cpu", **options)
             enable_block_offload(model, self.device)
         else:
-            model = load_pan2_transformer(folder, dtype=self.dtype, device=self.device, **precision)
+            model = load_pan2_transformer(folder, dtype=self.dtype, device=self.device, **options)
+        return model
+
+    def _prepare_dit(self, model):
+        """The loaded transformer's kernels chosen (fused Triton ops where they run) and the fp8 attention named."""
+        from pan2cli.dit.fusions import set_fused_kernels, triton_available
+
+        cfg = self.config
         if cfg.precision == "fp8":
             from pan2cli.dit.fp8_attention import fp8_attention_backend
 
@@ -376,18 +458,37 @@ class VideoGenerator:
         self.dit_fused_kernels = fused  # what ran, for the sidecar
         return model
 
-    def _sample(self, results: list[GenerationResult], shared: bool) -> None:
+    def _sample(
+        self, results: list[GenerationResult], shared: bool, transformer: BackgroundLoad | None
+    ) -> None:
         todo = [r for r in results if r.error is None]
         if not todo:
+            if transformer is not None:
+                transformer.cancel()  # nothing left to sample
             return
         start = time.perf_counter()
-        model = self._load_dit()
-        self._load_seconds(todo, "load_transformer", time.perf_counter() - start)
+        total = getattr(self, "_transformer_tensors", None) or 0
+        with self.progress("Loading the transformer", total, "tensors") as advance:
+            if transformer is not None:  # read in the background since the batch began
+                transformer.wait(on_tick=advance)
+                model = transformer.result()
+                overlapped = ["load_text_encoder", "text_encoding"]
+                if any(r.job.settings.image is not None for r in results):
+                    overlapped += ["load_vae_encoder", "image_encoding"]
+                self._load_seconds(
+                    todo, "load_transformer", transformer.seconds,
+                    overlapped_with=overlapped, waited=time.perf_counter() - start,
+                )  # fmt: skip
+            else:
+                model = self._read_dit(on_tensor=lambda: advance(1))
+                self._load_seconds(todo, "load_transformer", time.perf_counter() - start)
+        model = self._prepare_dit(model)
         for result in todo:
             settings = result.job.settings
             self._note_flow_shift(result.job)
 
             def work(result=result, settings=settings):
+                result.time_to_first_step = time.perf_counter() - self._batch_start
                 with self.progress(f"Denoising ({settings.steps} steps)", settings.steps, "steps") as advance:
                     result.latents = self.sample(
                         model,
@@ -610,10 +711,12 @@ class VideoGenerator:
             "processes": self._processes(result.job.settings),
             "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
             "peak_gpu_memory_gib": {k: round(v, 2) for k, v in result.peak_gpu_gib.items()},
-            "shared_loads": {
-                k: {"seconds": round(v["seconds"], 3), "videos": v["videos"]}
-                for k, v in result.shared_loads.items()
-            },
+            "shared_loads": {k: _rounded(v) for k, v in result.shared_loads.items()},
+            # to this video's first denoising step, from the command's start (or the batch's: `time_to_first_step_from`)
+            "time_to_first_step": round(result.time_to_first_step, 3)
+            if result.time_to_first_step is not None
+            else None,
+            "time_to_first_step_from": self._clock_from,
         }
 
     def _processes(self, settings: GenerationSettings) -> dict:

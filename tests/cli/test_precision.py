@@ -43,7 +43,9 @@ def test_a_preset_may_set_the_precision_and_shows_it(tmp_path):
 def test_fp8_on_the_cpu_is_refused_before_anything_loads(tiny_pan2, run_cli, tmp_path, monkeypatch):
     import pan2cli.pipeline.generator as generator
 
-    monkeypatch.setattr(generator.VideoGenerator, "_load_dit", lambda self: pytest.fail("the DiT loaded"))
+    monkeypatch.setattr(
+        generator.VideoGenerator, "_read_dit", lambda self, on_tensor=None: pytest.fail("the DiT loaded")
+    )
     out = tmp_path / "a.mp4"
     res = run_cli("generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "--precision", "fp8", "-o", out)
     assert res.exit_code == 2

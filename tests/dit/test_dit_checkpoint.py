@@ -124,3 +124,24 @@ def test_broken_folders(tmp_path, model):
     (empty / "config.json").write_text(json.dumps(model.config.to_dict()))
     with pytest.raises(CheckpointError, match="no diffusion_pytorch_model"):
         load_pan2_transformer(empty)
+
+
+def test_loaded_bytes_are_what_the_loaded_model_holds():
+    """The memory the overlapped load plans with (`loaded_bytes`) equals the loaded model's own count: exactly on a
+    tiny model loaded both ways, and at the release config the weights `scripts/bench_dit.py` measured on an H200
+    (bf16 62.71 GiB with float32 AdaLN, fp8 40.72 GiB)."""
+    from pan2cli.dit.checkpoint import expected_shapes, loaded_bytes, release_defaults
+    from pan2cli.dit.quantize import quantize_transformer
+
+    model = PAN2Transformer3DModel(**TINY).eval().requires_grad_(False)
+    held = lambda m: sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])  # noqa: E731
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    bf16 = model.to(torch.bfloat16)
+    for name, p in bf16.named_parameters():
+        if "norm1.linear" in name or "norm_out.linear" in name:
+            p.data = p.data.float()
+    assert loaded_bytes(shapes, torch.bfloat16) == held(bf16)
+    assert loaded_bytes(shapes, torch.bfloat16, precision="fp8") == held(quantize_transformer(bf16))
+    release = expected_shapes(release_defaults())
+    assert round(loaded_bytes(release) / 2**30, 2) == 62.71
+    assert round(loaded_bytes(release, precision="fp8") / 2**30, 2) == 40.72
