@@ -279,7 +279,7 @@ def _jobs(
 @click.option(
     "--offload",
     is_flag=True,
-    help="Keep the DiT's blocks in pinned host memory and stream them to the GPU one by one (PAN 2 on an 80 GB GPU); same frames; measured 0.4 % slower on an H200 capped at 80 GB (the copies hide behind the compute).",
+    help="Keep the DiT's blocks in pinned host memory and stream them to the GPU one by one (PAN 2 on an 80 GB GPU); same frames; measured 0.4 % slower on an H200 capped at 80 GB (the copies hide behind the compute). Without it the transformer is read while the text encoder works, where the GPU holds both.",
 )
 @click.option(
     "--dit-fused-kernels/--no-dit-fused-kernels",

@@ -1,6 +1,7 @@
 """`VideoGenerator`: prompt (and start image) → video, stage by stage, each model loaded once per batch.
 
-Stages (numbered as in `generate_batch`): 1. text encoding (the text encoder is released after it);
+Stages (numbered as in `generate_batch`): 1. text encoding (the text encoder is released after it; the
+transformer is read in a background thread meanwhile where the device holds both, `BackgroundLoad`);
 2. start images through the VAE encoder (image-to-video only); 3. flow-matching Euler sampling with the
 MMDiT on `[latents ; condition latents ; mask]` (97 channels: `pan2cli.pipeline.conditioning`),
 released before the decode (`offload` streams its blocks from host memory); 4. VAE decode

@@ -225,3 +225,41 @@ def test_through_the_api_time_to_first_step_counts_from_the_batch(tiny_pan2, tmp
     side = json.loads(out.with_suffix(".json").read_text())
     assert side["time_to_first_step_from"] == "batch start"
     assert result.seconds["text_encoding"] < side["time_to_first_step"] < time.perf_counter() - begin
+
+
+def test_the_first_step_benchmark_reads_the_figures_back(tiny_pan2, tmp_path, capsys):
+    """scripts/bench_first_step.py (the issue's benchmark, run on a GPU with the full-size repository) on the tiny
+    repository: a fresh `pan2 generate` process, its time to the first step and the overlapped load, the load
+    rate beside safetensors', from a warm and a dropped page cache."""
+    from scripts import bench_first_step
+
+    out = tmp_path / "first_step.json"
+    bench_first_step.main(
+        [
+            "--model",
+            str(tiny_pan2),
+            "--device",
+            "cpu",
+            "--size",
+            "64x96",
+            "--frames",
+            "5",
+            "--load-rate",
+            "--out",
+            str(out),
+        ]
+    )
+    results = json.loads(out.read_text())
+    (run,) = results["runs"]
+    assert "error" not in run, run
+    assert run["from"] == "command start" and 0 < run["time_to_first_step_s"] < run["wall_s"]
+    assert run["shared_loads"]["load_transformer"]["overlapped_with"] == [
+        "load_text_encoder",
+        "text_encoding",
+    ]
+    (rates,) = results["load_rates"]
+    assert rates["cold"] is False and rates["file_mb"] >= 0
+    assert all(
+        isinstance(rates[k], (int, float)) for k in ("pan2_s", "pan2_mb_per_s", "safetensors_mb_per_s")
+    )
+    assert "| bf16 | warm |" in capsys.readouterr().out
