@@ -509,9 +509,8 @@ def _generate(options: GenerateOptions) -> int:
             info=lambda line: info(line, quiet_here),
             warn=warn,
         )
-        age = (
-            seconds_since_process_start()
-        )  # the sidecar's time_to_first_step counts from the command's start
+        # The sidecar's time_to_first_step counts from the command's start.
+        age = seconds_since_process_start()
         generator.clock_start = time.perf_counter() - age if age is not None else None
         jobs = [job for job in jobs if _checked(generator, job, batch, failures)]
     except Exception as exc:  # a Pan2Error or the unexpected: the other ranks must not wait either way

@@ -35,14 +35,15 @@ FP8_WEIGHTS = frozenset(
 )
 
 
-def is_fp8_weight(key: str, policy: "Fp8Policy | None" = None) -> bool:
-    """Whether checkpoint `key` is a weight the fp8 tier holds in e4m3 (one byte an element)."""
+def is_fp8_weight(key: str) -> bool:
+    """Whether checkpoint `key` is a weight the fp8 tier (default `Fp8Policy`) holds in e4m3 (one byte an element)."""
     parts = key.split(".", 2)
-    if len(parts) < 3 or parts[0] != "transformer_blocks" or not parts[1].isdigit():
-        return False
-    if policy is not None and int(parts[1]) in policy.bf16_blocks:
-        return False
-    return parts[2] in FP8_WEIGHTS
+    return (
+        len(parts) == 3
+        and parts[0] == "transformer_blocks"
+        and parts[1].isdigit()
+        and parts[2] in FP8_WEIGHTS
+    )
 
 
 @dataclass(frozen=True)

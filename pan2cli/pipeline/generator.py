@@ -147,7 +147,6 @@ class VideoGenerator:
         self._shift_notes: set[tuple[float, str]] = set()  # each flow-shift note said once
         # `time_to_first_step` counts from here: the command's start where the CLI sets it, else each batch's.
         self.clock_start: float | None = None
-        self._clock_from = "batch start"
         attention_order()  # a bad PAN2_ATTENTION is bad input before anything loads
 
     @classmethod
@@ -261,7 +260,6 @@ class VideoGenerator:
         shared = ranks_share_jobs and distributed.world_size() > 1
         self.ranks_share_jobs = shared
         self._batch_start = time.perf_counter() if self.clock_start is None else self.clock_start
-        self._clock_from = "batch start" if self.clock_start is None else "command start"
         # The transformer's weights are read in the background during 1 and 2 where the device holds both
         # models (the thread ends with the batch's first failure or a Ctrl-C: `BackgroundLoad`).
         transformer = self._start_transformer_load()
@@ -394,12 +392,11 @@ class VideoGenerator:
         beside the text encoder; else None (it loads after the text encoder is freed), said in one line."""
         from pan2cli.dit.checkpoint import loaded_bytes, resolve_pan2_checkpoint
 
-        folder = self.components.folder("transformer")
+        shapes = resolve_pan2_checkpoint(self.components.folder("transformer")).shapes
+        self._transformer_tensors = len(shapes)  # the load's progress bar counts them
         if self.config.offload:
             self.info("Loading the transformer after the text encoder (--offload: one model at a time).")
             return None
-        shapes = resolve_pan2_checkpoint(folder).shapes
-        self._transformer_tensors = len(shapes)
         dit_bytes = loaded_bytes(shapes, self.dtype, precision=self.config.precision)
         text_bytes = sum(
             p.stat().st_size for p in self.components.folder("text_encoder").glob("*.safetensors")
@@ -468,8 +465,7 @@ class VideoGenerator:
                 transformer.cancel()  # nothing left to sample
             return
         start = time.perf_counter()
-        total = getattr(self, "_transformer_tensors", None) or 0
-        with self.progress("Loading the transformer", total, "tensors") as advance:
+        with self.progress("Loading the transformer", self._transformer_tensors, "tensors") as advance:
             if transformer is not None:  # read in the background since the batch began
                 transformer.wait(on_tick=advance)
                 model = transformer.result()
@@ -717,7 +713,7 @@ class VideoGenerator:
             "time_to_first_step": round(result.time_to_first_step, 3)
             if result.time_to_first_step is not None
             else None,
-            "time_to_first_step_from": self._clock_from,
+            "time_to_first_step_from": "batch start" if self.clock_start is None else "command start",
         }
 
     def _processes(self, settings: GenerationSettings) -> dict:

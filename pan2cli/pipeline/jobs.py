@@ -53,9 +53,8 @@ class GenerationResult:
     # A model loaded once for several videos: {"load_transformer": {"seconds": 9.1, "videos": 3}}, not in `seconds`;
     # a load run beside other stages also names them ("overlapped_with") and what the batch then waited ("waited").
     shared_loads: dict[str, dict] = field(default_factory=dict)
-    time_to_first_step: float | None = (
-        None  # seconds from the batch's start to this video's first denoising step
-    )
+    # seconds from the command's (or the batch's) start to this video's first denoising step
+    time_to_first_step: float | None = None
     output: Path | None = None
     sidecar: Path | None = None
     latents_path: Path | None = None
