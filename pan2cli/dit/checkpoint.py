@@ -1,9 +1,10 @@
-"""Load (and write) the PAN 2 transformer: `config.json` + safetensors, memory-mapped, strictly checked.
+"""Load (and write) the PAN 2 transformer: `config.json` + safetensors, strictly checked.
 
 Accepted: the transformer's folder (or a repository root holding it in `transformer/`, or a hub repo id)
 with `config.json` and `diffusion_pytorch_model.safetensors`, or shards listed by
-`diffusion_pytorch_model.safetensors.index.json` (also under the stem `model`). Tensors are read one at a
-time from the memory-mapped files, cast and moved to the device, so host memory stays at one tensor.
+`diffusion_pytorch_model.safetensors.index.json` (also under the stem `model`). The files are read by
+several threads through pinned buffers straight into the device's tensors (`pan2cli.checkpoints.staged`), then
+cast there, so host memory stays at a few buffers of 32 MB.
 Every parameter of the model must be present with its shape; any other key is an error that names it.
 
 Keys (diffusers names, as released; D = heads·head_dim = 4096, i a block 0…43, r a refiner block 0…3;
@@ -42,10 +43,10 @@ from typing import Any, Callable
 
 import torch
 
-from pan2cli.checkpoints.files import float_tensor, tensor_reader
 from pan2cli.checkpoints.json_files import read_json_object
 from pan2cli.checkpoints.keys import check_keys
 from pan2cli.checkpoints.sharded import tensor_locations
+from pan2cli.checkpoints.staged import StagedReader
 from pan2cli.dit.config import PAN2TransformerConfig, config_arguments
 from pan2cli.dit.model import PAN2Transformer3DModel
 from pan2cli.errors import CheckpointError, InputError
@@ -189,13 +190,13 @@ def load_pan2_transformer(
     quantize_device: str | torch.device | None = None,
     on_tensor: Callable[[], None] | None = None,
 ) -> PAN2Transformer3DModel:
-    """Build the transformer from a checkpoint (its `config.json` and safetensors, memory-mapped), strictly.
+    """Build the transformer from a checkpoint (its `config.json` and safetensors), strictly.
 
     Args:
         path_or_repo, subfolder, revision: where the checkpoint is (see `resolve_pan2_checkpoint`).
         dtype: parameter dtype (None: as stored); the AdaLN linears stay float32 when `keep_fp32_modules`
             (unless `dtype` is float64, which takes everything).
-        device: where the model lives; tensors stream there one at a time.
+        device: where the model lives; the files are read there (`StagedReader`), then cast.
         precision: "bf16" (as stored, cast to `dtype`), or "fp8": each block is quantised
             (`pan2cli.dit.quantize.quantize_block`) as soon as its tensors are read, on `quantize_device`
             (default `device`; the GPU where `device` is the CPU, for `--offload`), then moved to `device`, so
@@ -212,35 +213,42 @@ def load_pan2_transformer(
     ckpt = resolve_pan2_checkpoint(path_or_repo, subfolder, revision)
     model = model_on_meta(ckpt.arguments)
     check_tensor_shapes(ckpt.shapes, ckpt.arguments, str(ckpt.folder))
-    read = tensor_reader(ckpt.files)
+    where = torch.device(quantize_device or device) if precision == "fp8" else torch.device(device)
+    with StagedReader(ckpt.files, where) as reader:
+        for key, span in reader.spans.items():  # every dtype checked before a byte is read
+            if not span.dtype.is_floating_point:
+                raise CheckpointError(f"{span.path}: tensor {key} has dtype {span.dtype}, expected a float")
 
-    def load(key: str, where) -> torch.Tensor:
-        tensor = float_tensor(read(key), str(ckpt.files[key]), key)
-        target = dtype or tensor.dtype
-        if keep_fp32_modules and keeps_fp32(key) and target != torch.float64:
-            target = torch.float32
-        tensor = tensor.to(device=where, dtype=target)
-        if on_tensor is not None:
-            on_tensor()
-        return tensor
+        def cast(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            for key, tensor in tensors.items():
+                target = dtype or tensor.dtype
+                if keep_fp32_modules and keeps_fp32(key) and target != torch.float64:
+                    target = torch.float32
+                tensors[key] = tensor.to(dtype=target)  # on the device it was read to
+            return tensors
 
-    keys = list(model.state_dict())
-    if precision == "bf16":
-        model.load_state_dict({key: load(key, device) for key in keys}, strict=True, assign=True)
-        return model.eval().requires_grad_(False)
-    from pan2cli.dit.quantize import quantize_block
+        keys = list(model.state_dict())
+        if precision == "bf16":
+            model.load_state_dict(cast(reader.read(keys, on_tensor)), strict=True, assign=True)
+            return model.eval().requires_grad_(False)
+        from pan2cli.dit.quantize import quantize_block
 
-    where = quantize_device or device
-    for index, block in enumerate(model.transformer_blocks):
-        prefix = f"transformer_blocks.{index}."
-        block.load_state_dict(
-            {key[len(prefix) :]: load(key, where) for key in keys if key.startswith(prefix)},
-            strict=True,
-            assign=True,
-        )
-        quantize_block(block)
-        block.to(device)
-    rest = {key: load(key, device) for key in keys if not key.startswith("transformer_blocks.")}
+        # Block by block, the next block's reads running while this one is quantised.
+        prefixes = [f"transformer_blocks.{index}." for index in range(len(model.transformer_blocks))]
+        groups = [[key for key in keys if key.startswith(prefix)] for prefix in prefixes]
+        groups.append([key for key in keys if not key.startswith("transformer_blocks.")])
+        for index, tensors in enumerate(reader.read_each(groups, on_tensor)):
+            if index == len(prefixes):  # the parts outside the blocks, last
+                rest = {key: tensor.to(device) for key, tensor in cast(tensors).items()}
+                continue
+            block, prefix = model.transformer_blocks[index], prefixes[index]
+            block.load_state_dict(
+                {key[len(prefix) :]: tensor for key, tensor in cast(tensors).items()},
+                strict=True,
+                assign=True,
+            )
+            quantize_block(block)
+            block.to(device)
     model.load_state_dict(rest, strict=False, assign=True)  # the keys were checked whole, above
     model.precision = "fp8"
     return model.eval().requires_grad_(False)

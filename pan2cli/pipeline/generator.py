@@ -260,12 +260,14 @@ class VideoGenerator:
         shared = ranks_share_jobs and distributed.world_size() > 1
         self.ranks_share_jobs = shared
         self._batch_start = time.perf_counter() if self.clock_start is None else self.clock_start
-        # The transformer's weights are read in the background during 1 and 2 where the device holds both
-        # models (the thread ends with the batch's first failure or a Ctrl-C: `BackgroundLoad`).
+        # The text encoder's weights are read in the background while transformers is imported (seconds of
+        # Python), and the transformer's during 1 and 2 where the device holds both models (the threads end
+        # with the batch's first failure or a Ctrl-C: `BackgroundLoad`).
+        text_tensors = self._start_text_read()
         transformer = self._start_transformer_load()
-        with transformer if transformer is not None else nullcontext():
+        with text_tensors, transformer if transformer is not None else nullcontext():
             # 1. Text encoding
-            self._encode_texts(results, transformer)
+            self._encode_texts(results, transformer, text_tensors)
             # 2. Start images (image-to-video)
             self._encode_images(results, transformer)
             # 3. Sampling
@@ -325,17 +327,38 @@ class VideoGenerator:
         for result in results:
             result.shared_loads[stage] = {"seconds": seconds, "videos": len(results), **overlap}
 
-    def _encode_texts(self, results: list[GenerationResult], transformer: BackgroundLoad | None) -> None:
-        from pan2cli.pipeline.text import PAN2TextEncoder
+    def _start_text_read(self) -> BackgroundLoad:
+        """The text encoder's tensors read to the device in the background (`read_text_tensors`)."""
+        from pan2cli.pipeline.text import read_text_tensors
 
-        start = time.perf_counter()
-        encoder = PAN2TextEncoder.load(
-            self.components.folder("text_encoder"),
-            self.components.folder("tokenizer"),
-            dtype=self.dtype,
-            device=self.device,
+        folder = self.components.folder("text_encoder")
+        self._text_read_start = time.perf_counter()
+        return BackgroundLoad(
+            lambda tick: read_text_tensors(folder, self.device, on_tensor=tick),
+            self.device,
+            name="pan2-text-encoder-read",
         )
-        self._load_seconds(results, "load_text_encoder", time.perf_counter() - start)
+
+    def _encode_texts(
+        self,
+        results: list[GenerationResult],
+        transformer: BackgroundLoad | None,
+        text_tensors: BackgroundLoad,
+    ) -> None:
+        from pan2cli.pipeline.text import PAN2TextEncoder, load_text_model, load_tokenizer
+
+        tokenizer = load_tokenizer(self.components.folder("tokenizer"))  # imports transformers meanwhile
+        encoder = PAN2TextEncoder(
+            tokenizer,
+            load_text_model(
+                self.components.folder("text_encoder"),
+                dtype=self.dtype,
+                device=self.device,
+                tensors=text_tensors.result(),
+            ),
+        )
+        seconds = time.perf_counter() - self._text_read_start  # from the read's start: one stage
+        self._load_seconds(results, "load_text_encoder", seconds)
         todo = [r for r in results if r.error is None]
         check = transformer.check if transformer is not None else (lambda: None)
         check()  # a transformer that cannot be read stops the batch now, not after every prompt is encoded

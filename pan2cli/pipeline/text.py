@@ -8,15 +8,14 @@ MBZUAI-IFM/vllm-omni-pan2). The prompt is encoded as it is given, surrounding wh
 from __future__ import annotations
 
 import contextlib
-import re
 from pathlib import Path
-from typing import Iterator, Mapping, NamedTuple
+from typing import Callable, Iterator, Mapping, NamedTuple
 
 import torch
 
 from pan2cli.checkpoints.json_files import read_json_object
 from pan2cli.checkpoints.keys import check_keys, listing
-from pan2cli.checkpoints.sharded import weight_shapes
+from pan2cli.checkpoints.sharded import tensor_locations
 from pan2cli.errors import CheckpointError, InputError
 
 SYSTEM_MESSAGE = "You are a helpful assistant. Generate the video with the following instructions."
@@ -120,13 +119,11 @@ def read_text_config(folder: Path):
     return config
 
 
-def language_model_prefix(
-    shapes: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], source: str
-) -> str:
-    """The prefix of the language model's tensors in `shapes`, checked strictly against `expected` (its own names).
+def language_model_keys(shapes: Mapping[str, tuple[int, ...]], source: str) -> tuple[str, list[str]]:
+    """The prefix of the language model's tensors in a checkpoint and their keys, from the headers alone.
 
     Raises:
-        CheckpointError: no language model found, or missing / unexpected / mis-shaped language-model tensors (named).
+        CheckpointError: no language model (no `embed_tokens.weight` under any known prefix).
     """
     prefix = next((p for p in LANGUAGE_MODEL_PREFIXES if f"{p}embed_tokens.weight" in shapes), None)
     if prefix is None:
@@ -136,14 +133,22 @@ def language_model_prefix(
             hint=_HINT,
         )
     if prefix:
-        ours = {k[len(prefix) :]: s for k, s in shapes.items() if k.startswith(prefix)}
-    else:
-        ours = {
-            k: s for k, s in shapes.items() if not k.startswith(_OTHER_PARTS + LANGUAGE_MODEL_PREFIXES[1:])
-        }
+        return prefix, [k for k in shapes if k.startswith(prefix)]
+    return prefix, [k for k in shapes if not k.startswith(_OTHER_PARTS + LANGUAGE_MODEL_PREFIXES[1:])]
+
+
+def language_model_prefix(
+    shapes: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]], source: str
+) -> str:
+    """The prefix of the language model's tensors in `shapes`, checked strictly against `expected` (its own names).
+
+    Raises:
+        CheckpointError: no language model found, or missing / unexpected / mis-shaped language-model tensors (named).
+    """
+    prefix, keys = language_model_keys(shapes, source)
     where = f" under {prefix!r}" if prefix else ""
     check_keys(
-        ours,
+        {key[len(prefix) :]: shapes[key] for key in keys},
         expected,
         f"{source} does not hold the language model its config.json describes{where}",
         hint=_HINT,
@@ -151,16 +156,47 @@ def language_model_prefix(
     return prefix
 
 
-def load_text_model(folder: Path, *, dtype: torch.dtype, device: torch.device | str = "cpu"):
+def read_text_tensors(
+    folder: Path, device: torch.device | str, on_tensor: Callable[[], None] | None = None
+) -> dict[str, torch.Tensor]:
+    """The language model's tensors of `text_encoder/`, read to `device` as stored, under the model's own names.
+
+    Needs no transformers (the headers say which tensors are the language model's), so it can run while
+    transformers is still being imported; `load_text_model` checks them against the model.
+
+    Raises:
+        CheckpointError: no language model in the files, unreadable files.
+    """
+    from pan2cli.checkpoints.staged import StagedReader
+
+    shapes, files = tensor_locations(Path(folder), ("model",))
+    prefix, keys = language_model_keys(shapes, str(folder))
+    with StagedReader({key: files[key] for key in keys}, device) as reader:
+        return {key[len(prefix) :]: tensor for key, tensor in reader.read(keys, on_tensor).items()}
+
+
+def load_text_model(
+    folder: Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    tensors: dict[str, torch.Tensor] | None = None,
+):
     """The `Qwen3_5TextModel` in `folder`, from a text-only or a multimodal Qwen3.5 checkpoint (local files only).
 
     A multimodal checkpoint gives its language model only: the model is built from `config.text_config` and
-    only the tensors under the language model's prefix are loaded; the vision tower is never built nor read.
+    only the tensors under the language model's prefix are read; the vision tower is never built nor read.
+    The tensors are read straight to `device` by several threads (`pan2cli.checkpoints.staged`: 15 GiB in
+    seconds, where transformers' own reader goes through pageable memory) and handed to transformers'
+    `from_pretrained` as its state dict, which builds the model around them (no second copy where the dtype
+    is the stored one) and computes what the checkpoint does not hold (the rotary frequencies).
 
     Args:
         folder: `text_encoder/` (config.json + model.safetensors or a sharded index).
         dtype: parameter dtype (bf16 on GPU in the release).
         device: where the model runs.
+        tensors: the language model's tensors if already read (`read_text_tensors`, in the background); taken
+            over (the dict is emptied).
 
     Returns:
         The model in eval mode without gradients.
@@ -173,24 +209,28 @@ def load_text_model(folder: Path, *, dtype: torch.dtype, device: torch.device | 
     config = read_text_config(folder)
     with quiet_transformers(), torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in Qwen3_5TextModel(config).state_dict().items()}
-    prefix = language_model_prefix(weight_shapes(folder, ("model",)), expected, str(folder))
+    shapes, _ = tensor_locations(folder, ("model",))
+    language_model_prefix(shapes, expected, str(folder))  # every tensor there, with its shape
+    state = tensors if tensors is not None else read_text_tensors(folder, device)
     try:
         with quiet_transformers():
             model, info = Qwen3_5TextModel.from_pretrained(
-                str(folder), config=config, dtype=dtype, local_files_only=True, output_loading_info=True,
-                key_mapping={f"^{re.escape(prefix)}": ""} if prefix else None,
+                None, config=config, state_dict=state, dtype=dtype, device_map={"": torch.device(device)},
+                output_loading_info=True,
             )  # fmt: skip
     except Exception as exc:
         raise CheckpointError(
             f"{folder} could not be read as a Qwen3.5 text model: {exc}", hint=_HINT
         ) from exc
+    finally:
+        state.clear()  # the model holds what it uses
     if info.get("missing_keys") or info.get(
         "mismatched_keys"
     ):  # checked above; transformers would fill them randomly
         raise CheckpointError(
             f"{folder}: transformers left tensors unloaded: {listing(map(str, [*info['missing_keys'], *info['mismatched_keys']]))}"
         )
-    return model.to(device).eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)
 
 
 class PAN2TextEncoder:

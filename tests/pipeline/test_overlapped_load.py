@@ -11,7 +11,9 @@ import time
 
 import pytest
 
+import pan2cli.checkpoints.staged as staged
 import pan2cli.dit.checkpoint as dit_checkpoint
+from pan2cli.checkpoints.staged import StagedReader
 from pan2cli.errors import CheckpointError
 from pan2cli.pipeline import generator as generator_module
 from pan2cli.pipeline.background import BackgroundLoad, LoadCancelled
@@ -22,23 +24,24 @@ THREAD = "pan2-transformer-load"
 
 
 def _loader_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == THREAD]
+    """The loader's thread and its reading threads (named after it)."""
+    return [t for t in threading.enumerate() if t.name.startswith(THREAD)]
 
 
 def _wrap_reader(monkeypatch, on_read):
-    """Make the transformer's loader call `on_read(key)` before reading each tensor (the real read follows)."""
-    real = dit_checkpoint.tensor_reader
+    """Make the transformer's readers call `on_read(key)` before reading each tensor (the real read follows; the
+    text encoder's reads are left alone); chunks of 4 KiB, so that a chunk holds about one tensor of the tiny
+    model and large ones span chunks."""
+    real = StagedReader._read_chunk
 
-    def reader(files, *args, **kwargs):
-        read = real(files, *args, **kwargs)
+    def read_chunk(self, chunk, targets):
+        if chunk.path.parent.name == "transformer":
+            for key in dict.fromkeys(chunk.keys):
+                on_read(key)
+        return real(self, chunk, targets)
 
-        def wrapped(key):
-            on_read(key)
-            return read(key)
-
-        return wrapped
-
-    monkeypatch.setattr(dit_checkpoint, "tensor_reader", reader)
+    monkeypatch.setattr(StagedReader, "_read_chunk", read_chunk)
+    monkeypatch.setattr(staged, "CHUNK_BYTES", 4096)
 
 
 def _wrap_encode(monkeypatch, before):
@@ -124,7 +127,7 @@ def test_the_transformer_is_read_while_the_prompts_are_encoded(tiny_pan2, run_cl
     out = tmp_path / "cat.mp4"
     res = run_cli("generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "-o", out)
     assert res.exit_code == 0, res.stderr
-    assert waited and all(waited) and threads == {THREAD}
+    assert waited and all(waited) and threads and all(name.startswith(f"{THREAD}-reader") for name in threads)
     side = json.loads(out.with_suffix(".json").read_text())
     load = side["shared_loads"]["load_transformer"]
     assert load["overlapped_with"] == ["load_text_encoder", "text_encoding"] and load["videos"] == 1
@@ -156,7 +159,8 @@ def test_without_room_or_with_offload_the_loads_run_one_after_the_other_said_in_
         if why == "no room"
         else "--offload" in lines[0]
     )
-    assert threads == {threading.main_thread().name}
+    main = threading.main_thread().name
+    assert threads and all(name.startswith(f"{main}-reader") for name in threads)  # none in the background
     load = json.loads(out.with_suffix(".json").read_text())["shared_loads"]["load_transformer"]
     assert "overlapped_with" not in load
 
@@ -185,6 +189,27 @@ def test_a_transformer_file_that_fails_to_read_while_the_text_encoder_runs(
     errors = [line for line in res.stderr.splitlines() if line.startswith("Error:")]
     assert errors == [f"Error: {tiny_pan2}/transformer: cannot read {victim} (Input/output error)"]
     assert list(tmp_path.iterdir()) == [] and not _loader_threads()
+
+
+def test_a_text_encoder_file_that_fails_to_read_in_the_background(tiny_pan2, run_cli, tmp_path, monkeypatch):
+    real = StagedReader._read_chunk
+
+    def read_chunk(self, chunk, targets):
+        if chunk.path.parent.name == "text_encoder":
+            raise CheckpointError(f"{chunk.path} could not be read: Input/output error")
+        return real(self, chunk, targets)
+
+    monkeypatch.setattr(StagedReader, "_read_chunk", read_chunk)
+    out = tmp_path / "cat.mp4"
+    res = run_cli("generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "-o", out)
+    assert res.exit_code == CheckpointError.exit_code
+    errors = [line for line in res.stderr.splitlines() if line.startswith("Error:")]
+    assert (
+        len(errors) == 1
+        and "text_encoder/model.safetensors could not be read: Input/output error" in errors[0]
+    )
+    assert list(tmp_path.iterdir()) == []
+    assert not [t for t in threading.enumerate() if t.name.startswith(("pan2-text-encoder-read", THREAD))]
 
 
 def test_ctrl_c_during_the_overlapped_load_exits_130_and_leaves_nothing(
