@@ -76,6 +76,11 @@ def text_encoder_files(model: Path) -> list[Path]:
     return sorted((model / "text_encoder").glob("*.safetensors"))
 
 
+def loaded_files(model: Path) -> list[Path]:
+    """The files a cold run drops: the transformer's and the text encoder's."""
+    return transformer_files(model) + text_encoder_files(model)
+
+
 def on_tmpfs(path: Path) -> bool:
     """Whether `path` (links resolved) lives on a tmpfs, whose pages cannot be dropped (Linux; else False)."""
     try:
@@ -98,7 +103,7 @@ def cold_mb(paths: list[Path]) -> int:
 def generate_once(args, precision: str, cold: bool, workdir: Path) -> dict:
     """One `pan2 generate` in a fresh process; its wall time and what its sidecar says of the loads."""
     if cold:
-        drop_from_page_cache(transformer_files(args.model) + text_encoder_files(args.model))
+        drop_from_page_cache(loaded_files(args.model))
     out = workdir / f"first-step-{precision}-{'cold' if cold else 'warm'}.mp4"
     command = [
         sys.executable, "-m", "pan2cli", "generate", "a red fox runs through the snow at dawn",
@@ -120,11 +125,7 @@ def generate_once(args, precision: str, cold: bool, workdir: Path) -> dict:
     return {
         "precision": precision,
         "cold": cold,
-        **(
-            {"cold_mb": cold_mb(transformer_files(args.model) + text_encoder_files(args.model))}
-            if cold
-            else {}
-        ),
+        **({"cold_mb": cold_mb(loaded_files(args.model))} if cold else {}),
         "wall_s": round(wall, 2),
         "time_to_first_step_s": side["time_to_first_step"],
         "from": side["time_to_first_step_from"],
@@ -152,12 +153,12 @@ def load_rates(args, cold: bool) -> dict:
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     rates = {"file_mb": round(size_mb), "text_encoder_mb": round(text_mb), "cold": cold}
     if cold:
-        rates["cold_mb"] = cold_mb(files + text_encoder_files(args.model))
+        rates["cold_mb"] = cold_mb(loaded_files(args.model))
     default_readers = staged.READERS
 
     def timed(name: str, mb: float, load) -> None:
         if cold:
-            drop_from_page_cache(files + text_encoder_files(args.model))
+            drop_from_page_cache(loaded_files(args.model))
         begin = time.perf_counter()
         result = load()
         sync()

@@ -174,11 +174,12 @@ class StagedReader:
         self.device = torch.device(device)
         self.chunk_bytes = chunk_bytes or CHUNK_BYTES
         self._errors = errors
+        paths = sorted(set(map(Path, files.values())))
         self.spans: dict[str, TensorSpan] = {}
-        for path in sorted(set(map(Path, files.values()))):
+        for path in paths:
             spans = safetensors_spans(path, errors)
             self.spans.update({key: span for key, span in spans.items() if Path(files.get(key, "")) == path})
-        self._fds = {path: os.open(path, os.O_RDONLY) for path in sorted(set(map(Path, files.values())))}
+        self._fds = {path: os.open(path, os.O_RDONLY) for path in paths}
         self._cuda = self.device.type == "cuda"
         if self._cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())

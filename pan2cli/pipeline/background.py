@@ -47,6 +47,7 @@ class BackgroundLoad(Generic[T]):
         self._result: T | None = None
         self._error: BaseException | None = None
         self.tensors = 0  # tensors read so far (the loader's ticks)
+        self.started = time.perf_counter()  # on the clock of `time.perf_counter`
         self.seconds: float | None = None  # the load's own duration, once it has ended
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -57,7 +58,6 @@ class BackgroundLoad(Generic[T]):
         self.tensors += 1
 
     def _run(self) -> None:
-        start = time.perf_counter()
         cuda = self._device.type == "cuda"
         stream = torch.cuda.Stream(self._device) if cuda else None
         try:
@@ -69,7 +69,7 @@ class BackgroundLoad(Generic[T]):
         except BaseException as error:  # handed to the caller's thread, which raises it
             self._error = error
         finally:
-            self.seconds = time.perf_counter() - start
+            self.seconds = time.perf_counter() - self.started
 
     @property
     def done(self) -> bool:

@@ -332,7 +332,6 @@ class VideoGenerator:
         from pan2cli.pipeline.text import read_text_tensors
 
         folder = self.components.folder("text_encoder")
-        self._text_read_start = time.perf_counter()
         return BackgroundLoad(
             lambda tick: read_text_tensors(folder, self.device, on_tensor=tick),
             self.device,
@@ -357,7 +356,7 @@ class VideoGenerator:
                 tensors=text_tensors.result(),
             ),
         )
-        seconds = time.perf_counter() - self._text_read_start  # from the read's start: one stage
+        seconds = time.perf_counter() - text_tensors.started  # from the read's start: one stage
         self._load_seconds(results, "load_text_encoder", seconds)
         todo = [r for r in results if r.error is None]
         check = transformer.check if transformer is not None else (lambda: None)

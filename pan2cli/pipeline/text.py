@@ -15,7 +15,7 @@ import torch
 
 from pan2cli.checkpoints.json_files import read_json_object
 from pan2cli.checkpoints.keys import check_keys, listing
-from pan2cli.checkpoints.sharded import tensor_locations
+from pan2cli.checkpoints.sharded import tensor_locations, weight_shapes
 from pan2cli.errors import CheckpointError, InputError
 
 SYSTEM_MESSAGE = "You are a helpful assistant. Generate the video with the following instructions."
@@ -209,8 +209,9 @@ def load_text_model(
     config = read_text_config(folder)
     with quiet_transformers(), torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in Qwen3_5TextModel(config).state_dict().items()}
-    shapes, _ = tensor_locations(folder, ("model",))
-    language_model_prefix(shapes, expected, str(folder))  # every tensor there, with its shape
+    language_model_prefix(
+        weight_shapes(folder, ("model",)), expected, str(folder)
+    )  # every tensor there, with its shape
     state = tensors if tensors is not None else read_text_tensors(folder, device)
     try:
         with quiet_transformers():
