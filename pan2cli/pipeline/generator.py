@@ -260,9 +260,9 @@ class VideoGenerator:
         shared = ranks_share_jobs and distributed.world_size() > 1
         self.ranks_share_jobs = shared
         self._batch_start = time.perf_counter() if self.clock_start is None else self.clock_start
-        # The text encoder's weights are read in the background while transformers is imported (seconds of
-        # Python), and the transformer's during 1 and 2 where the device holds both models (the threads end
-        # with the batch's first failure or a Ctrl-C: `BackgroundLoad`).
+        # The text encoder's weights are read in the background while the tokenizer loads, and the
+        # transformer's during 1 and 2 where the device holds both models (the threads end with the batch's
+        # first failure or a Ctrl-C: `BackgroundLoad`).
         text_tensors = self._start_text_read()
         transformer = self._start_transformer_load()
         with text_tensors, transformer if transformer is not None else nullcontext():
@@ -346,7 +346,7 @@ class VideoGenerator:
     ) -> None:
         from pan2cli.pipeline.text import PAN2TextEncoder, load_text_model, load_tokenizer
 
-        tokenizer = load_tokenizer(self.components.folder("tokenizer"))  # imports transformers meanwhile
+        tokenizer = load_tokenizer(self.components.folder("tokenizer"))  # while the text read runs
         encoder = PAN2TextEncoder(
             tokenizer,
             load_text_model(

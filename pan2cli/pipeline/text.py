@@ -17,6 +17,7 @@ from pan2cli.checkpoints.json_files import read_json_object
 from pan2cli.checkpoints.keys import check_keys, listing
 from pan2cli.checkpoints.sharded import tensor_locations, weight_shapes
 from pan2cli.errors import CheckpointError, InputError
+from pan2cli.pipeline.qwen3_5 import Qwen35TextConfig, Qwen35TextModel
 
 SYSTEM_MESSAGE = "You are a helpful assistant. Generate the video with the following instructions."
 # The conditioning is the hidden states *before* the text model's last two layers (no final norm: the DiT's
@@ -88,35 +89,41 @@ def load_tokenizer(folder: Path):
     return tokenizer
 
 
-def read_text_config(folder: Path):
-    """The `Qwen3_5TextConfig` of `folder/config.json`: the file itself, or the `text_config` of a multimodal one.
+def read_text_config(folder: Path) -> Qwen35TextConfig:
+    """The text model's config from `folder/config.json`: the file itself, or the `text_config` of a multimodal one.
 
     Raises:
-        CheckpointError: no config, or a model type other than qwen3_5_text / qwen3_5 (named).
+        CheckpointError: no config, a model type other than qwen3_5_text / qwen3_5 (named), invalid fields.
     """
-    from transformers import Qwen3_5Config, Qwen3_5TextConfig
-
     path = folder / "config.json"
     if not path.is_file():
         raise CheckpointError(f"no config.json in {folder}", hint=_HINT)
-    model_type = read_json_object(path).get("model_type")
+    raw = read_json_object(path)
+    model_type = raw.get("model_type")
     if model_type not in (TEXT_MODEL_TYPE, MULTIMODAL_MODEL_TYPE):
         raise CheckpointError(
             f"{path} describes a {model_type!r} model, not Qwen3.5 ({TEXT_MODEL_TYPE!r} or {MULTIMODAL_MODEL_TYPE!r})",
             hint=_HINT,
         )
-    try:
-        if model_type == TEXT_MODEL_TYPE:
-            config = Qwen3_5TextConfig.from_pretrained(str(folder), local_files_only=True)
-        else:
-            config = Qwen3_5Config.from_pretrained(str(folder), local_files_only=True).text_config
-    except Exception as exc:  # the config classes validate their fields with ValueError/TypeError
-        raise CheckpointError(f"{path} is not a valid {model_type} config: {exc}") from exc
-    if config.num_hidden_layers < -HIDDEN_LAYER - 1:
+    if model_type == MULTIMODAL_MODEL_TYPE:
+        raw = raw.get("text_config")
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{path}: a {model_type!r} config without a text_config", hint=_HINT)
+    config = Qwen35TextConfig.from_dict(raw, str(path))
+    if encoder_layers(config) < 0:
         raise CheckpointError(
             f"{path}: the text model has {config.num_hidden_layers} layers; PAN 2 reads hidden_states[{HIDDEN_LAYER}]"
         )
     return config
+
+
+def encoder_layers(config: Qwen35TextConfig) -> int:
+    """The layers before `hidden_states[HIDDEN_LAYER]` (entry 0 is the embeddings): all but the last two."""
+    return config.num_hidden_layers + 1 + HIDDEN_LAYER
+
+
+def _shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    return {key: tuple(value.shape) for key, value in model.state_dict().items()}
 
 
 def language_model_keys(shapes: Mapping[str, tuple[int, ...]], source: str) -> tuple[str, list[str]]:
@@ -159,18 +166,23 @@ def language_model_prefix(
 def read_text_tensors(
     folder: Path, device: torch.device | str, on_tensor: Callable[[], None] | None = None
 ) -> dict[str, torch.Tensor]:
-    """The language model's tensors of `text_encoder/`, read to `device` as stored, under the model's own names.
+    """The tensors of the layers PAN 2 runs (`encoder_layers`), read to `device` as stored, under the model's names.
 
-    Needs no transformers (the headers say which tensors are the language model's), so it can run while
-    transformers is still being imported; `load_text_model` checks them against the model.
+    The last two layers and the final norm are never read (PAN 2 does not use them). Needs nothing but the
+    headers and config.json, so it can start first, in the background; `load_text_model` checks every tensor
+    of the files against the model.
 
     Raises:
-        CheckpointError: no language model in the files, unreadable files.
+        CheckpointError: no language model in the files, an invalid config, unreadable files.
     """
     from pan2cli.checkpoints.staged import StagedReader
 
+    config = read_text_config(Path(folder))
+    with torch.device("meta"):
+        needed = Qwen35TextModel(config, encoder_layers(config)).state_dict()
     shapes, files = tensor_locations(Path(folder), ("model",))
     prefix, keys = language_model_keys(shapes, str(folder))
+    keys = [key for key in keys if key[len(prefix) :] in needed]
     with StagedReader({key: files[key] for key in keys}, device) as reader:
         return {key[len(prefix) :]: tensor for key, tensor in reader.read(keys, on_tensor).items()}
 
@@ -181,56 +193,43 @@ def load_text_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     tensors: dict[str, torch.Tensor] | None = None,
-):
-    """The `Qwen3_5TextModel` in `folder`, from a text-only or a multimodal Qwen3.5 checkpoint (local files only).
+) -> Qwen35TextModel:
+    """PAN 2's text encoder: the Qwen3.5 text model in `folder` up to the hidden state PAN 2 reads (local files).
 
-    A multimodal checkpoint gives its language model only: the model is built from `config.text_config` and
-    only the tensors under the language model's prefix are read; the vision tower is never built nor read.
-    The tensors are read straight to `device` by several threads (`pan2cli.checkpoints.staged`: 15 GiB in
-    seconds, where transformers' own reader goes through pageable memory) and handed to transformers'
-    `from_pretrained` as its state dict, which builds the model around them (no second copy where the dtype
-    is the stored one) and computes what the checkpoint does not hold (the rotary frequencies).
+    Text-only and multimodal Qwen3.5 checkpoints alike: every tensor of the language model is checked against
+    the config (names and shapes, strictly), the vision tower's are ignored, and only the layers PAN 2 runs
+    are read (`read_text_tensors`: several threads, straight to `device`) and become the model's parameters
+    as they are (no second copy where the dtype is the stored one).
 
     Args:
         folder: `text_encoder/` (config.json + model.safetensors or a sharded index).
         dtype: parameter dtype (bf16 on GPU in the release).
         device: where the model runs.
-        tensors: the language model's tensors if already read (`read_text_tensors`, in the background); taken
-            over (the dict is emptied).
+        tensors: the tensors if already read (`read_text_tensors`, in the background); taken over (the dict is
+            emptied).
 
     Returns:
-        The model in eval mode without gradients.
+        A `Qwen35TextModel` of `encoder_layers` layers, in eval mode without gradients.
 
     Raises:
         CheckpointError: another model type (named), missing / unexpected / mis-shaped tensors (named), unreadable files.
     """
-    from transformers import Qwen3_5TextModel
-
     config = read_text_config(folder)
-    with quiet_transformers(), torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in Qwen3_5TextModel(config).state_dict().items()}
-    language_model_prefix(
-        weight_shapes(folder, ("model",)), expected, str(folder)
-    )  # every tensor there, with its shape
+    with torch.device("meta"):
+        expected = _shapes(Qwen35TextModel(config))
+        model = Qwen35TextModel(config, encoder_layers(config))
+    language_model_prefix(weight_shapes(folder, ("model",)), expected, str(folder))
     state = tensors if tensors is not None else read_text_tensors(folder, device)
     try:
-        with quiet_transformers():
-            model, info = Qwen3_5TextModel.from_pretrained(
-                None, config=config, state_dict=state, dtype=dtype, device_map={"": torch.device(device)},
-                output_loading_info=True,
-            )  # fmt: skip
-    except Exception as exc:
-        raise CheckpointError(
-            f"{folder} could not be read as a Qwen3.5 text model: {exc}", hint=_HINT
-        ) from exc
+        missing = sorted(model.state_dict().keys() - state.keys())
+        if missing:  # only pre-read tensors can lack any: the files were checked above
+            raise CheckpointError(f"{folder}: tensors not read: {listing(missing)}")
+        target = torch.device(device)
+        model.load_state_dict(
+            {key: state[key].to(target, dtype) for key in model.state_dict()}, strict=True, assign=True
+        )
     finally:
         state.clear()  # the model holds what it uses
-    if info.get("missing_keys") or info.get(
-        "mismatched_keys"
-    ):  # checked above; transformers would fill them randomly
-        raise CheckpointError(
-            f"{folder}: transformers left tensors unloaded: {listing(map(str, [*info['missing_keys'], *info['mismatched_keys']]))}"
-        )
     return model.eval().requires_grad_(False)
 
 
@@ -244,7 +243,8 @@ class PAN2TextEncoder:
 
     Args:
         tokenizer: a transformers tokenizer with a ChatML chat template.
-        model: a `Qwen3_5TextModel` (anything returning `hidden_states` with `output_hidden_states=True`).
+        model: the text model up to the hidden state PAN 2 reads (`load_text_model`): token ids `[1, L]` →
+            `hidden_states[-3]` `[1, L, hidden]`.
         max_length (`int`, defaults to 1536): tokens kept after the user header; longer prompts lose their tail.
 
     Raises:
@@ -328,10 +328,9 @@ class PAN2TextEncoder:
         """
         ids, start = self.token_ids(prompt)
         kept = ids[: start + self.max_length]
-        # One sequence, no padding: the causal mask transformers builds without `attention_mask` is the whole story.
-        with quiet_transformers():  # its once-per-process notes on optional kernels are not pan2's output
-            out = self.model(input_ids=torch.tensor([kept], device=self.device), output_hidden_states=True)
-        return EncodedPrompt(out.hidden_states[HIDDEN_LAYER][:, start:], len(ids) - len(kept))
+        # One sequence, no padding: a causal mask is the whole story.
+        features = self.model(torch.tensor([kept], device=self.device))
+        return EncodedPrompt(features[:, start:], len(ids) - len(kept))
 
     def release(self) -> None:
         """Drop the model's weights (and the GPU memory they held)."""
