@@ -4,7 +4,7 @@ from pan2cli.version import __version__ as __version__  # re-exported: `pan2cli.
 
 
 def __getattr__(name: str):
-    # Lazy: `pan2 --version` and `pan2 decode` do not import the pipeline (transformers is heavy).
+    # Lazy: `pan2 --version` and `pan2 decode` do not import the pipeline (torch and the pipeline are heavy).
     if name == "VideoGenerator":
         from pan2cli.pipeline import VideoGenerator
 

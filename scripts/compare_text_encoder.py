@@ -25,8 +25,8 @@ from pan2cli.pipeline.text import (  # noqa: E402
     PAN2TextEncoder,
     load_text_model,
     load_tokenizer,
-    quiet_transformers,
 )
+from pan2cli.testing.transformers_logging import quiet_transformers  # noqa: E402
 
 PROMPTS = (
     "A red fox runs through the snow at dawn, the camera follows it low to the ground.",

@@ -102,7 +102,7 @@ def reduced() -> dict:
 def write_reduced_repo(root: Path) -> Path:
     """A tiny random repository in the release's layout whose transformer is `REDUCED` (head_dim 128, as the
     fp8 kernels want): scripts/make_tiny_pan2.py's tokenizer, text encoder, VAE and scheduler."""
-    from pan2cli.pipeline.text import quiet_transformers
+    from pan2cli.testing.transformers_logging import quiet_transformers
     from scripts.make_tiny_pan2 import (
         tiny_text_model,
         write_scheduler_and_index,

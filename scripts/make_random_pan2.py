@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pan2cli.dit.checkpoint import keeps_fp32, save_pan2_transformer  # noqa: E402
 from pan2cli.dit.model import PAN2Transformer3DModel  # noqa: E402
 from pan2cli.dit.quantize import Fp8Policy, quantize_block  # noqa: E402
-from pan2cli.pipeline.text import quiet_transformers  # noqa: E402
+from pan2cli.testing.transformers_logging import quiet_transformers  # noqa: E402
 from pan2cli.vae.config import WanVAEConfig  # noqa: E402
 from scripts.make_tiny_pan2 import write_scheduler_and_index, write_tokenizer, write_vae  # noqa: E402
 

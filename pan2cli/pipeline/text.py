@@ -7,9 +7,8 @@ MBZUAI-IFM/vllm-omni-pan2). The prompt is encoded as it is given, surrounding wh
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 import torch
 
@@ -18,6 +17,7 @@ from pan2cli.checkpoints.keys import check_keys, listing
 from pan2cli.checkpoints.sharded import tensor_locations, weight_shapes
 from pan2cli.errors import CheckpointError, InputError
 from pan2cli.pipeline.qwen3_5 import Qwen35TextConfig, Qwen35TextModel
+from pan2cli.pipeline.tokenizer import ChatTokenizer
 
 SYSTEM_MESSAGE = "You are a helpful assistant. Generate the video with the following instructions."
 # The conditioning is the hidden states *before* the text model's last two layers (no final norm: the DiT's
@@ -52,41 +52,13 @@ class EncodedPrompt(NamedTuple):
     tokens_cut: int
 
 
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Hide transformers' load reports, progress bars and fallback notes (pan2 prints its own lines)."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
-def load_tokenizer(folder: Path):
-    """The tokenizer in `folder` (transformers' AutoTokenizer, local files only), checked to have a chat template.
+def load_tokenizer(folder: Path) -> ChatTokenizer:
+    """The tokenizer in `folder` with its chat template (`ChatTokenizer`: tokenizers + jinja2, local files only).
 
     Raises:
         CheckpointError: unreadable, or without a chat template.
     """
-    from transformers import AutoTokenizer
-
-    try:
-        with quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except Exception as exc:  # transformers raises OSError, ValueError, KeyError...
-        raise CheckpointError(f"{folder} could not be read as a tokenizer: {exc}") from exc
-    if not getattr(tokenizer, "chat_template", None):
-        raise CheckpointError(
-            f"the tokenizer in {folder} has no chat template",
-            hint="PAN 2 renders prompts with the tokenizer's own ChatML template (chat_template.jinja or tokenizer_config.json)",
-        )
-    return tokenizer
+    return ChatTokenizer.from_folder(Path(folder))
 
 
 def read_text_config(folder: Path) -> Qwen35TextConfig:
@@ -242,7 +214,7 @@ class PAN2TextEncoder:
     header; the features are `hidden_states[-3]` from the first token after that header.
 
     Args:
-        tokenizer: a transformers tokenizer with a ChatML chat template.
+        tokenizer: the checkpoint's tokenizer with its ChatML chat template (`load_tokenizer`).
         model: the text model up to the hidden state PAN 2 reads (`load_text_model`): token ids `[1, L]` →
             `hidden_states[-3]` `[1, L, hidden]`.
         max_length (`int`, defaults to 1536): tokens kept after the user header; longer prompts lose their tail.
@@ -257,7 +229,7 @@ class PAN2TextEncoder:
         self.tokenizer = tokenizer
         self.model = model
         self.max_length = max_length
-        self.header_ids = list(tokenizer(USER_HEADER, add_special_tokens=False)["input_ids"])
+        self.header_ids = tokenizer.encode(USER_HEADER)
 
     @classmethod
     def load(
@@ -293,20 +265,14 @@ class PAN2TextEncoder:
             InputError: the prompt starts with line breaks that merge with the header (the release fails there too).
         """
         messages = [{"role": "system", "content": SYSTEM_MESSAGE}, {"role": "user", "content": prompt or " "}]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, Mapping) or hasattr(
-            ids, "input_ids"
-        ):  # transformers 5 returns a BatchEncoding by default
-            ids = ids["input_ids"]
-        ids = [int(i) for i in ids]
+        rendered = self.tokenizer.render(messages, add_generation_prompt=True)
+        ids = self.tokenizer.encode(rendered)
         n = len(self.header_ids)
         start = next(
             (i + n for i in range(len(ids) - n + 1) if n and ids[i : i + n] == self.header_ids), None
         )
         if start is None:
-            if USER_HEADER in self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            ):
+            if USER_HEADER in rendered:
                 raise InputError(
                     f"the prompt {prompt[:40]!r} starts with line breaks that the tokenizer joins to the chat template's "
                     f"{USER_HEADER!r} header, so the prompt's tokens cannot be told apart",

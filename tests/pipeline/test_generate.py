@@ -697,3 +697,32 @@ def test_generate_output_on_stdout_is_refused_with_a_hint(tiny_pan2, run_cli):
     res = run_cli("generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "-o", "-")
     assert res.exit_code == 2
     assert res.stderr.splitlines()[0].startswith("Error: -o -: pan2 writes video to files, not to stdout")
+
+
+_REPORT_MODULES = """
+import atexit, os, sys
+atexit.register(lambda: open(os.environ["PAN2_TEST_MODULES"], "w").write(
+    " ".join(m for m in ("transformers", "diffusers", "accelerate") if m in sys.modules)))
+"""
+
+
+def test_generate_imports_neither_transformers_nor_diffusers(tiny_pan2, tmp_path):
+    """Issue 29: importing transformers took 6-8 s of the command's start on an H200 host; pan2 runs its own
+    Qwen3.5 model and tokenizer, so `pan2 generate` never imports it (nor diffusers, an oracle only)."""
+    import subprocess
+    import sys
+
+    from tests.subprocess_env import python_env
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_REPORT_MODULES)
+    report = tmp_path / "modules.txt"
+    out = tmp_path / "cat.mp4"
+    command = [sys.executable, "-m", "pan2cli", "generate", "a cat", "--model", str(tiny_pan2)]
+    command += [str(a) for a in (*CLI_SMALL, "--steps", 1, "-q", "-o", out)]
+    done = subprocess.run(
+        command, env=python_env(hook, PAN2_TEST_MODULES=str(report)), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert out.is_file() and report.read_text() == ""
