@@ -34,8 +34,8 @@ import torch
 
 from pan2cli.dit.checkpoint import save_pan2_transformer
 from pan2cli.dit.model import PAN2RMSNorm, PAN2Transformer3DModel
-from pan2cli.testing.transformers_logging import quiet_transformers
 from pan2cli.testing.random_weights import write_test_checkpoints
+from pan2cli.testing.transformers_logging import quiet_transformers
 from pan2cli.vae.config import WanVAEConfig
 
 DIFFUSERS_VERSION = "0.37.0"
