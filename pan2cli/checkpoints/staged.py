@@ -230,11 +230,13 @@ class StagedReader:
 
     def _submit(self, keys: list[str]) -> tuple[dict[str, torch.Tensor], list[Future], dict[str, int]]:
         """Allocate the tensors of `keys` and queue their chunks' reads."""
-        tensors = {
-            key: torch.empty(self.spans[key].shape, dtype=self.spans[key].dtype, device=self.device)
-            for key in keys
-        }
-        targets = {key: tensor.view(-1).view(torch.uint8) for key, tensor in tensors.items()}
+        # Normal tensors even for a caller in inference mode: the reading threads (outside it) write into them.
+        with torch.inference_mode(False):
+            tensors = {
+                key: torch.empty(self.spans[key].shape, dtype=self.spans[key].dtype, device=self.device)
+                for key in keys
+            }
+            targets = {key: tensor.view(-1).view(torch.uint8) for key, tensor in tensors.items()}
         chunks = plan_chunks(((key, self.spans[key]) for key in keys), self.chunk_bytes)
         futures = [self._pool.submit(self._read_chunk, chunk, targets) for chunk in chunks]
         return tensors, futures, {key: self.spans[key].end - self.spans[key].begin for key in keys}

@@ -36,12 +36,20 @@ class BackgroundLoad(Generic[T]):
         load: reads the model; calls `tick()` after each tensor.
         device: where the model goes (CUDA: the thread works on this device, on its own stream).
         name: the thread's name (it shows in a stack dump).
+        after: a load that must end before this one starts reading (the text encoder's 16 GB before the
+            transformer's 67: the text path is the one the first step waits for, and two loads at once share
+            the host's bandwidth); cancelling this one stops its wait.
     """
 
     def __init__(
-        self, load: Callable[[Callable[[], None]], T], device: torch.device, name: str = "pan2-load"
+        self,
+        load: Callable[[Callable[[], None]], T],
+        device: torch.device,
+        name: str = "pan2-load",
+        after: "BackgroundLoad | None" = None,
     ):
         self._load = load
+        self._after = after
         self._device = device
         self._cancelled = threading.Event()
         self._result: T | None = None
@@ -61,6 +69,10 @@ class BackgroundLoad(Generic[T]):
         cuda = self._device.type == "cuda"
         stream = torch.cuda.Stream(self._device) if cuda else None
         try:
+            while self._after is not None and not self._after.done:
+                if self._cancelled.is_set():
+                    raise LoadCancelled("the load was cancelled")
+                self._after._thread.join(0.01)
             with torch.cuda.device(self._device) if cuda else nullcontext():
                 with torch.cuda.stream(stream) if cuda else nullcontext():
                     self._result = self._load(self._tick)

@@ -264,7 +264,7 @@ class VideoGenerator:
         # transformer's during 1 and 2 where the device holds both models (the threads end with the batch's
         # first failure or a Ctrl-C: `BackgroundLoad`).
         text_tensors = self._start_text_read()
-        transformer = self._start_transformer_load()
+        transformer = self._start_transformer_load(after=text_tensors)
         with text_tensors, transformer if transformer is not None else nullcontext():
             # 1. Text encoding
             self._encode_texts(results, transformer, text_tensors)
@@ -409,9 +409,10 @@ class VideoGenerator:
         encoder = None  # frees the encoder (the closure above shares this variable, so no `del`)
         self._release()
 
-    def _start_transformer_load(self) -> BackgroundLoad | None:
+    def _start_transformer_load(self, after: BackgroundLoad) -> BackgroundLoad | None:
         """The transformer's load started in the background (`BackgroundLoad`) where the device has room for it
-        beside the text encoder; else None (it loads after the text encoder is freed), said in one line."""
+        beside the text encoder, its reads from the end of `after`'s (the text encoder's); else None (it loads
+        after the text encoder is freed), said in one line."""
         from pan2cli.dit.checkpoint import loaded_bytes, resolve_pan2_checkpoint
 
         shapes = resolve_pan2_checkpoint(self.components.folder("transformer")).shapes
@@ -431,7 +432,7 @@ class VideoGenerator:
                 f"Loading the transformer after the text encoder: both need {need / 2**30:.1f} GiB, {where} has {have}."
             )
             return None
-        return BackgroundLoad(self._read_dit, self.device, name="pan2-transformer-load")
+        return BackgroundLoad(self._read_dit, self.device, name="pan2-transformer-load", after=after)
 
     def _read_dit(self, on_tensor: Callable[[], None] | None = None):
         """The transformer from its checkpoint, on the device (or, with `offload`, its blocks in host memory)."""

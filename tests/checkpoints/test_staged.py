@@ -71,6 +71,16 @@ def test_the_tensors_read_are_safetensors_own_bytes(two_files, device, chunk_byt
     assert not _reader_threads()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_caller_in_inference_mode_gets_normal_tensors(two_files, device):
+    """The threads write outside the caller's inference mode: the tensors must not be inference tensors."""
+    files, expected = two_files
+    with torch.inference_mode(), StagedReader(files, device, readers=2, chunk_bytes=1000) as reader:
+        got = reader.read(list(files))
+    assert not any(t.is_inference() for t in got.values())
+    assert all(_same(t.cpu(), expected[k]) for k, t in got.items())
+
+
 def test_only_the_keys_asked_for_are_read_and_a_second_read_works(two_files):
     files, expected = two_files
     with StagedReader(files, "cpu", chunk_bytes=512) as reader:

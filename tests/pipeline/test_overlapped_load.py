@@ -112,6 +112,43 @@ def test_leaving_the_with_block_on_an_error_cancels_the_load():
     assert background.done
 
 
+def test_a_load_after_another_starts_when_that_one_has_ended():
+    import torch
+
+    release, order = threading.Event(), []
+
+    def first(tick):
+        release.wait(10)
+        order.append("first ended")
+        return 1
+
+    def second(tick):
+        order.append("second started")
+        return 2
+
+    with BackgroundLoad(first, torch.device("cpu"), name="t-first") as a:
+        with BackgroundLoad(second, torch.device("cpu"), name="t-second", after=a) as b:
+            time.sleep(0.1)
+            assert order == [] and not b.done  # waiting for `a`
+            release.set()
+            assert (a.result(), b.result()) == (1, 2)
+    assert order == ["first ended", "second started"]
+
+
+def test_cancelling_a_load_that_waits_for_another_ends_it_at_once():
+    import torch
+
+    release = threading.Event()
+    with BackgroundLoad(lambda tick: release.wait(10), torch.device("cpu"), name="t-slow") as a:
+        b = BackgroundLoad(lambda tick: pytest.fail("started"), torch.device("cpu"), name="t-after", after=a)
+        begin = time.perf_counter()
+        b.cancel()
+        assert b.done and time.perf_counter() - begin < 1 and not a.done
+        with pytest.raises(LoadCancelled):
+            b.result()
+        release.set()
+
+
 # -- in the pipeline --------------------------------------------------------------------------------
 def test_the_transformer_is_read_while_the_prompts_are_encoded(tiny_pan2, run_cli, tmp_path, monkeypatch):
     reading = threading.Event()
