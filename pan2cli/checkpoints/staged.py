@@ -36,6 +36,7 @@ from pan2cli.checkpoints.files import CHECKPOINT_ERRORS, SAFETENSORS_DTYPES, Rea
 
 CHUNK_BYTES = 32 << 20  # per read and copy: large enough for full-rate reads, small enough to cancel quickly
 READERS = 8  # threads: 8.0, 16.2, 19.6, 24.0 GB/s with 2, 6, 8, 12 from an H200 host's page cache
+ALIGN = 256  # bytes between tensors of one flat allocation: cudaMalloc's own alignment
 _MAX_HEADER = 100 << 20  # safetensors' own limit
 
 
@@ -228,21 +229,44 @@ class StagedReader:
             for staging in self._stagings:
                 staging.stream.synchronize()
 
-    def _submit(self, keys: list[str]) -> tuple[dict[str, torch.Tensor], list[Future], dict[str, int]]:
-        """Allocate the tensors of `keys` and queue their chunks' reads."""
+    def _submit(
+        self, keys: list[str], flat: bool = False
+    ) -> tuple[dict[str, torch.Tensor], list[Future], dict[str, int]]:
+        """Allocate the tensors of `keys` and queue their chunks' reads.
+
+        flat: one allocation for all of them, the tensors views into it (256-byte aligned, as cudaMalloc's): a
+            model's thousand-odd cudaMallocs in a burst held the allocator (and the driver) while the caller's
+            thread computed; one is free of that. The buffer lives while any view does.
+        """
         # Normal tensors even for a caller in inference mode: the reading threads (outside it) write into them.
         with torch.inference_mode(False):
-            tensors = {
-                key: torch.empty(self.spans[key].shape, dtype=self.spans[key].dtype, device=self.device)
-                for key in keys
-            }
+            if flat:
+                sizes = {key: self.spans[key].end - self.spans[key].begin for key in keys}
+                starts, total = {}, 0
+                for key in keys:
+                    starts[key], total = total, total + -(-sizes[key] // ALIGN) * ALIGN
+                flat_buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
+                tensors = {
+                    key: flat_buffer[starts[key] : starts[key] + sizes[key]]
+                    .view(self.spans[key].dtype)
+                    .view(self.spans[key].shape)
+                    for key in keys
+                }
+            else:
+                tensors = {
+                    key: torch.empty(self.spans[key].shape, dtype=self.spans[key].dtype, device=self.device)
+                    for key in keys
+                }
             targets = {key: tensor.view(-1).view(torch.uint8) for key, tensor in tensors.items()}
         chunks = plan_chunks(((key, self.spans[key]) for key in keys), self.chunk_bytes)
         futures = [self._pool.submit(self._read_chunk, chunk, targets) for chunk in chunks]
         return tensors, futures, {key: self.spans[key].end - self.spans[key].begin for key in keys}
 
     def read_each(
-        self, groups: Iterable[Iterable[str]], on_tensor: Callable[[], None] | None = None
+        self,
+        groups: Iterable[Iterable[str]],
+        on_tensor: Callable[[], None] | None = None,
+        flat: bool = False,
     ) -> Iterator[dict[str, torch.Tensor]]:
         """Each group's tensors on the device, as stored, group after group, the next group's reads running
         while the caller works on this one (the transformer's blocks: read one, quantise the last);
@@ -257,7 +281,7 @@ class StagedReader:
         self._stop.clear()
         try:
             for keys in itertools.islice(groups, 2):
-                queued.append(self._submit(keys))
+                queued.append(self._submit(keys, flat))
             while queued:
                 tensors, futures, remaining = queued[0]
                 for _ in range(sum(nbytes == 0 for nbytes in remaining.values()) if on_tensor else 0):
@@ -271,7 +295,7 @@ class StagedReader:
                 queued.popleft()
                 keys = next(groups, None)
                 if keys is not None:
-                    queued.append(self._submit(keys))
+                    queued.append(self._submit(keys, flat))
                 yield tensors
         except BaseException:  # GeneratorExit too: the caller stopped
             self._stop.set()
@@ -286,10 +310,13 @@ class StagedReader:
             self._synchronize()
 
     def read(
-        self, keys: Iterable[str], on_tensor: Callable[[], None] | None = None
+        self,
+        keys: Iterable[str],
+        on_tensor: Callable[[], None] | None = None,
+        flat: bool | None = None,
     ) -> dict[str, torch.Tensor]:
-        """The tensors `keys` on the device, as stored (`read_each` of one group)."""
-        (tensors,) = self.read_each([keys], on_tensor)
+        """The tensors `keys` on the device, as stored (`read_each` of one group; `flat` by default on a GPU)."""
+        (tensors,) = self.read_each([keys], on_tensor, flat=self._cuda if flat is None else flat)
         return tensors
 
     def close(self) -> None:

@@ -72,6 +72,26 @@ def test_the_tensors_read_are_safetensors_own_bytes(two_files, device, chunk_byt
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_flat_read_is_one_aligned_allocation_with_the_same_bytes(two_files, device):
+    files, expected = two_files
+    with StagedReader(files, device, readers=3, chunk_bytes=1000) as reader:
+        got = reader.read(list(files), flat=True)
+        apart = reader.read(list(files), flat=False)
+    bases = {t.untyped_storage().data_ptr() for t in got.values() if t.numel()}
+    separate = [t.untyped_storage().data_ptr() for t in apart.values() if t.numel()]
+    assert len(bases) == 1 and len(set(separate)) == len(separate) > 1
+    base = bases.pop()
+    assert all((t.data_ptr() - base) % staged.ALIGN == 0 for t in got.values() if t.numel())
+    for key, tensor in got.items():
+        assert tensor.shape == expected[key].shape and _same(tensor.cpu(), expected[key]), key
+    del apart
+    if device == "cuda":  # a GPU's read() is flat unless told otherwise
+        with StagedReader(files, device) as reader:
+            default = reader.read(list(files))
+        assert len({t.untyped_storage().data_ptr() for t in default.values() if t.numel()}) == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_caller_in_inference_mode_gets_normal_tensors(two_files, device):
     """The threads write outside the caller's inference mode: the tensors must not be inference tensors."""
     files, expected = two_files
