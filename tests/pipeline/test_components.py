@@ -413,7 +413,9 @@ def fake_hub(monkeypatch, tmp_path):
         return hub
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # a machine without network may set it (the device's does)
+    monkeypatch.delenv(
+        "HF_HUB_OFFLINE", raising=False
+    )  # a machine without network may set it (the device's does)
     monkeypatch.setattr(
         pan2cli.checkpoints.hub, "_unreachable", False
     )  # the fake hub answers: no reachability probe
