@@ -157,6 +157,22 @@ def test_gelu_quantise_matches_gelu_then_quantise(width):
     assert _within_rounding(got.dequantize(torch.float64), exact, got.scale.double(), ulps=1.01)
 
 
+def test_gelu_quantise_takes_the_scale_from_the_negative_side_where_it_dominates():
+    # The kernel takes a row's scale from GELU(max x) unless that is below GELU's negative extreme (0.17):
+    # rows whose largest magnitude comes from negative x must still get the exact maximum.
+    x = torch.full((6, 3000), -0.7518, device=DEVICE)  # GELU's minimum, -0.16997, everywhere
+    x[1] = -5.0 + torch.linspace(0, 4, 3000, device=DEVICE)  # all negative, the extreme missing
+    x[2, :10] = 0.3  # a small positive max whose GELU (0.186) beats the negative side
+    x[3, :10] = 0.25  # GELU(0.25) = 0.149 < 0.170: the negative side holds the maximum
+    x[4] = -torch.inf
+    x[5, 7] = torch.nan
+    got = quantize_rows(x.bfloat16(), fused=True, gelu=True)
+    exact = torch.nn.functional.gelu(x.bfloat16().double(), approximate="tanh")
+    torch.testing.assert_close(got.scale[:4].double(), row_scales(exact[:4]).double(), rtol=1e-5, atol=0)
+    assert torch.isnan(got.scale[4:]).all()  # a NaN scale reaches the GEMM's output: a clear error there
+    assert _within_rounding(got.dequantize(torch.float64)[:4], exact[:4], got.scale[:4].double(), ulps=1.01)
+
+
 def test_qk_norm_rope_writes_e4m3_with_its_fixed_scale():
     gen = _gen(3)
     grid, heads, head_dim = (2, 3, 5), 2, 64
