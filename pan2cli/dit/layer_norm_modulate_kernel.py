@@ -1,7 +1,8 @@
 """Triton kernel: LayerNorm (no affine) + AdaLN modulation `LN(x)·(1 + scale) + shift`, one pass over x.
 
 Each program takes `BLOCK_ROWS` whole rows (the row lives in registers, so x is read once and y written
-once). Scale and shift come per group of consecutive tokens: one group per sample (per-sample
+once), or several such tiles in turn where they share a modulation row (the fp8 tier's default: the float32
+modulation row, twice x's bytes, is then read once a program instead of once a row). Scale and shift come per group of consecutive tokens: one group per sample (per-sample
 modulation), per latent frame, or per token; a row's group is `row // rows_per_group`, so every case is
 the same kernel and per-sample rows re-read one cached modulation row.
 
@@ -20,7 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from pan2cli.dit.row_kernels import check_token_rows, quantize_rows, row_launch, row_tile
+from pan2cli.dit.row_kernels import check_token_rows, quantize_rows, row_launch
+
+# The quantising kernel's launch (measured on an H200 at D = 4096; 4 warps keep the rounding of one row a
+# program): tiles of 4 rows, 4 tiles a program where they share one modulation row, read once for them.
+QUANTIZE_BLOCK_ROWS, QUANTIZE_WARPS, QUANTIZE_ROW_STEPS = 4, 4, 4
 
 
 @triton.jit
@@ -33,24 +38,45 @@ def _layer_norm_modulate_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     QUANTIZE: tl.constexpr,
+    ROW_STEPS: tl.constexpr,
 ):  # fmt: skip
-    rows, cols, mask = row_tile(n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
-    x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=1) / n_cols
-    centred = tl.where(mask, x - mean[:, None], 0.0)
-    var = tl.sum(centred * centred, axis=1) / n_cols
-    normed = centred * tl.rsqrt(var + eps)[:, None]
-    group = rows // rows_per_group
-    batch = group // groups_per_batch
-    group = group % groups_per_batch
-    scale_row = batch * stride_scale_batch + group * stride_scale_group
-    shift_row = batch * stride_shift_batch + group * stride_shift_group
-    scale = tl.load(SCALE + scale_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    shift = tl.load(SHIFT + shift_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = normed * (1.0 + scale) + shift
-    if QUANTIZE:
-        y = quantize_rows(y, mask, Y_SCALE, rows, rows < n_rows)
-    tl.store(Y + rows[:, None] * stride_y_row + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    # A program takes ROW_STEPS tiles of BLOCK_ROWS rows; with ROW_STEPS > 1 all its rows share one
+    # modulation row (the launcher checks), read once into registers instead of once a row.
+    first_row = tl.program_id(0) * BLOCK_ROWS * ROW_STEPS
+    cols = tl.arange(0, BLOCK_COLS)
+    if ROW_STEPS > 1:
+        group = first_row // rows_per_group
+        batch = group // groups_per_batch
+        group = group % groups_per_batch
+        col_ok = cols < n_cols
+        scale_1 = 1.0 + tl.load(
+            SCALE + batch * stride_scale_batch + group * stride_scale_group + cols, mask=col_ok, other=0.0
+        ).to(tl.float32)
+        shift = tl.load(
+            SHIFT + batch * stride_shift_batch + group * stride_shift_group + cols, mask=col_ok, other=0.0
+        ).to(tl.float32)
+    for step in range(ROW_STEPS):
+        rows = (first_row + step * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+        mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+        x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / n_cols
+        centred = tl.where(mask, x - mean[:, None], 0.0)
+        var = tl.sum(centred * centred, axis=1) / n_cols
+        normed = centred * tl.rsqrt(var + eps)[:, None]
+        if ROW_STEPS > 1:
+            y = normed * scale_1[None, :] + shift[None, :]
+        else:
+            group = rows // rows_per_group
+            batch = group // groups_per_batch
+            group = group % groups_per_batch
+            scale_row = batch * stride_scale_batch + group * stride_scale_group
+            shift_row = batch * stride_shift_batch + group * stride_shift_group
+            row_scale = tl.load(SCALE + scale_row[:, None] + cols[None, :], mask=mask, other=0.0)
+            row_shift = tl.load(SHIFT + shift_row[:, None] + cols[None, :], mask=mask, other=0.0)
+            y = normed * (1.0 + row_scale.to(tl.float32)) + row_shift.to(tl.float32)
+        if QUANTIZE:
+            y = quantize_rows(y, mask, Y_SCALE, rows, rows < n_rows)
+        tl.store(Y + rows[:, None] * stride_y_row + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 def layer_norm_modulate(
@@ -63,6 +89,7 @@ def layer_norm_modulate(
     out_scale: torch.Tensor | None = None,
     block_rows: int | None = None,
     num_warps: int | None = None,
+    row_steps: int | None = None,
 ) -> None:
     """`out = LayerNorm(x) · (1 + scale) + shift`, scale/shift per group of tokens (quantised for a float8 `out`).
 
@@ -76,6 +103,10 @@ def layer_norm_modulate(
         out_scale: `[B·N]` float32, each row's scale, for a float8 `out` (module docstring); else None.
         block_rows, num_warps: launch shape; default rows so that a program holds ~8192 elements
             (1 row at D = 5120), and `elements / 1024` warps clamped to [1, 8].
+            With a float8 `out`: 4 rows of up to 4096 (`QUANTIZE_BLOCK_ROWS`, fewer for wider rows), 4 warps.
+        row_steps: tiles of `block_rows` a program takes in turn, reading the modulation once for them (default:
+            `QUANTIZE_ROW_STEPS` for a float8 `out` where one modulation row covers them all, one sample or
+            groups of a multiple of the rows a program takes; else 1).
     """
     assert x.dim() == 3 and scale.dim() == 3 and shift.dim() == 3, (
         "x, scale, shift must be [B, N, D], [B, G, D]"
@@ -97,15 +128,25 @@ def layer_norm_modulate(
     n_rows = batch * n_tokens
     if n_rows == 0:
         return
-    if quantize:  # one row a program: the quantising kernel ran at 0.98 TB/s with two (H200, D = 4096)
-        block_rows = block_rows or 1
-    grid, block_rows, block_cols, num_warps = row_launch(n_rows, dim, block_rows, num_warps)
+    rows_per_group = n_tokens // groups
+    if quantize:  # H200, D = 4096, 26,598 rows: 0.135 ms, against 0.20-0.23 for one or two rows a program
+        wide = max(
+            1, triton.next_power_of_2(dim) // 4096
+        )  # wider rows: fewer a tile, as many values a thread
+        block_rows = block_rows or max(1, QUANTIZE_BLOCK_ROWS // wide)
+        num_warps = num_warps or QUANTIZE_WARPS
+    _, block_rows, block_cols, num_warps = row_launch(n_rows, dim, block_rows, num_warps)
+    one_row = batch * groups == 1 or rows_per_group % (block_rows * (row_steps or QUANTIZE_ROW_STEPS)) == 0
+    if row_steps is None:
+        row_steps = QUANTIZE_ROW_STEPS if quantize and one_row else 1
+    assert row_steps == 1 or one_row, f"{row_steps} steps of {block_rows} rows straddle modulation groups"
+    grid = (triton.cdiv(n_rows, block_rows * row_steps),)
     _layer_norm_modulate_kernel[grid](
         x, out, scale, shift, out_scale if quantize else scale,
-        n_rows, dim, n_tokens // groups, groups,
+        n_rows, dim, rows_per_group, groups,
         x.stride(1), out.stride(1),
         scale.stride(0), scale.stride(1), shift.stride(0), shift.stride(1),
         eps,
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, QUANTIZE=quantize,
+        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, QUANTIZE=quantize, ROW_STEPS=row_steps,
         num_warps=num_warps,
     )  # fmt: skip

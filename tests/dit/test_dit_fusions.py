@@ -153,6 +153,40 @@ def test_layer_norm_modulate_strided_modulation(block_rows):
     assert rel_error(out, fusions.layer_norm_modulate_reference(x, scale, shift, eps=1e-5)) <= 1e-5
 
 
+@pytest.mark.parametrize(
+    "batch, n_tokens, groups, block_rows, row_steps",
+    [(1, 37, 1, 2, 4), (2, 24, 1, 1, 3), (2, 24, 3, 2, 2)],  # rows past the end; per sample; per frame
+)
+def test_layer_norm_modulate_rows_sharing_one_modulation_row(batch, n_tokens, groups, block_rows, row_steps):
+    """A program taking several tiles that share a modulation row (read once) writes what one tile a program does."""
+    from pan2cli.dit.fp8 import FP8
+    from pan2cli.dit.layer_norm_modulate_kernel import layer_norm_modulate as launch
+
+    gen = _gen(4)
+    dim = 72
+    x = (torch.randn(batch, n_tokens, dim, generator=gen, device=DEVICE) * 3 + 1).bfloat16()
+    scale = torch.randn(batch, groups, dim, generator=gen, device=DEVICE) * 0.3
+    shift = torch.randn(batch, groups, dim, generator=gen, device=DEVICE)
+    outs = []
+    for steps in (1, row_steps):
+        out = torch.empty(x.shape, dtype=FP8, device=DEVICE)
+        out_scale = torch.full((batch * n_tokens,), float("nan"), device=DEVICE)
+        launch(x, scale, shift, out, eps=1e-6, out_scale=out_scale, block_rows=block_rows, row_steps=steps)
+        outs.append((out.float(), out_scale))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    want = fusions.layer_norm_modulate_reference(x.float(), scale, shift, eps=1e-6)
+    assert rel_error(outs[1][0] * outs[1][1].view(batch, n_tokens, 1), want) <= 0.04  # e4m3: 3 mantissa bits
+
+
+def test_layer_norm_modulate_refuses_steps_across_modulation_groups():
+    from pan2cli.dit.layer_norm_modulate_kernel import layer_norm_modulate as launch
+
+    x = torch.randn(1, 12, 16, device=DEVICE)
+    scale = torch.zeros(1, 3, 16, device=DEVICE)  # groups of 4 tokens: 8 rows a program would straddle two
+    with pytest.raises(AssertionError, match="straddle"):
+        launch(x, scale, scale, torch.empty_like(x), eps=1e-6, block_rows=2, row_steps=4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "batch, n_tokens, dim, gate_shape",
