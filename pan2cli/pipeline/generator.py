@@ -278,8 +278,10 @@ class VideoGenerator:
 
     # -- stages -----------------------------------------------------------------------------------------
     def _sync(self) -> None:
+        # This thread's stream only: a device-wide sync would also wait for the transformer's copies, queued
+        # by its reading threads on streams of their own (which synchronise them before handing the model over).
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _release(self) -> None:
         gc.collect()
