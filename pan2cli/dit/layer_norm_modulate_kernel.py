@@ -2,8 +2,8 @@
 
 Each program takes `BLOCK_ROWS` whole rows (the row lives in registers, so x is read once and y written
 once), or several such tiles in turn where they share a modulation row (the fp8 tier's default: the float32
-modulation row, twice x's bytes, is then read once a program instead of once a row). Scale and shift come per group of consecutive tokens: one group per sample (per-sample
-modulation), per latent frame, or per token; a row's group is `row // rows_per_group`, so every case is
+modulation row, twice x's bytes, is then read once a program instead of once a row). Scale and shift come
+per group of consecutive tokens: one group per sample (per-sample modulation), per latent frame, or per token; a row's group is `row // rows_per_group`, so every case is
 the same kernel and per-sample rows re-read one cached modulation row.
 
 Numerics: mean and variance in float32 from the row held in registers (two-pass, no cancellation),
@@ -29,6 +29,13 @@ QUANTIZE_BLOCK_ROWS, QUANTIZE_WARPS, QUANTIZE_ROW_STEPS = 4, 4, 4
 
 
 @triton.jit
+def _modulation_row(rows, rows_per_group, groups_per_batch, stride_batch, stride_group):
+    """The offset of the modulation row (scale or shift) that rows `rows` use: their sample's, their group's."""
+    group = rows // rows_per_group
+    return (group // groups_per_batch) * stride_batch + (group % groups_per_batch) * stride_group
+
+
+@triton.jit
 def _layer_norm_modulate_kernel(
     X, Y, SCALE, SHIFT, Y_SCALE,
     n_rows, n_cols, rows_per_group, groups_per_batch,
@@ -45,16 +52,15 @@ def _layer_norm_modulate_kernel(
     first_row = tl.program_id(0) * BLOCK_ROWS * ROW_STEPS
     cols = tl.arange(0, BLOCK_COLS)
     if ROW_STEPS > 1:
-        group = first_row // rows_per_group
-        batch = group // groups_per_batch
-        group = group % groups_per_batch
         col_ok = cols < n_cols
-        scale_1 = 1.0 + tl.load(
-            SCALE + batch * stride_scale_batch + group * stride_scale_group + cols, mask=col_ok, other=0.0
-        ).to(tl.float32)
-        shift = tl.load(
-            SHIFT + batch * stride_shift_batch + group * stride_shift_group + cols, mask=col_ok, other=0.0
-        ).to(tl.float32)
+        scale_at = _modulation_row(
+            first_row, rows_per_group, groups_per_batch, stride_scale_batch, stride_scale_group
+        )
+        shift_at = _modulation_row(
+            first_row, rows_per_group, groups_per_batch, stride_shift_batch, stride_shift_group
+        )
+        scale_1 = 1.0 + tl.load(SCALE + scale_at + cols, mask=col_ok, other=0.0).to(tl.float32)
+        shift = tl.load(SHIFT + shift_at + cols, mask=col_ok, other=0.0).to(tl.float32)
     for step in range(ROW_STEPS):
         rows = (first_row + step * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -66,11 +72,12 @@ def _layer_norm_modulate_kernel(
         if ROW_STEPS > 1:
             y = normed * scale_1[None, :] + shift[None, :]
         else:
-            group = rows // rows_per_group
-            batch = group // groups_per_batch
-            group = group % groups_per_batch
-            scale_row = batch * stride_scale_batch + group * stride_scale_group
-            shift_row = batch * stride_shift_batch + group * stride_shift_group
+            scale_row = _modulation_row(
+                rows, rows_per_group, groups_per_batch, stride_scale_batch, stride_scale_group
+            )
+            shift_row = _modulation_row(
+                rows, rows_per_group, groups_per_batch, stride_shift_batch, stride_shift_group
+            )
             row_scale = tl.load(SCALE + scale_row[:, None] + cols[None, :], mask=mask, other=0.0)
             row_shift = tl.load(SHIFT + shift_row[:, None] + cols[None, :], mask=mask, other=0.0)
             y = normed * (1.0 + row_scale.to(tl.float32)) + row_shift.to(tl.float32)
@@ -130,9 +137,8 @@ def layer_norm_modulate(
         return
     rows_per_group = n_tokens // groups
     if quantize:  # H200, D = 4096, 26,598 rows: 0.135 ms, against 0.20-0.23 for one or two rows a program
-        wide = max(
-            1, triton.next_power_of_2(dim) // 4096
-        )  # wider rows: fewer a tile, as many values a thread
+        # wider rows: fewer a tile, as many values a thread
+        wide = max(1, triton.next_power_of_2(dim) // 4096)
         block_rows = block_rows or max(1, QUANTIZE_BLOCK_ROWS // wide)
         num_warps = num_warps or QUANTIZE_WARPS
     _, block_rows, block_cols, num_warps = row_launch(n_rows, dim, block_rows, num_warps)
