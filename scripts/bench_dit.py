@@ -10,8 +10,9 @@ the PyTorch reference ops, SDPA pinned to one backend, pan2's attention priority
 "pan2"), and the blocks under `torch.compile` ("compiled", run last: the blocks stay compiled).
 `--profile` adds the CUDA time of one step by kind of kernel (attention, GEMMs, the fused norms, the rest).
 The fp8 tier (`pan2cli.dit.quantize`): "fp8" (as `pan2 generate --precision fp8` runs it: fp8 linears, cuDNN's
-fp8 attention where cudnn-frontend is installed, else ours), "fp8-triton" (our Triton fp8 attention), "fp8-sdpa"
-(fp8 linears, bf16 attention). With bf16 variants in the
+fp8 attention where cudnn-frontend is installed, else ours), "fp8-triton" (our Triton fp8 attention), "fp8-cuda"
+(our CUDA fp8 attention prototype: needs PAN2_KERNEL_EXPERIMENTAL=1 and an sm_90 GPU), "fp8-sdpa" (fp8
+linears, bf16 attention). With bf16 variants in the
 same run the bf16 model is quantised in place after them (list them first); with fp8 variants only, the
 model is made in fp8 block by block, so the bf16 model never occupies the GPU (as `pan2 generate
 --precision fp8` loads it), which is what `--memory-gib 80` measures.
@@ -46,7 +47,7 @@ from pan2cli.dit.checkpoint import release_defaults  # noqa: E402
 from pan2cli.pipeline.sampling import denoise  # noqa: E402
 from scripts.make_random_pan2 import random_transformer  # noqa: E402
 
-FP8_VARIANTS = ("fp8", "fp8-triton", "fp8-sdpa")
+FP8_VARIANTS = ("fp8", "fp8-triton", "fp8-cuda", "fp8-sdpa")
 SMALL = dict(
     num_attention_heads=2,
     attention_head_dim=16,
@@ -71,7 +72,7 @@ def parse_args() -> argparse.Namespace:
         choices=["fused", "unfused", "fused-cudnn", "fused-flash", "pan2", "compiled", *FP8_VARIANTS],
         help="DiT ops to time: fused Triton ops or the PyTorch reference; -cudnn / -flash pin SDPA's backend (default: torch's pick); "
         "pan2: fused, under pan2's attention priority; compiled: pan2 with the blocks under torch.compile (put it last); "
-        "fp8, fp8-triton, fp8-sdpa: the fp8 tier (after the bf16 variants)",
+        "fp8, fp8-triton, fp8-cuda, fp8-sdpa: the fp8 tier (after the bf16 variants)",
     )  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="CUDA time of one step by kind of kernel")
     parser.add_argument(
@@ -155,14 +156,14 @@ def use_variant_precision(model, variant: str) -> None:
     for block in model.transformer_blocks:
         attn = block.attn
         attn.fp8_scales = None if variant == "fp8-sdpa" else Fp8AttentionScales.for_attention(attn)
-    if variant == "fp8-triton":
-        os.environ[ENV_FP8_ATTENTION] = "triton"
+    if variant in ("fp8-triton", "fp8-cuda"):
+        os.environ[ENV_FP8_ATTENTION] = variant.removeprefix("fp8-")
     else:
         os.environ.pop(ENV_FP8_ATTENTION, None)
 
 
 def fp8_attention_name(model) -> str | None:
-    """Which attention the fp8 blocks run ("cudnn", "triton" or "bf16 sdpa"); None for a bf16 model."""
+    """Which attention the fp8 blocks run ("cudnn", "triton", "cuda" or "bf16 sdpa"); None for a bf16 model."""
     from pan2cli.dit.fp8_attention import fp8_attention_backend
 
     if model.precision != "fp8":

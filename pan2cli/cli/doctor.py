@@ -78,9 +78,10 @@ def _fp8(device) -> str:
         backend, why_not_cudnn = fp8_attention_backend()
     except InputError as exc:  # a bad PAN2_FP8_ATTENTION
         return f"yes, but {exc}"
-    attention = (
-        "cuDNN's fp8 attention" if backend == "cudnn" else f"pan2's Triton fp8 attention ({why_not_cudnn})"
-    )
+    attention = {
+        "cudnn": "cuDNN's fp8 attention",
+        "cuda": f"pan2's CUDA fp8 attention prototype ({why_not_cudnn})",
+    }.get(backend, f"pan2's Triton fp8 attention ({why_not_cudnn})")
     return f"yes (--precision fp8: e4m3 linears, {attention})"
 
 

@@ -13,6 +13,8 @@ sequence parallelism, which keeps bf16 attention):
    Triton kernel and 20.4 for cuDNN's bf16 (scripts/bench_kernels.py fp8-attention). Where cudnn-frontend is not
    installed, or cuDNN cannot build the graph on this GPU, our Triton kernel (`fp8_attention_kernel.py`;
    per-head V scale) runs instead, said once on stderr. `PAN2_FP8_ATTENTION=triton` (or `cudnn`) forces one;
+   `PAN2_FP8_ATTENTION=cuda` runs our CUDA prototype for Hopper (`cuda_fp8_attention.py`: opt-in, not yet
+   measured);
 5. the output projections.
 
 On the CPU (tests) the same steps run as PyTorch emulations (`attention_reference`): Q, K, V rounded to
@@ -32,7 +34,8 @@ import torch.nn.functional as F
 from pan2cli.dit.fp8 import E4M3_MAX, FP8, P_SHIFT, Fp8Activation, qk_bound, quantize_with_scales
 from pan2cli.dit.fusions import qk_norm_rope
 
-ENV_FP8_ATTENTION = "PAN2_FP8_ATTENTION"  # "cudnn" or "triton"; unset: cuDNN where it runs, else Triton
+# "cudnn", "triton" or "cuda" (the CUDA prototype); unset: cuDNN where it runs, else Triton
+ENV_FP8_ATTENTION = "PAN2_FP8_ATTENTION"
 _cudnn_failure: list[str] = []  # why cuDNN's fp8 attention did not run in this process (said once)
 
 
@@ -68,16 +71,17 @@ def attention_reference(
 
 
 def fp8_attention_backend() -> tuple[str, str | None]:
-    """(the fp8 attention that runs, why not cuDNN's or None): "cudnn" or "triton" (`ENV_FP8_ATTENTION`)."""
+    """(the fp8 attention that runs, why not cuDNN's or None): "cudnn", "triton" or "cuda" (`ENV_FP8_ATTENTION`)."""
     choice = os.environ.get(ENV_FP8_ATTENTION, "").strip().lower()
-    if choice not in ("", "triton", "cudnn"):
+    if choice not in ("", "triton", "cudnn", "cuda"):
         from pan2cli.errors import InputError
 
         raise InputError(
-            f"{ENV_FP8_ATTENTION}={choice!r} is not an fp8 attention", hint="use cudnn or triton"
+            f"{ENV_FP8_ATTENTION}={choice!r} is not an fp8 attention",
+            hint="use cudnn, triton or cuda (the CUDA prototype)",
         )
-    if choice == "triton":
-        return "triton", f"{ENV_FP8_ATTENTION}=triton"
+    if choice in ("triton", "cuda"):
+        return choice, f"{ENV_FP8_ATTENTION}={choice}"
     if _cudnn_failure:
         return "triton", _cudnn_failure[0]
     try:
@@ -156,6 +160,10 @@ def _attend_fused(q8: torch.Tensor, k8: torch.Tensor, v_streams, qk_descale: tor
 
     v_t = torch.empty(batch, heads, head_dim, padded_keys(n_tokens), dtype=FP8, device=q8.device)
     values_fp8(v_streams, heads, v_t, v_descale)
+    if backend == "cuda":
+        from pan2cli.dit.cuda_fp8_attention import cuda_fp8_attention
+
+        return cuda_fp8_attention(q8, k8, v_t, qk_descale, v_descale)
     return fp8_attention(q8, k8, v_t, qk_descale, v_descale)
 
 

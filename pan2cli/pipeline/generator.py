@@ -462,7 +462,8 @@ class VideoGenerator:
 
             self.fp8_attention, why_not_cudnn = fp8_attention_backend()
             if why_not_cudnn:
-                self.info(f"fp8 attention: pan2's Triton kernel ({why_not_cudnn}).")
+                kernel = "CUDA prototype" if self.fp8_attention == "cuda" else "Triton kernel"
+                self.info(f"fp8 attention: pan2's {kernel} ({why_not_cudnn}).")
         fused = False
         if cfg.dit_fused_kernels:
             head_dim = self.dit_config.get("attention_head_dim", 128)

@@ -12,6 +12,12 @@ values; fp8 inputs are quantised as the tier quantises them (Q/K by the RMSNorm 
 
 `--compare-kernel FILE` times another version of `pan2cli/dit/fp8_attention_kernel.py` beside the tree's, on the
 same inputs (`git show REV:pan2cli/dit/fp8_attention_kernel.py > /tmp/old_kernel.py`), as "compared_*".
+
+With `PAN2_KERNEL_EXPERIMENTAL=1` on an sm_90 GPU, pan2's CUDA fp8 attention prototype
+(`pan2cli/dit/cuda_fp8_attention.py`) runs too, in each of its instantiations (`--cuda-configs`: K/V stages x
+ping-pong on/off), as "cuda_fp8_s<stages>_<pp|free>"; otherwise the results say why not.
+
+    PAN2_KERNEL_EXPERIMENTAL=1 python3 scripts/bench_kernels.py fp8-attention --frames 121 481 --configs default
 """
 
 from __future__ import annotations
@@ -49,6 +55,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--skip-cudnn-fp8", action="store_true")
     parser.add_argument(
+        "--cuda-configs", default="all",
+        help="the CUDA prototype's instantiations: 'all', 'default', 'none', or stages,pingpong(0|1);...",
+    )  # fmt: skip
+    parser.add_argument(
         "--compare-kernel",
         type=Path,
         help="another version of fp8_attention_kernel.py to time beside the tree's",
@@ -69,6 +79,23 @@ def reference_rows(q, k, v, rows: int) -> torch.Tensor:
 
 def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).norm() / want.norm())
+
+
+def cuda_candidates(spec: str, device: torch.device) -> tuple[list[tuple[int, bool]], str]:
+    """The CUDA prototype's (stages, ping_pong) instantiations to time, and a word on its availability."""
+    from pan2cli.dit.cuda_fp8_attention import DEFAULT_PING_PONG, DEFAULT_STAGES, STAGES, prototype_ops
+
+    if spec == "none":
+        return [], "not asked for"
+    try:
+        prototype_ops(device)
+    except Exception as error:  # not built here: said in the results
+        return [], f"unavailable: {error}"
+    if spec == "all":
+        return [(s, p) for s in STAGES for p in (True, False)], "built"
+    if spec == "default":
+        return [(DEFAULT_STAGES, DEFAULT_PING_PONG)], "built"
+    return [(int(c.split(",")[0]), c.split(",")[1] == "1") for c in spec.split(";")], "built"
 
 
 def load_kernel_file(path: Path):
@@ -100,6 +127,7 @@ def main() -> None:
         "torch": torch.__version__,
         "cudnn_frontend": cudnn_version,
     }
+    cuda_configs, results["cuda_fp8"] = cuda_candidates(args.cuda_configs, device)
     results["runs"] = []
     print(json.dumps(results), flush=True)
     for frames in args.frames:
@@ -141,6 +169,22 @@ def main() -> None:
                 row[name + "_err"] = rel_rms(got[:, : args.check_rows], want)
             except Exception as error:  # a configuration that does not fit (shared memory) is reported
                 row[name + "_error"] = str(error).splitlines()[0][:200]
+        for stages, ping_pong in cuda_configs:
+            from pan2cli.dit.cuda_fp8_attention import cuda_fp8_attention
+
+            name = f"cuda_fp8_s{stages}_{'pp' if ping_pong else 'free'}"
+            try:
+                got = cuda_fp8_attention(q8, k8, v_t, qk_descale, v_descale, stages=stages, ping_pong=ping_pong)
+                row[name + "_err"] = rel_rms(got[:, : args.check_rows], want)
+                out = torch.empty_like(got)
+                row[name + "_ms"] = _time(
+                    lambda: cuda_fp8_attention(
+                        q8, k8, v_t, qk_descale, v_descale, out, stages=stages, ping_pong=ping_pong
+                    ),
+                    args.repeats,
+                )
+            except Exception as error:  # a prototype: its failure is a result, the others still run
+                row[name + "_error"] = str(error).splitlines()[0][:300]
         if cudnn is not None:
             try:
                 v8 = torch.empty(1, s, HEADS, HEAD_DIM, dtype=FP8, device=device)

@@ -56,7 +56,9 @@ def register_ops(module: ModuleType) -> SimpleNamespace:
     configs = getattr(module, "cutlass_conv_configs", None)
     # A PAN2_KERNEL_EXPERIMENTAL=1 build's prototypes, as the extension's plain functions (tests, benchmarks).
     prototypes = {
-        name: getattr(module, name) for name in ("rms_inv", "conv_cutlass_norm") if hasattr(module, name)
+        name: getattr(module, name)
+        for name in ("rms_inv", "conv_cutlass_norm", "fp8_attention")
+        if hasattr(module, name)
     }
     return SimpleNamespace(**ops, **prototypes, cutlass_conv_configs=tuple(configs()) if configs else ())
 

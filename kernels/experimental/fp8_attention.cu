@@ -1,0 +1,415 @@
+// fp8 attention for Hopper (sm_90a): softmax(Q·Kᵀ/√D)·V with e4m3 Q, K, V, no mask, head dim 128, bf16 out.
+// A prototype (PAN2_KERNEL_EXPERIMENTAL=1 builds it; PAN2_FP8_ATTENTION=cuda runs it): compiled and its index
+// math checked on the CPU, not yet run on a GPU.
+//
+// One CTA takes 128 query rows of one (batch, head): two consumer warpgroups of 64 rows each, and a producer
+// warpgroup that copies K and Vᵀ tiles of 128 keys into a ring of shared-memory stages (cp.async, 16-byte
+// chunks written in the 128-byte swizzle wgmma reads; an mbarrier pair per stage). setmaxnreg gives the
+// registers to the consumers. Each consumer issues P(j-1)·V(j-1) and S(j) = Q·K(j)ᵀ back to back, then runs
+// the softmax of S(j); with the ping-pong schedule (named barriers) the two warpgroups take turns at the
+// MMAs, so one's softmax overlaps the other's MMAs (FlashAttention-3's schedule; the exponentials are as much
+// work as the MMAs, so overlapping them is the point).
+//
+// Per key tile, in a consumer warpgroup:
+//   S = Q·Kᵀ         wgmma m64n128k32 e4m3, both operands in shared memory, float32 accumulators;
+//   online softmax   float32, in log2 units (exp2 with the softmax scale and Q/K descales folded into one
+//                    FMA), P made 2^P_SHIFT larger before its e4m3 cast so small probabilities stay normal;
+//   T = P·V          wgmma with P in registers: S's accumulator fragment is reused as the A fragment with
+//                    no shuffle, because the producer writes K's rows into shared memory in the key order
+//                    that makes the two layouts agree (`key_of_row`), and V is read in natural order;
+//   O = O·α + T      float32: each tile's P·V leaves the tensor core before it is summed across tiles
+//                    (Hopper's fp8 MMA keeps fewer bits in its accumulator; over 10⁵ keys that would show).
+// The row sum is taken from the float32 P (before its cast), as in the Triton kernel (fp8_attention_kernel.py).
+//
+// Layouts: q, k `[B, S, H, 128]` e4m3 contiguous; v_t `[B, H, 128, S_pad]` e4m3 (keys contiguous, S_pad a
+// multiple of 16, the padding zero); out `[B, S, H, 128]` bf16. Keys past S take no weight (masked in the
+// last tile), query rows past S are computed on zeros and not stored.
+
+#pragma nv_diag_suppress 177  // unused helpers in the passes for other GPUs, which compile an empty kernel
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "fp8_attention.h"
+#include "fp8_attention_layout.h"
+#include "wgmma_m64n128k32_e4m3.cuh"
+
+namespace pan2_fp8_attention {
+namespace {
+
+constexpr int kHeadDim = 128;
+constexpr int kRowsPerWarpgroup = 64;
+constexpr int kConsumers = 2;
+constexpr int kBlockM = kRowsPerWarpgroup * kConsumers;
+constexpr int kBlockN = 128;
+constexpr int kTileBytes = 128 * 128;  // a 128x128 e4m3 tile: Q's rows, a K tile or a Vᵀ tile
+constexpr int kConsumerThreads = 128 * kConsumers;
+constexpr int kThreads = kConsumerThreads + 128;  // + the producer warpgroup
+// Registers a thread, set with setmaxnreg once the roles split (the launch gives each 65536 / 384 = 168):
+// the producer needs few, the consumers hold S, O and P·V's accumulators (3 x 64) and P (16).
+constexpr int kProducerRegisters = 40;
+constexpr int kConsumerRegisters = 232;
+static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= 65536, "register file");
+
+template <int kStages>
+struct SharedStorage {
+    static constexpr int kQ = 0;
+    static constexpr int kK = kTileBytes;
+    static constexpr int kV = kK + kStages * kTileBytes;
+    static constexpr int kBarriers = kV + kStages * kTileBytes;  // full[kStages], empty[kStages]
+    static constexpr int kBytes = kBarriers + 2 * kStages * 8 + 1024;  // + room to align the base to 1024
+};
+
+__device__ __forceinline__ uint32_t smem_address(const void* pointer) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+__device__ __forceinline__ void barrier_init(uint32_t barrier, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(barrier), "r"(count));
+}
+
+__device__ __forceinline__ void barrier_arrive(uint32_t barrier) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(barrier) : "memory");
+}
+
+__device__ __forceinline__ bool barrier_try_wait(uint32_t barrier, uint32_t parity) {
+    uint32_t done;
+    asm volatile(
+            "{\n.reg .pred done;\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 done, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, done;\n}\n"
+            : "=r"(done)
+            : "r"(barrier), "r"(parity)
+            : "memory");
+    return done != 0;
+}
+
+// Waits for the phase of `parity` to complete. (A spin counter with a trap after N tries, to fail a lost
+// arrival instead of hanging, costs the consumers registers: ptxas then spills and serialises the wgmma.)
+__device__ __forceinline__ void barrier_wait(uint32_t barrier, uint32_t parity) {
+    while (!barrier_try_wait(barrier, parity)) {
+    }
+}
+
+// 16 bytes global → shared, zero-filled where `valid` is false (nothing is read then).
+__device__ __forceinline__ void copy_16(uint32_t destination, const void* source, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(destination), "l"(source),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+// The wgmma shared-memory descriptor of a K-major, 128-byte-swizzled operand (rows of 128 bytes, 8-row
+// groups 1024 bytes apart), starting `k_bytes` into each row.
+__device__ __forceinline__ uint64_t descriptor(uint32_t tile, int k_bytes) {
+    const uint64_t start = ((tile + k_bytes) & 0x3FFFF) >> 4;
+    constexpr uint64_t leading = 1;       // unused by swizzled K-major layouts (assumed 1)
+    constexpr uint64_t stride = 1024 >> 4;
+    constexpr uint64_t swizzle_128b = 1;
+    return start | (leading << 16) | (stride << 32) | (swizzle_128b << 62);
+}
+
+__device__ __forceinline__ uint32_t pack_e4m3(float x0, float x1, float x2, float x3) {
+    uint16_t low, high;  // cvt puts its first source in the upper byte
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(low) : "f"(x0), "f"(x1));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(high) : "f"(x2), "f"(x3));
+    return static_cast<uint32_t>(low) | (static_cast<uint32_t>(high) << 16);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int kPending>  // wait until at most kPending committed groups of wgmma are still running
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+
+struct Params {
+    const uint8_t* q;
+    const uint8_t* k;
+    const uint8_t* v_t;
+    const float* qk_descale;  // [1]
+    const float* v_descale;   // [H]
+    __nv_bfloat16* out;
+    int n_tokens;
+    int n_heads;
+    int s_pad;
+    float sm_scale_log2;  // log2(e) / √D
+    float p_shift;
+};
+
+template <int kStages>
+__device__ __forceinline__ void produce(const Params& p, uint8_t* smem, int batch, int head, int start_m,
+                                        int n_tiles) {
+    using Smem = SharedStorage<kStages>;
+    const int thread = threadIdx.x - kConsumerThreads;  // 0..127: one warp on each of the SM's 4 schedulers
+    const uint32_t base = smem_address(smem);
+    const size_t row_stride = static_cast<size_t>(p.n_heads) * kHeadDim;  // bytes between tokens
+    const uint8_t* q_head = p.q + static_cast<size_t>(batch) * p.n_tokens * row_stride + head * kHeadDim;
+    const uint8_t* k_head = p.k + static_cast<size_t>(batch) * p.n_tokens * row_stride + head * kHeadDim;
+    const uint8_t* v_head = p.v_t + (static_cast<size_t>(batch) * p.n_heads + head) * kHeadDim * p.s_pad;
+
+    // Each thread copies one 16-byte chunk column of 8 rows, 16 apart: rows r0 + 16i hold keys key_of_row(r0)
+    // + 16i (the permutation keeps 16-row steps), so every address below is a base plus a constant stride.
+    const int row0 = thread >> 3, chunk = thread & 7;
+    const uint32_t smem_offset = swizzled(row0, chunk);  // + 16i rows = + 2048i bytes (row0 & 7 is unchanged)
+    const int key0 = key_of_row(row0);
+    const uint8_t* k_chunk = k_head + static_cast<size_t>(key0) * row_stride + chunk * 16;
+    const uint8_t* v_chunk = v_head + static_cast<size_t>(row0) * p.s_pad + chunk * 16;
+
+    // Q's 128 rows go with the first tile's group (its full barrier covers them).
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int token = start_m + row0 + 16 * i;
+        const bool valid = token < p.n_tokens;
+        const uint8_t* source = q_head + static_cast<size_t>(token) * row_stride + chunk * 16;
+        copy_16(base + Smem::kQ + smem_offset + 2048 * i, valid ? source : q_head, valid);
+    }
+    for (int tile = 0; tile < n_tiles; ++tile) {
+        const int stage = tile % kStages, start_n = tile * kBlockN;
+        if (tile >= kStages) barrier_wait(base + Smem::kBarriers + (kStages + stage) * 8, ((tile / kStages) - 1) & 1);
+        const uint32_t k_tile = base + Smem::kK + stage * kTileBytes + smem_offset;
+        const uint32_t v_tile = base + Smem::kV + stage * kTileBytes + smem_offset;
+        const bool v_valid = start_n + chunk * 16 < p.s_pad;  // Vᵀ: row = channel, 16 keys a chunk
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const bool k_valid = start_n + key0 + 16 * i < p.n_tokens;
+            const uint8_t* k_source = k_chunk + static_cast<size_t>(start_n + 16 * i) * row_stride;
+            copy_16(k_tile + 2048 * i, k_valid ? k_source : k_head, k_valid);
+            const uint8_t* v_source = v_chunk + static_cast<size_t>(16 * i) * p.s_pad + start_n;
+            copy_16(v_tile + 2048 * i, v_valid ? v_source : v_head, v_valid);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        if (tile > 0) {  // one group stays in flight: the previous tile is signalled once it has landed
+            asm volatile("cp.async.wait_group 1;" ::: "memory");
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async writes → wgmma reads
+            barrier_arrive(base + Smem::kBarriers + ((tile - 1) % kStages) * 8);
+        }
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    barrier_arrive(base + Smem::kBarriers + ((n_tiles - 1) % kStages) * 8);
+}
+
+// Named barriers 1 and 2: "warpgroup 0 (1) may issue its MMAs" (the ping-pong schedule; 0 is __syncthreads).
+__device__ __forceinline__ void wait_turn(int warpgroup) {  // constant ids: ptxas then reserves only these two
+    if (warpgroup == 0) {
+        asm volatile("bar.sync 1, %0;" ::"n"(kConsumerThreads) : "memory");
+    } else {
+        asm volatile("bar.sync 2, %0;" ::"n"(kConsumerThreads) : "memory");
+    }
+}
+__device__ __forceinline__ void pass_turn(int warpgroup) {
+    if (warpgroup == 0) {
+        asm volatile("bar.arrive 2, %0;" ::"n"(kConsumerThreads) : "memory");
+    } else {
+        asm volatile("bar.arrive 1, %0;" ::"n"(kConsumerThreads) : "memory");
+    }
+}
+
+// The online softmax of one tile of scores, in place: s becomes P (≤ 2^P_SHIFT), row_max and row_sum are
+// updated (the sum rescaled by α, which is returned per row for the output).
+__device__ __forceinline__ void softmax_tile(float (&s)[64], float (&row_max)[2], float (&row_sum)[2],
+                                             float (&alpha)[2], float qk_scale, float p_shift, int quad,
+                                             int keys_left) {
+    if (keys_left < kBlockN) {  // the last tile: keys past the sequence take no weight
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                if (key_of_row(8 * i + 2 * quad + e) >= keys_left) s[4 * i + e] = s[4 * i + 2 + e] = -INFINITY;
+            }
+        }
+    }
+    // Row maxima of the raw scores (qk_scale > 0), over the 4 lanes of a quad that share a row.
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        tile_max[0] = fmaxf(tile_max[0], fmaxf(s[4 * i], s[4 * i + 1]));
+        tile_max[1] = fmaxf(tile_max[1], fmaxf(s[4 * i + 2], s[4 * i + 3]));
+    }
+    float bias[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 1));
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 2));
+        const float new_max = fmaxf(row_max[r], tile_max[r] * qk_scale);
+        alpha[r] = exp2f(row_max[r] - new_max);  // 0 on the first tile (row_max = -inf)
+        bias[r] = new_max - p_shift;             // exp2(s·scale − bias) ≤ 2^P_SHIFT
+        row_max[r] = new_max;
+        row_sum[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        const int r = (i >> 1) & 1;
+        s[i] = exp2f(fmaf(s[i], qk_scale, -bias[r]));
+        row_sum[r] += s[i];
+    }
+}
+
+// A consumer warpgroup's 64 query rows. Its MMAs come in phases: phase j issues P(j-1)·V(j-1) and then
+// S(j) = Q·K(j)ᵀ, folds P(j-1)·V(j-1) into O as soon as that is done, and runs the softmax of S(j) once S(j)
+// is. With kPingPong the two warpgroups take turns at the phases (named barriers), so one's softmax overlaps
+// the other's MMAs; without it they run as the warp schedulers interleave them.
+template <int kStages, bool kPingPong>
+__device__ __forceinline__ void consume(const Params& p, uint8_t* smem, int batch, int head, int start_m,
+                                        int n_tiles) {
+    using Smem = SharedStorage<kStages>;
+    const uint32_t base = smem_address(smem);
+    const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
+    const int quad = lane & 3, group = lane >> 2;
+    const float qk_scale = p.sm_scale_log2 * __ldg(p.qk_descale);
+    const uint32_t q_tile = base + Smem::kQ + warpgroup * kRowsPerWarpgroup * 128;
+    const uint32_t full = base + Smem::kBarriers, empty = full + kStages * 8;
+
+    float o[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f}, alpha[2] = {0.f, 0.f};
+    uint32_t a[4][4];  // P of the previous tile as the A fragment of four k32 steps (see key_of_row)
+    float s[64];
+
+    // T = P·V of a stage into a fresh accumulator (summed into O in float32 after it: never across tiles
+    // inside the tensor core); S = Q·Kᵀ of a stage. Each is one commit group.
+    auto issue_values = [&](float (&t)[64], int stage) {
+        wgmma_fence();
+#pragma unroll
+        for (int b = 0; b < 4; ++b) wgmma_rs(t, a[b], descriptor(base + Smem::kV + stage * kTileBytes, b * 32), b);
+        wgmma_commit();
+    };
+    auto issue_scores = [&](int stage) {
+        wgmma_fence();
+        const uint32_t k_tile = base + Smem::kK + stage * kTileBytes;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_ss(s, descriptor(q_tile, kk * 32), descriptor(k_tile, kk * 32), kk);
+        wgmma_commit();
+    };
+    auto fold_values = [&](const float (&t)[64], int stage) {
+        barrier_arrive(empty + stage * 8);  // this warpgroup is done with the stage
+#pragma unroll
+        for (int i = 0; i < 64; ++i) o[i] = fmaf(o[i], alpha[(i >> 1) & 1], t[i]);
+    };
+    auto softmax_and_pack = [&](int tile) {
+        softmax_tile(s, row_max, row_sum, alpha, qk_scale, p.p_shift, quad, p.n_tokens - tile * kBlockN);
+        // Registers {row g, row g+8} x {k 4q.., k 16+4q..}, 4 consecutive k each, lowest byte first.
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                a[b][r] = pack_e4m3(s[p_source(b, r, 0)], s[p_source(b, r, 1)], s[p_source(b, r, 2)],
+                                    s[p_source(b, r, 3)]);
+            }
+        }
+    };
+
+    // Phase 0: S(0) alone. Warpgroup 0 takes the first turn.
+    if (kPingPong && warpgroup == 1) pass_turn(warpgroup);
+    barrier_wait(full, 0);
+    if (kPingPong) wait_turn(warpgroup);
+    issue_scores(0);
+    if (kPingPong) pass_turn(warpgroup);
+    wgmma_wait<0>();
+    softmax_and_pack(0);
+    // Phases 1 .. n-1: P(j-1)·V(j-1) and S(j) issued back to back, so the tensor cores run them together.
+    for (int tile = 1; tile < n_tiles; ++tile) {
+        const int stage = tile % kStages, previous = (tile - 1) % kStages;
+        barrier_wait(full + stage * 8, (tile / kStages) & 1);
+        if (kPingPong) wait_turn(warpgroup);
+        float t[64];
+        issue_values(t, previous);
+        issue_scores(stage);
+        if (kPingPong) pass_turn(warpgroup);
+        wgmma_wait<1>();  // groups complete in order: T is done, S may still run
+        fold_values(t, previous);
+        wgmma_wait<0>();
+        softmax_and_pack(tile);
+    }
+    // Phase n: the last P·V. Warpgroup 1 passes no turn after it: warpgroup 0 has no more.
+    {
+        float t[64];
+        if (kPingPong) wait_turn(warpgroup);
+        issue_values(t, (n_tiles - 1) % kStages);
+        if (kPingPong && warpgroup == 0) pass_turn(warpgroup);
+        wgmma_wait<0>();
+        fold_values(t, (n_tiles - 1) % kStages);
+    }
+
+    const float v_descale = __ldg(p.v_descale + head);
+    float out_scale[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        row_sum[r] += __shfl_xor_sync(0xffffffff, row_sum[r], 1);
+        row_sum[r] += __shfl_xor_sync(0xffffffff, row_sum[r], 2);
+        out_scale[r] = v_descale / row_sum[r];  // the row sum carries P's 2^P_SHIFT
+    }
+    const size_t row_stride = static_cast<size_t>(p.n_heads) * kHeadDim;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int token = start_m + warpgroup * kRowsPerWarpgroup + warp * 16 + group + 8 * r;
+        if (token >= p.n_tokens) continue;
+        __nv_bfloat16* row = p.out + (static_cast<size_t>(batch) * p.n_tokens + token) * row_stride + head * kHeadDim;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const __nv_bfloat162 pair =
+                    __floats2bfloat162_rn(o[4 * i + 2 * r] * out_scale[r], o[4 * i + 2 * r + 1] * out_scale[r]);
+            *reinterpret_cast<__nv_bfloat162*>(row + 8 * i + 2 * quad) = pair;
+        }
+    }
+}
+
+template <int kStages, bool kPingPong>
+__global__ void __launch_bounds__(kThreads, 1) fp8_attention_kernel(const Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma: sm_90a only (the launcher refuses other GPUs)
+    using Smem = SharedStorage<kStages>;
+    extern __shared__ uint8_t raw_smem[];
+    uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
+    const int start_m = blockIdx.x * kBlockM;
+    const int batch = blockIdx.y / p.n_heads, head = blockIdx.y % p.n_heads;
+    const int n_tiles = (p.n_tokens + kBlockN - 1) / kBlockN;
+    const uint32_t barriers = smem_address(smem) + Smem::kBarriers;
+    if (threadIdx.x == 0) {
+        for (int stage = 0; stage < kStages; ++stage) {
+            barrier_init(barriers + stage * 8, 128);                           // full: every producer thread
+            barrier_init(barriers + (kStages + stage) * 8, kConsumerThreads);  // empty: every consumer thread
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x >= kConsumerThreads) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
+        produce<kStages>(p, smem, batch, head, start_m, n_tiles);
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
+        consume<kStages, kPingPong>(p, smem, batch, head, start_m, n_tiles);
+    }
+#endif
+}
+
+}  // namespace
+}  // namespace pan2_fp8_attention
+
+cudaError_t pan2_fp8_attention_launch(const uint8_t* q, const uint8_t* k, const uint8_t* v_t, const float* qk_descale,
+                                      const float* v_descale, __nv_bfloat16* out, int batch, int n_tokens,
+                                      int n_heads, int s_pad, float sm_scale_log2, float p_shift, int stages,
+                                      bool ping_pong, cudaStream_t stream) {
+    using namespace pan2_fp8_attention;
+    const Params params{q, k, v_t, qk_descale, v_descale, out, n_tokens, n_heads, s_pad, sm_scale_log2, p_shift};
+    const dim3 grid((n_tokens + kBlockM - 1) / kBlockM, batch * n_heads);
+    auto launch = [&](auto kernel, int bytes) {
+        cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+        if (error != cudaSuccess) return error;
+        kernel<<<grid, kThreads, bytes, stream>>>(params);
+        return cudaGetLastError();
+    };
+    // Three stages at least: a consumer holds two (K of tile j, V of tile j-1) and the producer signals a tile
+    // once the next one's copies are issued, so with two stages each would wait for the other.
+    switch (stages * 2 + (ping_pong ? 1 : 0)) {
+        case 6: return launch(fp8_attention_kernel<3, false>, SharedStorage<3>::kBytes);
+        case 7: return launch(fp8_attention_kernel<3, true>, SharedStorage<3>::kBytes);
+        case 8: return launch(fp8_attention_kernel<4, false>, SharedStorage<4>::kBytes);
+        case 9: return launch(fp8_attention_kernel<4, true>, SharedStorage<4>::kBytes);
+        case 10: return launch(fp8_attention_kernel<5, false>, SharedStorage<5>::kBytes);
+        case 11: return launch(fp8_attention_kernel<5, true>, SharedStorage<5>::kBytes);
+        default: return cudaErrorInvalidValue;
+    }
+}

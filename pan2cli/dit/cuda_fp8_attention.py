@@ -1,0 +1,77 @@
+"""pan2's CUDA fp8 attention for Hopper (`kernels/experimental/fp8_attention.cu`): a prototype, opt-in.
+
+The third candidate for the fp8 tier's joint attention, beside cuDNN's (`cudnn_fp8_attention.py`) and our
+Triton kernel (`fp8_attention_kernel.py`), with the Triton kernel's inputs (Q, K `[B, S, H, 128]`, V
+transposed `[B, H, 128, S_pad]`, per-head V descale) and output (bf16), written as FlashAttention-3 is:
+warp-specialised (a producer warpgroup copies K/V tiles, two consumer warpgroups take turns at the wgmma
+MMAs so that one's softmax overlaps the other's MMAs), P handed from the S accumulators to the P·V MMA in
+registers, each tile's P·V summed in float32 (the kernel's header says how).
+
+Status: compiled for sm_90a and its fragment index math checked against CuTe's layouts on the CPU
+(tests/dit/test_fp8_attention_cuda.py); NOT yet run on a GPU, so never chosen by default. It is built into
+the decode extension's experimental build and runs with
+
+    PAN2_KERNEL_EXPERIMENTAL=1 PAN2_FP8_ATTENTION=cuda pan2 generate ... --precision fp8
+
+`scripts/bench_kernels.py fp8-attention` times it beside cuDNN's and the Triton kernel when the
+experimental build is on.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pan2cli.errors import KernelBuildError
+
+FP8 = torch.float8_e4m3fn
+HEAD_DIM = 128
+STAGES = (3, 4, 5)  # K/V stages in shared memory the kernel is instantiated for (32 KiB each)
+DEFAULT_STAGES, DEFAULT_PING_PONG = 4, True
+
+
+def prototype_ops(device: torch.device):
+    """The experimental build's ops for `device` (building it on first use), or a `KernelBuildError`."""
+    from pan2cli.vae.kernel.build import experimental_flags, load_kernel
+
+    if not experimental_flags():
+        raise KernelBuildError(
+            "pan2's CUDA fp8 attention is a prototype in the experimental kernel build",
+            hint="set PAN2_KERNEL_EXPERIMENTAL=1 as well, or leave PAN2_FP8_ATTENTION unset",
+        )
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        raise KernelBuildError("pan2's CUDA fp8 attention runs on sm_90 GPUs (H100, H200) only")
+    ops = load_kernel(device)
+    if not hasattr(ops, "fp8_attention"):
+        raise KernelBuildError("the experimental kernel build has no fp8_attention (an older cached build?)")
+    return ops
+
+
+def cuda_fp8_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v_t: torch.Tensor,
+    qk_descale: torch.Tensor,
+    v_descale: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    stages: int = DEFAULT_STAGES,
+    ping_pong: bool = DEFAULT_PING_PONG,
+) -> torch.Tensor:
+    """softmax(Q·Kᵀ/√128)·V from e4m3 inputs and their descales, no mask → `out` (bf16 `[B, S, H, 128]`).
+
+    Args: as `fp8_attention_kernel.fp8_attention` (head dim 128 only), plus `stages` (K/V tiles in shared
+    memory, 3-5) and `ping_pong` (the consumer warpgroups take turns at the MMAs).
+    """
+    from pan2cli.dit.fp8 import P_SHIFT
+
+    assert q.shape[-1] == HEAD_DIM, f"head dim must be {HEAD_DIM}, got {q.shape[-1]}"
+    assert stages in STAGES, f"stages must be one of {STAGES}"
+    if out is None:
+        out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    prototype_ops(q.device).fp8_attention(
+        q, k, v_t, qk_descale, v_descale, out, math.log2(math.e) / math.sqrt(HEAD_DIM), float(P_SHIFT),
+        stages, ping_pong,
+    )  # fmt: skip
+    return out
