@@ -3,20 +3,22 @@
 // math checked on the CPU, not yet run on a GPU.
 //
 // One CTA takes 128 query rows of one (batch, head): two consumer warpgroups of 64 rows each, and a producer
-// warpgroup that copies K and Vᵀ tiles of 128 keys into a ring of shared-memory stages (cp.async, 16-byte
-// chunks written in the 128-byte swizzle wgmma reads; an mbarrier pair per stage). setmaxnreg gives the
-// registers to the consumers. Each consumer issues P(j-1)·V(j-1) and S(j) = Q·K(j)ᵀ back to back, then runs
-// the softmax of S(j); with the ping-pong schedule (named barriers) the two warpgroups take turns at the
-// MMAs, so one's softmax overlaps the other's MMAs (FlashAttention-3's schedule; the exponentials are as much
-// work as the MMAs, so overlapping them is the point).
+// warpgroup that fills a ring of shared-memory stages with K and Vᵀ tiles of 128 keys, in the 128-byte
+// swizzle wgmma reads (an mbarrier pair per stage), either by cp.async (the whole warpgroup, 16-byte chunks)
+// or by TMA (one thread, three copies a tile). setmaxnreg gives the registers to the consumers. Each
+// consumer issues P(j-1)·V(j-1) and S(j) = Q·K(j)ᵀ back to back, then runs the softmax of S(j); with the
+// ping-pong schedule (named barriers) the two warpgroups take turns at the MMAs, so one's softmax overlaps
+// the other's MMAs (FlashAttention-3's schedule; the exponentials are as much work as the MMAs, so
+// overlapping them is the point).
 //
 // Per key tile, in a consumer warpgroup:
 //   S = Q·Kᵀ         wgmma m64n128k32 e4m3, both operands in shared memory, float32 accumulators;
 //   online softmax   float32, in log2 units (exp2 with the softmax scale and Q/K descales folded into one
 //                    FMA), P made 2^P_SHIFT larger before its e4m3 cast so small probabilities stay normal;
 //   T = P·V          wgmma with P in registers: S's accumulator fragment is reused as the A fragment with
-//                    no shuffle, because the producer writes K's rows into shared memory in the key order
-//                    that makes the two layouts agree (`key_of_row`), and V is read in natural order;
+//                    no shuffle, because the keys are permuted in one operand so that the two layouts agree
+//                    (`key_of_row`): the cp.async producer writes K's rows in that order (V in key order),
+//                    with TMA the keys of V come permuted (values_fp8's key_order="wgmma"), K in key order;
 //   O = O·α + T      float32: each tile's P·V leaves the tensor core before it is summed across tiles
 //                    (Hopper's fp8 MMA keeps fewer bits in its accumulator; over 10⁵ keys that would show).
 // The row sum is taken from the float32 P (before its cast), as in the Triton kernel (fp8_attention_kernel.py).
@@ -100,6 +102,20 @@ __device__ __forceinline__ void copy_16(uint32_t destination, const void* source
                : "memory");
 }
 
+__device__ __forceinline__ void barrier_expect_bytes(uint32_t barrier, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier), "r"(bytes) : "memory");
+}
+
+// A TMA copy of the box at (c0, c1, c2, c3) of `map` into shared memory; completes `bytes` on `barrier`.
+__device__ __forceinline__ void tma_load(uint32_t destination, const CUtensorMap& map, int c0, int c1, int c2,
+                                         int c3, uint32_t barrier) {
+    asm volatile(
+            "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+            "%5}], [%6];" ::"r"(destination),
+            "l"(reinterpret_cast<uint64_t>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(barrier)
+            : "memory");
+}
+
 // The wgmma shared-memory descriptor of a K-major, 128-byte-swizzled operand (rows of 128 bytes, 8-row
 // groups 1024 bytes apart), starting `k_bytes` into each row.
 __device__ __forceinline__ uint64_t descriptor(uint32_t tile, int k_bytes) {
@@ -125,6 +141,11 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 
 struct Params {
+    // The TMA variant's tensor maps (encoded on the host; unused by the cp.async variant), 4-D, innermost
+    // first: Q and K (128 bytes, H, S tokens, B) in boxes of 128 tokens of one head, Vᵀ (S_pad keys in wgmma
+    // order, see values_fp8; 128 channels, H, B) in boxes of 128 keys; 128-byte swizzled, tokens and keys
+    // out of range read as zeros.
+    CUtensorMap q_map, k_map, v_map;
     const uint8_t* q;
     const uint8_t* k;
     const uint8_t* v_t;
@@ -138,6 +159,25 @@ struct Params {
     float p_shift;
 };
 
+// The TMA producer: one thread issues three copies a tile (Q once, with the first tile).
+template <int kStages>
+__device__ __forceinline__ void produce_tma(const Params& p, uint8_t* smem, int batch, int head, int start_m,
+                                            int n_tiles) {
+    using Smem = SharedStorage<kStages>;
+    if (threadIdx.x != kConsumerThreads) return;
+    const uint32_t base = smem_address(smem);
+    const uint32_t full = base + Smem::kBarriers, empty = full + kStages * 8;
+    for (int tile = 0; tile < n_tiles; ++tile) {
+        const int stage = tile % kStages, start_n = tile * kBlockN;
+        if (tile >= kStages) barrier_wait(empty + stage * 8, ((tile / kStages) - 1) & 1);
+        barrier_expect_bytes(full + stage * 8, (tile == 0 ? 3 : 2) * kTileBytes);
+        if (tile == 0) tma_load(base + Smem::kQ, p.q_map, 0, head, start_m, batch, full);
+        tma_load(base + Smem::kK + stage * kTileBytes, p.k_map, 0, head, start_n, batch, full + stage * 8);
+        tma_load(base + Smem::kV + stage * kTileBytes, p.v_map, start_n, 0, head, batch, full + stage * 8);
+    }
+}
+
+// The cp.async producer: the whole warpgroup copies 16-byte chunks, K's rows in `key_of_row` order.
 template <int kStages>
 __device__ __forceinline__ void produce(const Params& p, uint8_t* smem, int batch, int head, int start_m,
                                         int n_tiles) {
@@ -209,6 +249,9 @@ __device__ __forceinline__ void pass_turn(int warpgroup) {
 
 // The online softmax of one tile of scores, in place: s becomes P (≤ 2^P_SHIFT), row_max and row_sum are
 // updated (the sum rescaled by α, which is returned per row for the output).
+// kKeysInRowOrder: K's shared-memory rows hold keys in `key_of_row` order (the cp.async producer), else in
+// their own order (TMA; V carries the permutation then).
+template <bool kKeysInRowOrder>
 __device__ __forceinline__ void softmax_tile(float (&s)[64], float (&row_max)[2], float (&row_sum)[2],
                                              float (&alpha)[2], float qk_scale, float p_shift, int quad,
                                              int keys_left) {
@@ -217,7 +260,9 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], float (&row_max)[2]
         for (int i = 0; i < 16; ++i) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                if (key_of_row(8 * i + 2 * quad + e) >= keys_left) s[4 * i + e] = s[4 * i + 2 + e] = -INFINITY;
+                const int column = 8 * i + 2 * quad + e;
+                const int key = kKeysInRowOrder ? key_of_row(column) : column;
+                if (key >= keys_left) s[4 * i + e] = s[4 * i + 2 + e] = -INFINITY;
             }
         }
     }
@@ -251,7 +296,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], float (&row_max)[2]
 // S(j) = Q·K(j)ᵀ, folds P(j-1)·V(j-1) into O as soon as that is done, and runs the softmax of S(j) once S(j)
 // is. With kPingPong the two warpgroups take turns at the phases (named barriers), so one's softmax overlaps
 // the other's MMAs; without it they run as the warp schedulers interleave them.
-template <int kStages, bool kPingPong>
+template <int kStages, bool kPingPong, bool kTma>
 __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, int batch, int head, int start_m,
                                         int n_tiles) {
     using Smem = SharedStorage<kStages>;
@@ -290,7 +335,7 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, int batc
         for (int i = 0; i < 64; ++i) o[i] = fmaf(o[i], alpha[(i >> 1) & 1], t[i]);
     };
     auto softmax_and_pack = [&](int tile) {
-        softmax_tile(s, row_max, row_sum, alpha, qk_scale, p.p_shift, quad, p.n_tokens - tile * kBlockN);
+        softmax_tile<!kTma>(s, row_max, row_sum, alpha, qk_scale, p.p_shift, quad, p.n_tokens - tile * kBlockN);
         // Registers {row g, row g+8} x {k 4q.., k 16+4q..}, 4 consecutive k each, lowest byte first.
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
@@ -357,8 +402,8 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, int batc
     }
 }
 
-template <int kStages, bool kPingPong>
-__global__ void __launch_bounds__(kThreads, 1) fp8_attention_kernel(const Params p) {
+template <int kStages, bool kPingPong, bool kTma>
+__global__ void __launch_bounds__(kThreads, 1) fp8_attention_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma: sm_90a only (the launcher refuses other GPUs)
     using Smem = SharedStorage<kStages>;
     extern __shared__ uint8_t raw_smem[];
@@ -369,7 +414,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_attention_kernel(const Params
     const uint32_t barriers = smem_address(smem) + Smem::kBarriers;
     if (threadIdx.x == 0) {
         for (int stage = 0; stage < kStages; ++stage) {
-            barrier_init(barriers + stage * 8, 128);                           // full: every producer thread
+            barrier_init(barriers + stage * 8, kTma ? 1 : 128);  // full: the TMA thread, or every producer thread
             barrier_init(barriers + (kStages + stage) * 8, kConsumerThreads);  // empty: every consumer thread
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -377,10 +422,14 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_attention_kernel(const Params
     __syncthreads();
     if (threadIdx.x >= kConsumerThreads) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
-        produce<kStages>(p, smem, batch, head, start_m, n_tiles);
+        if (kTma) {
+            produce_tma<kStages>(p, smem, batch, head, start_m, n_tiles);
+        } else {
+            produce<kStages>(p, smem, batch, head, start_m, n_tiles);
+        }
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
-        consume<kStages, kPingPong>(p, smem, batch, head, start_m, n_tiles);
+        consume<kStages, kPingPong, kTma>(p, smem, batch, head, start_m, n_tiles);
     }
 #endif
 }
@@ -388,12 +437,67 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_attention_kernel(const Params
 }  // namespace
 }  // namespace pan2_fp8_attention
 
+namespace {
+
+// cuTensorMapEncodeTiled from the driver, through the runtime (no libcuda link needed); null if missing.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+    static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+        void* function = nullptr;
+        cudaDriverEntryPointQueryResult status{};
+        const cudaError_t error = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000,
+                                                                   cudaEnableDefault, &status);
+        const bool found = error == cudaSuccess && status == cudaDriverEntryPointSuccess;
+        return found ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function) : nullptr;
+    }();
+    return encode;
+}
+
+// A 4-D byte tensor (dims innermost first, strides in bytes of dims 1-3, increasing) in boxes of `box`.
+bool encode_tiles(CUtensorMap* map, const void* data, const cuuint64_t (&dims)[4], const cuuint64_t (&strides)[3],
+                  const cuuint32_t (&box)[4]) {
+    const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+    if (encode == nullptr) return false;
+    const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(data), dims, strides, box,
+                  element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace
+
 cudaError_t pan2_fp8_attention_launch(const uint8_t* q, const uint8_t* k, const uint8_t* v_t, const float* qk_descale,
                                       const float* v_descale, __nv_bfloat16* out, int batch, int n_tokens,
                                       int n_heads, int s_pad, float sm_scale_log2, float p_shift, int stages,
-                                      bool ping_pong, cudaStream_t stream) {
+                                      bool ping_pong, bool tma, cudaStream_t stream) {
     using namespace pan2_fp8_attention;
-    const Params params{q, k, v_t, qk_descale, v_descale, out, n_tokens, n_heads, s_pad, sm_scale_log2, p_shift};
+    Params params{};
+    params.q = q;
+    params.k = k;
+    params.v_t = v_t;
+    params.qk_descale = qk_descale;
+    params.v_descale = v_descale;
+    params.out = out;
+    params.n_tokens = n_tokens;
+    params.n_heads = n_heads;
+    params.s_pad = s_pad;
+    params.sm_scale_log2 = sm_scale_log2;
+    params.p_shift = p_shift;
+    if (tma) {
+        // Q, K: (128 bytes, H, S, B) in boxes of one head's 128 tokens; Vᵀ: (S_pad, 128, H, B) in boxes of
+        // 128 keys of all 128 channels. Either way a box lands as 128 rows of 128 bytes.
+        const cuuint64_t heads = n_heads, tokens = n_tokens, keys = s_pad, row = heads * kHeadDim;
+        const cuuint64_t token_dims[4] = {kHeadDim, heads, tokens, cuuint64_t(batch)};
+        const cuuint64_t token_strides[3] = {kHeadDim, row, tokens * row};
+        const cuuint32_t token_box[4] = {kHeadDim, 1, kBlockN, 1};
+        const cuuint64_t key_dims[4] = {keys, kHeadDim, heads, cuuint64_t(batch)};
+        const cuuint64_t key_strides[3] = {keys, keys * kHeadDim, keys * kHeadDim * heads};
+        const cuuint32_t key_box[4] = {kBlockN, kHeadDim, 1, 1};
+        if (!encode_tiles(&params.q_map, q, token_dims, token_strides, token_box) ||
+            !encode_tiles(&params.k_map, k, token_dims, token_strides, token_box) ||
+            !encode_tiles(&params.v_map, v_t, key_dims, key_strides, key_box)) {
+            return cudaErrorInvalidValue;
+        }
+    }
     const dim3 grid((n_tokens + kBlockM - 1) / kBlockM, batch * n_heads);
     auto launch = [&](auto kernel, int bytes) {
         cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
@@ -401,15 +505,21 @@ cudaError_t pan2_fp8_attention_launch(const uint8_t* q, const uint8_t* k, const 
         kernel<<<grid, kThreads, bytes, stream>>>(params);
         return cudaGetLastError();
     };
-    // Three stages at least: a consumer holds two (K of tile j, V of tile j-1) and the producer signals a tile
-    // once the next one's copies are issued, so with two stages each would wait for the other.
-    switch (stages * 2 + (ping_pong ? 1 : 0)) {
-        case 6: return launch(fp8_attention_kernel<3, false>, SharedStorage<3>::kBytes);
-        case 7: return launch(fp8_attention_kernel<3, true>, SharedStorage<3>::kBytes);
-        case 8: return launch(fp8_attention_kernel<4, false>, SharedStorage<4>::kBytes);
-        case 9: return launch(fp8_attention_kernel<4, true>, SharedStorage<4>::kBytes);
-        case 10: return launch(fp8_attention_kernel<5, false>, SharedStorage<5>::kBytes);
-        case 11: return launch(fp8_attention_kernel<5, true>, SharedStorage<5>::kBytes);
-        default: return cudaErrorInvalidValue;
+    // Three stages at least: a consumer holds two (K of tile j, V of tile j-1) and the cp.async producer
+    // signals a tile once the next one's copies are issued, so with two stages each would wait for the other.
+#define PAN2_FP8_ATTENTION_CASE(STAGES)                                                                       \
+    if (stages == STAGES) {                                                                                   \
+        constexpr int bytes = SharedStorage<STAGES>::kBytes;                                                  \
+        if (tma) {                                                                                            \
+            return ping_pong ? launch(fp8_attention_kernel<STAGES, true, true>, bytes)                        \
+                             : launch(fp8_attention_kernel<STAGES, false, true>, bytes);                      \
+        }                                                                                                     \
+        return ping_pong ? launch(fp8_attention_kernel<STAGES, true, false>, bytes)                           \
+                         : launch(fp8_attention_kernel<STAGES, false, false>, bytes);                         \
     }
+    PAN2_FP8_ATTENTION_CASE(3)
+    PAN2_FP8_ATTENTION_CASE(4)
+    PAN2_FP8_ATTENTION_CASE(5)
+#undef PAN2_FP8_ATTENTION_CASE
+    return cudaErrorInvalidValue;
 }

@@ -5,7 +5,9 @@ Triton kernel (`fp8_attention_kernel.py`), with the Triton kernel's inputs (Q, K
 transposed `[B, H, 128, S_pad]`, per-head V descale) and output (bf16), written as FlashAttention-3 is:
 warp-specialised (a producer warpgroup copies K/V tiles, two consumer warpgroups take turns at the wgmma
 MMAs so that one's softmax overlaps the other's MMAs), P handed from the S accumulators to the P·V MMA in
-registers, each tile's P·V summed in float32 (the kernel's header says how).
+registers, each tile's P·V summed in float32 (the kernel's header says how). Two producers: cp.async by the
+whole producer warpgroup (V in key order, K's rows permuted as they are copied), or TMA by one thread (V's
+keys permuted instead, by `values_fp8(..., key_order="wgmma")`: `v_layout(tma)` says which V to make).
 
 Status: compiled for sm_90a and its fragment index math checked against CuTe's layouts on the CPU
 (tests/dit/test_fp8_attention_cuda.py); NOT yet run on a GPU, so never chosen by default. It is built into
@@ -28,7 +30,12 @@ from pan2cli.errors import KernelBuildError
 FP8 = torch.float8_e4m3fn
 HEAD_DIM = 128
 STAGES = (3, 4, 5)  # K/V stages in shared memory the kernel is instantiated for (32 KiB each)
-DEFAULT_STAGES, DEFAULT_PING_PONG = 4, True
+DEFAULT_STAGES, DEFAULT_PING_PONG, DEFAULT_TMA = 4, True, False
+
+
+def v_key_order(tma: bool) -> str:
+    """The `key_order` of `values_fp8` that the kernel's producer needs for its V."""
+    return "wgmma" if tma else "natural"
 
 
 def prototype_ops(device: torch.device):
@@ -58,11 +65,13 @@ def cuda_fp8_attention(
     *,
     stages: int = DEFAULT_STAGES,
     ping_pong: bool = DEFAULT_PING_PONG,
+    tma: bool = DEFAULT_TMA,
 ) -> torch.Tensor:
     """softmax(Q·Kᵀ/√128)·V from e4m3 inputs and their descales, no mask → `out` (bf16 `[B, S, H, 128]`).
 
-    Args: as `fp8_attention_kernel.fp8_attention` (head dim 128 only), plus `stages` (K/V tiles in shared
-    memory, 3-5) and `ping_pong` (the consumer warpgroups take turns at the MMAs).
+    Args: as `fp8_attention_kernel.fp8_attention` (head dim 128 only; with `tma`, v_t's keys in the wgmma
+    order, `v_key_order(True)`), plus `stages` (K/V tiles in shared memory, 3-5), `ping_pong` (the consumer
+    warpgroups take turns at the MMAs) and `tma` (the producer's copies).
     """
     from pan2cli.dit.fp8 import P_SHIFT
 
@@ -72,6 +81,6 @@ def cuda_fp8_attention(
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     prototype_ops(q.device).fp8_attention(
         q, k, v_t, qk_descale, v_descale, out, math.log2(math.e) / math.sqrt(HEAD_DIM), float(P_SHIFT),
-        stages, ping_pong,
+        stages, ping_pong, tma,
     )  # fmt: skip
     return out

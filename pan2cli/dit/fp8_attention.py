@@ -159,11 +159,12 @@ def _attend_fused(q8: torch.Tensor, k8: torch.Tensor, v_streams, qk_descale: tor
     from pan2cli.dit.fp8_attention_kernel import fp8_attention, padded_keys
 
     v_t = torch.empty(batch, heads, head_dim, padded_keys(n_tokens), dtype=FP8, device=q8.device)
-    values_fp8(v_streams, heads, v_t, v_descale)
     if backend == "cuda":
-        from pan2cli.dit.cuda_fp8_attention import cuda_fp8_attention
+        from pan2cli.dit.cuda_fp8_attention import DEFAULT_TMA, cuda_fp8_attention, v_key_order
 
+        values_fp8(v_streams, heads, v_t, v_descale, key_order=v_key_order(DEFAULT_TMA))
         return cuda_fp8_attention(q8, k8, v_t, qk_descale, v_descale)
+    values_fp8(v_streams, heads, v_t, v_descale)
     return fp8_attention(q8, k8, v_t, qk_descale, v_descale)
 
 

@@ -9,6 +9,9 @@ V comes from two projections (video `to_v`, text `add_v_proj`), each `[B, n, H·
    to ±448, rounded once to e4m3 and stored transposed, `[B, H, D, S_pad]`, as the fp8 attention's P·V wants
    it (keys along the contiguous axis); the text stream lands after the video tokens, and the tokens
    between S and S_pad are written as zeros. With `transposed=False` the tile is stored as `[B, S, H, D]`.
+   With `key_order="wgmma"` (transposed only) the keys of each 32-key block are stored in the order the CUDA
+   fp8 attention's TMA variant reads them (`kernels/experimental/fp8_attention_layout.h`, `key_of_row`): key
+   32b + c at column 32b + κ(c), so that its P·V multiplies the scores of S's accumulators in place.
 """
 
 from __future__ import annotations
@@ -45,19 +48,31 @@ def _head_amax_kernel(
 
 
 @triton.jit
+def _wgmma_key_column(key):
+    """Column of `key` in the wgmma key order: within each 32-key block, c = 8i + 2q + e → 16(i // 2) + 4q +
+    2(i % 2) + e (`key_of_row` of kernels/experimental/fp8_attention_layout.h)."""
+    c = key % 32
+    i = c // 8
+    return key - c + 16 * (i // 2) + 4 * ((c % 8) // 2) + 2 * (i % 2) + c % 2
+
+
+@triton.jit
 def _quantize_values_kernel(
     V, AMAX, OUT, n_tokens, n_written, token_offset, stride_batch, stride_token,
     stride_out_batch, stride_out_head, stride_out_dim, stride_out_token,
-    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, WGMMA_KEY_ORDER: tl.constexpr,
 ):  # fmt: skip
     v, tokens, head, batch = _head_tile(V, n_tokens, stride_batch, stride_token, BLOCK_T, HEAD_DIM)
     amax = tl.load(AMAX + head)
     inverse = tl.where(amax > 0.0, 448.0 / tl.maximum(amax, 1e-30), 1.0)
     v8 = tl.minimum(tl.maximum(v.to(tl.float32) * inverse, -448.0), 448.0).to(OUT.dtype.element_ty)
     dims = tl.arange(0, HEAD_DIM)
+    keys = token_offset + tokens
+    if WGMMA_KEY_ORDER:
+        keys = _wgmma_key_column(keys)
     out = (
         OUT + batch.to(tl.int64) * stride_out_batch + head.to(tl.int64) * stride_out_head
-        + (token_offset + tokens).to(tl.int64)[:, None] * stride_out_token + dims[None, :] * stride_out_dim
+        + keys.to(tl.int64)[:, None] * stride_out_token + dims[None, :] * stride_out_dim
     )  # fmt: skip
     tl.store(out, v8, mask=(tokens < n_written)[:, None])
 
@@ -70,6 +85,7 @@ def values_fp8(
     *,
     transposed: bool = True,
     per_tensor: bool = False,
+    key_order: str = "natural",
 ) -> None:
     """Quantise the V streams (video first) into `out` with one descale per head (module docstring).
 
@@ -81,11 +97,14 @@ def values_fp8(
         descale: `[H]` float32, written: the real value of V is fp8 value · descale[head].
         transposed: the layout of `out`.
         per_tensor: one scale for all heads (the largest head's), for attention kernels with one V descale.
+        key_order: "natural", or "wgmma" (transposed only; the module docstring).
     """
     batch, _, width = streams[0].shape
     head_dim = width // n_heads
     assert head_dim * n_heads == width and head_dim & (head_dim - 1) == 0, "H·D with D a power of two"
     n_total = sum(s.shape[1] for s in streams)
+    assert key_order in ("natural", "wgmma"), f"key_order {key_order!r}: natural or wgmma"
+    assert transposed or key_order == "natural", "the wgmma key order is a layout of the transposed V"
     if transposed:
         assert out.shape[:3] == (batch, n_heads, head_dim) and out.shape[3] >= n_total, (
             "out: [B, H, D, S_pad]"
@@ -118,7 +137,7 @@ def values_fp8(
         grid = (triton.cdiv(written, block_t), n_heads, batch)
         _quantize_values_kernel[grid](
             s, amax, out, s.shape[1], written, offset, s.stride(0), s.stride(1), *out_strides,
-            BLOCK_T=block_t, HEAD_DIM=head_dim,
+            BLOCK_T=block_t, HEAD_DIM=head_dim, WGMMA_KEY_ORDER=key_order == "wgmma",
         )  # fmt: skip
         offset += s.shape[1]
     torch.where(amax > 0, amax / 448.0, torch.ones_like(amax), out=descale)

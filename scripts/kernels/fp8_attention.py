@@ -15,7 +15,8 @@ same inputs (`git show REV:pan2cli/dit/fp8_attention_kernel.py > /tmp/old_kernel
 
 With `PAN2_KERNEL_EXPERIMENTAL=1` on an sm_90 GPU, pan2's CUDA fp8 attention prototype
 (`pan2cli/dit/cuda_fp8_attention.py`) runs too, in each of its instantiations (`--cuda-configs`: K/V stages x
-ping-pong on/off), as "cuda_fp8_s<stages>_<pp|free>"; otherwise the results say why not.
+ping-pong on/off x cp.async or TMA copies), as "cuda_fp8_s<stages>_<pp|free>_<cpasync|tma>"; otherwise the
+results say why not.
 
     PAN2_KERNEL_EXPERIMENTAL=1 python3 scripts/bench_kernels.py fp8-attention --frames 121 481 --configs default
 """
@@ -56,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-cudnn-fp8", action="store_true")
     parser.add_argument(
         "--cuda-configs", default="all",
-        help="the CUDA prototype's instantiations: 'all', 'default', 'none', or stages,pingpong(0|1);...",
+        help="the CUDA prototype's instantiations: 'all', 'default', 'none', or stages,pingpong,tma (0|1);...",
     )  # fmt: skip
     parser.add_argument(
         "--compare-kernel",
@@ -81,9 +82,15 @@ def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).norm() / want.norm())
 
 
-def cuda_candidates(spec: str, device: torch.device) -> tuple[list[tuple[int, bool]], str]:
-    """The CUDA prototype's (stages, ping_pong) instantiations to time, and a word on its availability."""
-    from pan2cli.dit.cuda_fp8_attention import DEFAULT_PING_PONG, DEFAULT_STAGES, STAGES, prototype_ops
+def cuda_candidates(spec: str, device: torch.device) -> tuple[list[tuple[int, bool, bool]], str]:
+    """The CUDA prototype's (stages, ping_pong, tma) instantiations to time, and a word on its availability."""
+    from pan2cli.dit.cuda_fp8_attention import (
+        DEFAULT_PING_PONG,
+        DEFAULT_STAGES,
+        DEFAULT_TMA,
+        STAGES,
+        prototype_ops,
+    )
 
     if spec == "none":
         return [], "not asked for"
@@ -92,10 +99,11 @@ def cuda_candidates(spec: str, device: torch.device) -> tuple[list[tuple[int, bo
     except Exception as error:  # not built here: said in the results
         return [], f"unavailable: {error}"
     if spec == "all":
-        return [(s, p) for s in STAGES for p in (True, False)], "built"
+        return [(s, p, t) for t in (False, True) for s in STAGES for p in (True, False)], "built"
     if spec == "default":
-        return [(DEFAULT_STAGES, DEFAULT_PING_PONG)], "built"
-    return [(int(c.split(",")[0]), c.split(",")[1] == "1") for c in spec.split(";")], "built"
+        return [(DEFAULT_STAGES, DEFAULT_PING_PONG, DEFAULT_TMA)], "built"
+    configs = [tuple(int(v) for v in c.split(",")) for c in spec.split(";")]
+    return [(s, bool(p), bool(t)) for s, p, t in configs], "built"
 
 
 def load_kernel_file(path: Path):
@@ -169,18 +177,22 @@ def main() -> None:
                 row[name + "_err"] = rel_rms(got[:, : args.check_rows], want)
             except Exception as error:  # a configuration that does not fit (shared memory) is reported
                 row[name + "_error"] = str(error).splitlines()[0][:200]
-        for stages, ping_pong in cuda_configs:
-            from pan2cli.dit.cuda_fp8_attention import cuda_fp8_attention
+        v_t_wgmma = None
+        for stages, ping_pong, tma in cuda_configs:
+            from pan2cli.dit.cuda_fp8_attention import cuda_fp8_attention, v_key_order
 
-            name = f"cuda_fp8_s{stages}_{'pp' if ping_pong else 'free'}"
+            name = f"cuda_fp8_s{stages}_{'pp' if ping_pong else 'free'}_{'tma' if tma else 'cpasync'}"
+            if tma and v_t_wgmma is None:  # the TMA producer reads V with its keys in the wgmma order
+                v_t_wgmma = torch.empty_like(v_t)
+                values_fp8([v_flat], HEADS, v_t_wgmma, torch.empty_like(v_descale), key_order=v_key_order(True))
+            v_in = v_t_wgmma if tma else v_t
+            options = dict(stages=stages, ping_pong=ping_pong, tma=tma)
             try:
-                got = cuda_fp8_attention(q8, k8, v_t, qk_descale, v_descale, stages=stages, ping_pong=ping_pong)
+                got = cuda_fp8_attention(q8, k8, v_in, qk_descale, v_descale, **options)
                 row[name + "_err"] = rel_rms(got[:, : args.check_rows], want)
                 out = torch.empty_like(got)
                 row[name + "_ms"] = _time(
-                    lambda: cuda_fp8_attention(
-                        q8, k8, v_t, qk_descale, v_descale, out, stages=stages, ping_pong=ping_pong
-                    ),
+                    lambda: cuda_fp8_attention(q8, k8, v_in, qk_descale, v_descale, out, **options),
                     args.repeats,
                 )
             except Exception as error:  # a prototype: its failure is a result, the others still run

@@ -225,6 +225,40 @@ def test_values_quantise_per_head_into_the_attention_layout(transposed):
         assert torch.all(out[..., n:].float() == 0)
 
 
+def wgmma_key_columns(n_keys: int) -> list[int]:
+    """Column of each key in the wgmma key order (the CUDA fp8 attention's `key_of_row`, written out from its
+    definition: within each 32-key block, key c = 8i + 2q + e sits at 16(i // 2) + 4q + 2(i % 2) + e)."""
+    columns = []
+    for key in range(n_keys):
+        c = key % 32
+        i, q, e = c // 8, (c % 8) // 2, c % 2
+        columns.append(key - c + 16 * (i // 2) + 4 * q + 2 * (i % 2) + e)
+    return columns
+
+
+def test_values_in_the_wgmma_key_order_are_the_natural_ones_with_each_32_key_block_permuted():
+    from pan2cli.dit.fp8_attention_kernel import padded_keys
+    from pan2cli.dit.fp8_values_kernel import values_fp8
+
+    gen = _gen(6)
+    heads, head_dim, n = 2, 64, 51  # a full 32-key block, then 19 keys and 13 of zeros
+    v = (torch.randn(1, n, heads * head_dim, generator=gen, device=DEVICE) * 3).bfloat16()
+    natural, permuted = (
+        torch.full((1, heads, head_dim, padded_keys(n)), 99.0, device=DEVICE).to(FP8) for _ in range(2)
+    )
+    descales = torch.empty(2, heads, device=DEVICE)
+    values_fp8([v], heads, natural, descales[0])
+    values_fp8([v], heads, permuted, descales[1], key_order="wgmma")
+    columns = wgmma_key_columns(padded_keys(n))
+    assert sorted(columns) == list(range(padded_keys(n)))  # a permutation of the padded keys
+    assert columns[:8] == [0, 1, 4, 5, 8, 9, 12, 13] and columns[8:10] == [2, 3]
+    torch.testing.assert_close(descales[1], descales[0], rtol=0, atol=0)
+    assert torch.equal(permuted[..., columns].view(torch.uint8), natural.view(torch.uint8))
+    with pytest.raises(AssertionError, match="transposed"):
+        values_fp8([v], heads, torch.empty(1, n, heads, head_dim, device=DEVICE).to(FP8), descales[0],
+                   transposed=False, key_order="wgmma")  # fmt: skip
+
+
 @pytest.mark.parametrize("tokens, head_dim", [(70, 64), (130, 128)])
 def test_fp8_attention_matches_its_emulation_and_float64(tokens, head_dim):
     from pan2cli.dit.fp8_attention import attention_reference

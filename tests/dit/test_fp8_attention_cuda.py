@@ -44,8 +44,9 @@ def test_the_index_math_agrees_with_cutes_wgmma_fragments(tmp_path):
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_the_prototype_compiles_without_spills_or_serialised_wgmma(tmp_path, arch):
-    """With the build's flags (and torch's): sm_90a gets the six instantiations (3-5 stages x ping-pong) in
-    registers with the wgmma pipeline intact; sm_100a, which has no wgmma, compiles the empty kernel."""
+    """With the build's flags (and torch's): sm_90a gets the twelve instantiations (3-5 stages x ping-pong x
+    cp.async or TMA copies) in registers with the wgmma pipeline intact; sm_100a, which has no wgmma, compiles
+    the empty kernels."""
     torch_flags = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
                    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]  # fmt: skip
     command = ["nvcc", *KernelSpec(arch, (), "").cuda_flags, *torch_flags, "--resource-usage"]
@@ -54,9 +55,9 @@ def test_the_prototype_compiles_without_spills_or_serialised_wgmma(tmp_path, arc
     output = built.stdout + built.stderr
     assert built.returncode == 0, output[-4000:]
     entries = [line for line in output.splitlines() if "Compiling entry function" in line]
-    assert len(entries) == 6 and all("fp8_attention_kernel" in e for e in entries), output[-2000:]
+    assert len(entries) == 12 and all("fp8_attention_kernel" in e for e in entries), output[-2000:]
     if arch == "sm_90a":
-        assert output.count(" 0 bytes spill stores") == 6, output[-4000:]
+        assert output.count(" 0 bytes spill stores") == 12, output[-4000:]
         for warning in ("C7510", "C7514", "C7517"):  # wgmma serialised, or a wait injected by ptxas
             assert warning not in output, output[-4000:]
 
@@ -100,6 +101,7 @@ def attention():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True], ids=["cp.async", "tma"])
 @pytest.mark.parametrize("stages", [3, 4, 5])
 @pytest.mark.parametrize("ping_pong", [True, False], ids=["ping-pong", "free"])
 @pytest.mark.parametrize(
@@ -107,7 +109,7 @@ def attention():
     [(1, 128, 1), (1, 1000, 2), (2, 777, 3), (1, 4396, 4)],  # one tile; partial tiles; batches; 35 tiles
 )
 def test_cuda_fp8_attention_matches_the_emulation_and_float64(
-    attention, stages, ping_pong, batch, tokens, heads
+    attention, tma, stages, ping_pong, batch, tokens, heads
 ):
     from pan2cli.dit.fp8 import E4M3_MAX, FP8
     from pan2cli.dit.fp8_attention import attention_reference
@@ -126,8 +128,10 @@ def test_cuda_fp8_attention_matches_the_emulation_and_float64(
     v_t = torch.empty(batch, heads, 128, padded_keys(tokens), dtype=FP8, device="cuda")
     v_descale = torch.empty(heads, device="cuda")
     values_fp8([v.reshape(batch, tokens, heads * 128)], heads, v_t, v_descale)
-    out = attention(q8, k8, v_t, qk, v_descale, stages=stages, ping_pong=ping_pong)
-    v8 = v_t[..., :tokens].permute(0, 3, 1, 2)
+    v8 = v_t[..., :tokens].permute(0, 3, 1, 2).clone()
+    if tma:  # the TMA producer reads V with its keys in the wgmma order
+        values_fp8([v.reshape(batch, tokens, heads * 128)], heads, v_t, v_descale, key_order="wgmma")
+    out = attention(q8, k8, v_t, qk, v_descale, stages=stages, ping_pong=ping_pong, tma=tma)
     emulated = attention_reference(q8, k8, v8, float(qk), v_descale).double()
     exact = torch.nn.functional.scaled_dot_product_attention(
         *(t.double().transpose(1, 2) for t in (q, k, v))
