@@ -135,6 +135,13 @@ __device__ __forceinline__ uint32_t pack_e4m3(float x0, float x1, float x2, floa
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+// Pins the accumulators in place around an asynchronous wgmma: the compiler may not move their reads or
+// writes across this point (CUTLASS's warpgroup_fence_operand), whatever it can prove about the waits.
+__device__ __forceinline__ void fence_registers(float (&x)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(x[i])::"memory");
+}
+
 template <int kPending>  // wait until at most kPending committed groups of wgmma are still running
 __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
@@ -317,24 +324,28 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, int batc
     // T = P·V of a stage into a fresh accumulator (summed into O in float32 after it: never across tiles
     // inside the tensor core); S = Q·Kᵀ of a stage. Each is one commit group.
     auto issue_values = [&](float (&t)[64], int stage) {
+        fence_registers(t);
         wgmma_fence();
 #pragma unroll
         for (int b = 0; b < 4; ++b) wgmma_rs(t, a[b], descriptor(base + Smem::kV + stage * kTileBytes, b * 32), b);
         wgmma_commit();
     };
     auto issue_scores = [&](int stage) {
+        fence_registers(s);
         wgmma_fence();
         const uint32_t k_tile = base + Smem::kK + stage * kTileBytes;
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_ss(s, descriptor(q_tile, kk * 32), descriptor(k_tile, kk * 32), kk);
         wgmma_commit();
     };
-    auto fold_values = [&](const float (&t)[64], int stage) {
+    auto fold_values = [&](float (&t)[64], int stage) {
+        fence_registers(t);
         barrier_arrive(empty + stage * 8);  // this warpgroup is done with the stage
 #pragma unroll
         for (int i = 0; i < 64; ++i) o[i] = fmaf(o[i], alpha[(i >> 1) & 1], t[i]);
     };
     auto softmax_and_pack = [&](int tile) {
+        fence_registers(s);
         softmax_tile<!kTma>(s, row_max, row_sum, alpha, qk_scale, p.p_shift, quad, p.n_tokens - tile * kBlockN);
         // Registers {row g, row g+8} x {k 4q.., k 16+4q..}, 4 consecutive k each, lowest byte first.
 #pragma unroll
@@ -444,8 +455,13 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
         void* function = nullptr;
         cudaDriverEntryPointQueryResult status{};
+#if CUDART_VERSION >= 12050
         const cudaError_t error = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000,
                                                                    cudaEnableDefault, &status);
+#else
+        const cudaError_t error = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &function, cudaEnableDefault,
+                                                          &status);
+#endif
         const bool found = error == cudaSuccess && status == cudaDriverEntryPointSuccess;
         return found ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function) : nullptr;
     }();
