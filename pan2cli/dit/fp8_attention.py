@@ -14,7 +14,7 @@ sequence parallelism, which keeps bf16 attention):
    installed, or cuDNN cannot build the graph on this GPU, our Triton kernel (`fp8_attention_kernel.py`;
    per-head V scale) runs instead, said once on stderr. `PAN2_FP8_ATTENTION=triton` (or `cudnn`) forces one;
    `PAN2_FP8_ATTENTION=cuda` runs our CUDA prototype for Hopper (`cuda_fp8_attention.py`: opt-in, not yet
-   measured);
+   measured; head dim 128 only, the Triton kernel otherwise);
 5. the output projections.
 
 On the CPU (tests) the same steps run as PyTorch emulations (`attention_reference`): Q, K, V rounded to
@@ -159,7 +159,9 @@ def _attend_fused(q8: torch.Tensor, k8: torch.Tensor, v_streams, qk_descale: tor
     from pan2cli.dit.fp8_attention_kernel import fp8_attention, padded_keys
 
     v_t = torch.empty(batch, heads, head_dim, padded_keys(n_tokens), dtype=FP8, device=q8.device)
-    if backend == "cuda":
+    if (
+        backend == "cuda" and head_dim == 128
+    ):  # the prototype's one head size (PAN 2's); else the Triton kernel
         from pan2cli.dit.cuda_fp8_attention import DEFAULT_TMA, cuda_fp8_attention, v_key_order
 
         values_fp8(v_streams, heads, v_t, v_descale, key_order=v_key_order(DEFAULT_TMA))
