@@ -7,7 +7,7 @@ warp-specialised (a producer warpgroup copies K/V tiles, two consumer warpgroups
 MMAs so that one's softmax overlaps the other's MMAs), P handed from the S accumulators to the P·V MMA in
 registers, each tile's P·V summed in float32 (the kernel's header says how). Two producers: cp.async by the
 whole producer warpgroup (V in key order, K's rows permuted as they are copied), or TMA by one thread (V's
-keys permuted instead, by `values_fp8(..., key_order="wgmma")`: `v_layout(tma)` says which V to make).
+keys permuted instead, by `values_fp8(..., key_order="wgmma")`: `v_key_order(tma)` says which V to make).
 
 Status: compiled for sm_90a and its fragment index math checked against CuTe's layouts on the CPU
 (tests/dit/test_fp8_attention_cuda.py); NOT yet run on a GPU, so never chosen by default. It is built into
@@ -27,7 +27,6 @@ import torch
 
 from pan2cli.errors import KernelBuildError
 
-FP8 = torch.float8_e4m3fn
 HEAD_DIM = 128
 STAGES = (3, 4, 5)  # K/V stages in shared memory the kernel is instantiated for (32 KiB each)
 DEFAULT_STAGES, DEFAULT_PING_PONG, DEFAULT_TMA = 4, True, False
