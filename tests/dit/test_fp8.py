@@ -294,17 +294,10 @@ def test_fp8_attention_matches_its_emulation_and_float64(tokens, head_dim):
 
 # -- a quantised model ------------------------------------------------------------------------------
 def test_a_quantised_model_is_close_to_its_bf16_self_and_keeps_the_rest_in_higher_precision():
-    from pan2cli.dit.model import PAN2Transformer3DModel
     from pan2cli.dit.quantize import Fp8Policy, quantize_transformer
+    from tests.dit.small_models import random_small_pan2
 
-    torch.manual_seed(0)
-    model = PAN2Transformer3DModel(
-        num_attention_heads=2, attention_head_dim=64, num_layers=2, num_refiner_layers=1,
-        text_embed_dim=32, rope_axes_dim=(16, 24, 24),
-    ).eval()  # fmt: skip
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, p.shape[-1] ** -0.5 if p.dim() > 1 else 0.3)
+    model = random_small_pan2(head_dim=64)
     x, t, ctx = torch.randn(1, 97, 2, 6, 8), torch.tensor([500.0]), torch.randn(1, 5, 32)
     with torch.no_grad():
         want = model(x, t, ctx)

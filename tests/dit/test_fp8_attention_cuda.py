@@ -150,21 +150,11 @@ def test_cuda_fp8_attention_matches_the_emulation_and_float64(
 def test_a_quantised_model_runs_the_cuda_attention_like_the_triton_one(attention, monkeypatch):
     """PAN2_FP8_ATTENTION=cuda in a model (head dim 128): the same quantised inputs and 128-key tiles as the
     Triton kernel, so the same running maxima and P; only the MMAs' summation order differs."""
-    import copy
-
     from pan2cli.dit.fp8_attention import ENV_FP8_ATTENTION
-    from pan2cli.dit.model import PAN2Transformer3DModel
     from pan2cli.dit.quantize import quantize_transformer
+    from tests.dit.small_models import random_small_pan2
 
-    torch.manual_seed(0)
-    model = PAN2Transformer3DModel(
-        num_attention_heads=2, attention_head_dim=128, num_layers=2, num_refiner_layers=1,
-        text_embed_dim=32, rope_axes_dim=(32, 48, 48),
-    ).eval()  # fmt: skip
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, p.shape[-1] ** -0.5 if p.dim() > 1 else 0.3)
-    fp8 = quantize_transformer(copy.deepcopy(model).cuda().bfloat16())
+    fp8 = quantize_transformer(random_small_pan2(head_dim=128).cuda().bfloat16())
     x, t, ctx = torch.randn(1, 97, 5, 16, 16), torch.tensor([500.0]), torch.randn(1, 7, 32)  # 327 tokens
     outputs = {}
     for backend in ("triton", "cuda"):
