@@ -159,9 +159,8 @@ def _attend_fused(q8: torch.Tensor, k8: torch.Tensor, v_streams, qk_descale: tor
     from pan2cli.dit.fp8_attention_kernel import fp8_attention, padded_keys
 
     v_t = torch.empty(batch, heads, head_dim, padded_keys(n_tokens), dtype=FP8, device=q8.device)
-    if (
-        backend == "cuda" and head_dim == 128
-    ):  # the prototype's one head size (PAN 2's); else the Triton kernel
+    # The CUDA prototype takes one head size, PAN 2's 128; other sizes run the Triton kernel.
+    if backend == "cuda" and head_dim == 128:
         from pan2cli.dit.cuda_fp8_attention import DEFAULT_TMA, cuda_fp8_attention, v_key_order
 
         values_fp8(v_streams, heads, v_t, v_descale, key_order=v_key_order(DEFAULT_TMA))

@@ -3,8 +3,9 @@
 Each program takes `BLOCK_ROWS` whole rows (the row lives in registers, so x is read once and y written
 once), or several such tiles in turn where they share a modulation row (the fp8 tier's default: the float32
 modulation row, twice x's bytes, is then read once a program instead of once a row). Scale and shift come
-per group of consecutive tokens: one group per sample (per-sample modulation), per latent frame, or per token; a row's group is `row // rows_per_group`, so every case is
-the same kernel and per-sample rows re-read one cached modulation row.
+per group of consecutive tokens: one group per sample (per-sample modulation), per latent frame, or per
+token; a row's group is `row // rows_per_group`, so every case is the same kernel and per-sample rows
+re-read one cached modulation row.
 
 Numerics: mean and variance in float32 from the row held in registers (two-pass, no cancellation),
 `rsqrt` the hardware approximation on GPUs, modulation in float32, one rounding per output element.

@@ -178,9 +178,9 @@ def main() -> None:
             except Exception as error:  # a configuration that does not fit (shared memory) is reported
                 row[name + "_error"] = str(error).splitlines()[0][:200]
         v_t_wgmma = None
-        for stages, ping_pong, tma in cuda_configs:
+        if cuda_configs:
             from pan2cli.dit.cuda_fp8_attention import cuda_fp8_attention, v_key_order
-
+        for stages, ping_pong, tma in cuda_configs:
             name = f"cuda_fp8_s{stages}_{'pp' if ping_pong else 'free'}_{'tma' if tma else 'cpasync'}"
             if tma and v_t_wgmma is None:  # the TMA producer reads V with its keys in the wgmma order
                 v_t_wgmma = torch.empty_like(v_t)
