@@ -27,6 +27,28 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _gpu_memory_given_back(request):
+    """A GPU test gives its cached GPU memory back when it ends: pytest-xdist runs the GPU tests in two processes
+    on one card, and memory one of them keeps cached (70 GiB after the DiT tests on an 80 GB H100) is memory
+    the other's full-size decode cannot have. `PAN2_TEST_GPU_MEMORY_LOG=FILE` appends each GPU test's peak
+    (reserved GiB) to FILE, to see which tests must not run side by side (docs/TESTING.md)."""
+    if "gpu" not in request.keywords or not torch.cuda.is_available():
+        yield
+        return
+    import gc
+    import os
+
+    torch.cuda.reset_peak_memory_stats()
+    yield
+    log = os.environ.get("PAN2_TEST_GPU_MEMORY_LOG")
+    if log:
+        with open(log, "a") as file:
+            file.write(f"{torch.cuda.max_memory_reserved() / 2**30:.2f} {request.node.nodeid}\n")
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
 def _hub_offline_state_per_test(monkeypatch):
     """The hub reachability probe switches the process to offline mode for good (pan2cli.checkpoints.hub): undo it after
     each test, so that no test's outcome depends on which test probed first."""
@@ -65,11 +87,18 @@ def pytest_configure(config):
     import os
     import sys
 
-    if _triton_interprets_here() and "triton" not in sys.modules:
+    if not _triton_interprets_here():
+        return
+    if "triton" not in sys.modules:
         with pytest.MonkeyPatch.context() as patch:
             if "TRITON_INTERPRET" not in os.environ:
                 patch.setenv("TRITON_INTERPRET", "1")
             import triton  # noqa: F401
+    # Its fp8 cast and run-time loop bounds need two fixes (pan2cli.testing.triton_interpreter), for every
+    # test module: applied by one module only, a test run alone or first in its worker got the raw cast.
+    from pan2cli.testing.triton_interpreter import apply as fix_interpreter
+
+    fix_interpreter()
 
 
 @pytest.fixture

@@ -7,7 +7,8 @@ per group of consecutive tokens: one group per sample (per-sample modulation), p
 token; a row's group is `row // rows_per_group`, so every case is the same kernel and per-sample rows
 re-read one cached modulation row.
 
-Numerics: mean and variance in float32 from the row held in registers (two-pass, no cancellation),
+Numerics: mean and variance in float32 from the row held in registers (two-pass, no cancellation, each sum
+times one rounded 1/D),
 `rsqrt` the hardware approximation on GPUs, modulation in float32, one rounding per output element.
 
 With a float8_e4m3fn `out` (the fp8 tier) the kernel also quantises: each row's absolute maximum m gives
@@ -52,6 +53,11 @@ def _layer_norm_modulate_kernel(
     # modulation row (the launcher checks), read once into registers instead of once a row.
     first_row = tl.program_id(0) * BLOCK_ROWS * ROW_STEPS
     cols = tl.arange(0, BLOCK_COLS)
+    # 1/D once, then multiplications: Triton's float32 `/` is the fast division, which the compiler may turn
+    # into a reciprocal and a multiply inside the ROW_STEPS loop only (a one-ulp difference in the mean that
+    # moved the row scales of one launch shape against another's on an H100). Written out, every launch
+    # shape rounds the same way.
+    inv_n = 1.0 / n_cols.to(tl.float32)
     if ROW_STEPS > 1:
         col_ok = cols < n_cols
         scale_at = _modulation_row(
@@ -66,9 +72,9 @@ def _layer_norm_modulate_kernel(
         rows = (first_row + step * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
         x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=1) / n_cols
+        mean = tl.sum(x, axis=1) * inv_n
         centred = tl.where(mask, x - mean[:, None], 0.0)
-        var = tl.sum(centred * centred, axis=1) / n_cols
+        var = tl.sum(centred * centred, axis=1) * inv_n
         normed = centred * tl.rsqrt(var + eps)[:, None]
         if ROW_STEPS > 1:
             y = normed * scale_1[None, :] + shift[None, :]

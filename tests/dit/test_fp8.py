@@ -28,10 +28,8 @@ from pan2cli.dit.fp8 import (  # noqa: E402
     row_scales,
 )
 from pan2cli.dit.rope import rope_table  # noqa: E402
-from pan2cli.testing.triton_interpreter import apply as fix_interpreter  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter_without_cuda")
-fix_interpreter()
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HALF_ULP = 2.0**-4  # e4m3 has 3 mantissa bits: rounding to nearest is within half of 2⁻³, relative

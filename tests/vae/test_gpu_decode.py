@@ -9,7 +9,8 @@ from pan2cli.frames import frames_to_uint8
 from pan2cli.testing.random_weights import decoder_from_state, random_vae_state_dict
 from pan2cli.vae.config import WanVAEConfig
 
-pytestmark = pytest.mark.gpu
+# Up to 12 GiB (full-width fp32 decodes): in turn with the other full-size tests (docs/TESTING.md).
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("full-size-gpu-memory")]
 
 
 def _decoder(state, dtype, device, config=None):

@@ -28,7 +28,13 @@ from tests.subprocess_env import python_env
 
 REPO = Path(__file__).resolve().parents[3]
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+# Full-width decodes take up to 76 GiB of an 80 GB card (their fp32 references): one worker runs them in turn
+# (`--dist loadgroup`, docs/TESTING.md).
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.xdist_group("full-size-gpu-memory"),
+]
 
 GIB = 2**30
 

@@ -6,11 +6,19 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from pan2cli.vae.kernel import build, choice, status
+from pan2cli.vae.kernel import build, choice, ops, status
 from pan2cli.vae.kernel.ops import register_ops
+
+
+@pytest.fixture(autouse=True)
+def _real_extension_restored(monkeypatch):
+    """The stand-in modules registered here must not outlive the test: on a GPU host the real extension may
+    already be loaded in this process (`build._loaded`), and its ops call whichever module was registered last."""
+    monkeypatch.setattr(ops, "_extension", list(ops._extension))
 
 
 def _recording_extension(calls: list) -> SimpleNamespace:
