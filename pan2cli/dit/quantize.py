@@ -55,11 +55,17 @@ class Fp8Policy:
             (one per activation tensor, quantised in PyTorch: for accuracy comparisons only).
         attention: fp8 attention (else bf16 SDPA over bf16 Q/K/V, with fp8 linears).
         bf16_blocks: indices of blocks left in bf16.
+        qk_hadamard: the fp8 attention rotates Q and K by a Hadamard matrix before their e4m3 cast (exact;
+            what holds the error on outlier channels, `pan2cli.dit.fp8_attention`). False: for comparisons.
+        smooth_k: the fp8 attention subtracts K's mean over the tokens before its e4m3 cast (exact under the
+            softmax). False: for comparisons.
     """
 
     activation_scaling: str = "token"
     attention: bool = True
     bf16_blocks: frozenset[int] = field(default_factory=frozenset)
+    qk_hadamard: bool = True
+    smooth_k: bool = True
 
     def __post_init__(self) -> None:
         if self.activation_scaling not in ("token", "tensor"):
@@ -80,7 +86,11 @@ def quantize_block(block: nn.Module, policy: Fp8Policy = Fp8Policy()) -> None:
         ff.net[2] = _fp8(ff.net[2], policy)
         ff.net[0].fp8_output = fused_feeds
     block.fp8_activations = fused_feeds
-    attn.fp8_scales = Fp8AttentionScales.for_attention(attn) if policy.attention else None
+    attn.fp8_scales = (
+        Fp8AttentionScales.for_attention(attn, hadamard=policy.qk_hadamard, smooth_k=policy.smooth_k)
+        if policy.attention
+        else None
+    )
 
 
 def quantize_transformer(model: nn.Module, policy: Fp8Policy = Fp8Policy()) -> nn.Module:
