@@ -190,8 +190,9 @@ def qk_bound(head_dim: int, *weights: torch.Tensor, mean_subtracted: bool = Fals
 
 def hadamard_rotates(head_dim: int) -> bool:
     """Whether the fp8 attention rotates Q and K of this head size: a power of two from 16 (the Triton kernel
-    multiplies by the matrix on the tensor cores, whose tiles are at least 16 wide) to 256."""
-    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+    multiplies by the matrix on the tensor cores, whose tiles are at least 16 wide) to 128 (at 256 the ±1
+    matrix takes 128 KiB of shared memory, more than an Ada GPU gives a program)."""
+    return 16 <= head_dim <= 128 and head_dim & (head_dim - 1) == 0
 
 
 def hadamard_matrix(head_dim: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:

@@ -35,7 +35,7 @@ rotation takes 4 outlier channels of Q and K from 0.20 to 0.05, the random-input
 keys sharing one direction from 0.045 to 0.036; per-token Q/K scales on top change no case by more than
 0.003 (e4m3's relative precision does not depend on the scale while values stay normal, which fixed
 scales of RMS-normed vectors keep them), and V per channel instead of per head nothing on heavy-tailed
-V: neither is used. Head dims outside 16-256 or not a power of two are quantised without the rotation.
+V: neither is used. Head dims outside 16-128 or not a power of two are quantised without the rotation.
 """
 
 from __future__ import annotations

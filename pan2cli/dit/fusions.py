@@ -256,7 +256,7 @@ def qk_norm_rope(
             multiplied by `q_out_mult` / `k_out_mult`, clamped to ±448 and rounded once to e4m3.
         hadamard, smooth_k: the fp8 attention's transformations (fused, fp8 output only;
             `pan2cli.dit.fp8_attention`): after RoPE, subtract K's mean over all tokens of its (batch,
-            head) (`smooth_k`), then multiply Q and K by H/√head_dim (`hadamard`; head_dim 16-256).
+            head) (`smooth_k`), then multiply Q and K by H/√head_dim (`hadamard`; head_dim 16-128).
 
     Returns:
         (q, k), each `[B, N + L, H, head_dim]` contiguous in the dtype of q (or `out_dtype`): video tokens,

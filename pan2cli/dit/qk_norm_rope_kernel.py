@@ -32,7 +32,7 @@ transformations (`pan2cli.dit.fp8_attention`), in float32 after RoPE:
   bits (2⁻¹¹ relative, 128 times finer than e4m3's 2⁻⁴; the ±1 entries are exact), summed in float32.
   That is 2·head_dim² flops a row, 56 GFLOP a call at 121 frames for Q and K: about 0.1 ms of tensor-core
   time at 600 TFLOP/s, which overlaps the pass's memory traffic (an estimate, not yet measured). head_dim
-  16 to 256 only (a tensor-core tile is at least 16 wide); the caller leaves other sizes unrotated.
+  16 to 128 only (`pan2cli.dit.fp8.hadamard_rotates` says why); the caller leaves other sizes unrotated.
 """
 
 from __future__ import annotations
@@ -42,6 +42,12 @@ import triton
 import triton.language as tl
 
 from pan2cli.triton_support import triton_interpreting
+
+# The rotating kernel's launch (tiles of 16 rows a program, warps): the ±1 matrix is built once for 4 tiles,
+# and at 8 warps the program fits in 248 registers a thread without spills for head_dim 128 on sm_90a (4
+# warps spill 480 bytes; ptxas -v on Triton's PTX), 8 warps an SM like the plain kernel's 2 programs of 4.
+# Not yet timed on a GPU.
+HADAMARD_LAUNCH = (4, 8)
 
 
 @triton.jit
@@ -106,7 +112,6 @@ def _norm_rope_tile(
     the row (times out_mult/√head_dim, in float16) is multiplied by the ±1 matrix `signs` on the tensor
     cores with float32 sums (module docstring)."""
     o1, o2 = _normed_rows(X, W, x_row, mask, c, s, eps, HALF, BLOCK_ROWS, ROTATE, INTERLEAVED)
-    fp8_out = OUT.dtype.element_ty == tl.float8e4nv
     if SMOOTH or HADAMARD:
         cols = tl.arange(0, 2 * HALF)
         y = _whole_rows(o1, o2, HALF, BLOCK_ROWS, INTERLEAVED)
@@ -114,13 +119,13 @@ def _norm_rope_tile(
             y -= tl.load(MEAN + mean_row[:, None] + cols[None, :], mask=mask, other=0.0)
         if HADAMARD:
             y = tl.dot((y * out_mult).to(tl.float16), signs, out_dtype=tl.float32)
-        elif fp8_out:
+        elif OUT.dtype.element_ty == tl.float8e4nv:
             y = y * out_mult
-        if fp8_out:
+        if OUT.dtype.element_ty == tl.float8e4nv:
             y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         tl.store(OUT + out_row[:, None] + cols[None, :], y.to(OUT.dtype.element_ty), mask=mask)
         return
-    if fp8_out:
+    if OUT.dtype.element_ty == tl.float8e4nv:
         o1 = tl.minimum(tl.maximum(o1 * out_mult, -448.0), 448.0)
         o2 = tl.minimum(tl.maximum(o2 * out_mult, -448.0), 448.0)
     if INTERLEAVED:
@@ -261,10 +266,10 @@ def qk_norm_rope(
         hadamard: multiply each row by H/√head_dim after that (H the ±1 Sylvester matrix), float16 operands
             on the tensor cores, float32 sums: q_out_mult and k_out_mult then apply with any output dtype
             (1 for the plain rotation), and must keep every operand |x · mult/√head_dim| within float16's
-            range (the fp8 scales keep it within ±448/√head_dim). head_dim 16 to 256.
+            range (the fp8 scales keep it within ±448/√head_dim). head_dim 16 to 128.
         block_rows, num_warps, tiles: launch shape: `tiles` tiles of `block_rows` rows a program; default
             `2048 // head_dim` rows (≥ 1, ≤ 64; ≥ 16 with `hadamard`, the tensor cores' smallest tile),
-            4 warps, and 1 tile (4 with `hadamard`, whose ±1 matrix each program builds once).
+            4 warps and 1 tile, or with `hadamard` `HADAMARD_LAUNCH`.
     """
     assert q.dim() == 4 and q.shape == k.shape, (
         f"q {tuple(q.shape)} and k {tuple(k.shape)} must be equal [B, N, H, D]"
@@ -300,17 +305,23 @@ def qk_norm_rope(
             f"k_mean must be [{batch}, {n_heads}, {head_dim}] float32"
         )
         assert k_mean.is_contiguous(), "k_mean must be contiguous"
-    assert not hadamard or 16 <= head_dim <= 256, (
-        f"the Hadamard rotation takes head_dim 16-256, not {head_dim}"
+    assert not hadamard or 16 <= head_dim <= 128, (
+        f"the Hadamard rotation takes head_dim 16-128, not {head_dim}"
     )
     n_rows = batch * n_tokens * n_heads
     if n_rows == 0:
         return
     # 16 rows of 128 at 4 warps: 0.427 ms = 1.02x the HBM floor on an H200 (32 rows: 0.481; the dit-fusions benchmark's sweep)
-    block_rows = block_rows or max(16 if hadamard else 1, min(64, 2048 // head_dim))
+    if hadamard:
+        block_rows, tiles, num_warps = (
+            block_rows or 16,
+            tiles or HADAMARD_LAUNCH[0],
+            num_warps or HADAMARD_LAUNCH[1],
+        )
+    block_rows = block_rows or max(1, min(64, 2048 // head_dim))
+    tiles = tiles or 1
     assert block_rows & (block_rows - 1) == 0, f"block_rows {block_rows} must be a power of two"
     assert not hadamard or block_rows >= 16, "the Hadamard rotation needs block_rows ≥ 16"
-    tiles = tiles or (HADAMARD_TILES if hadamard else 1)
     grid = (triton.cdiv(n_rows, block_rows * tiles),)
     _qk_norm_rope_kernel[grid](
         q, k, q_out, k_out, q_weight, k_weight,
@@ -326,8 +337,6 @@ def qk_norm_rope(
     )  # fmt: skip
 
 
-# Row tiles a program of the rotating kernel takes, building the ±1 matrix once for them (not yet tuned on a GPU).
-HADAMARD_TILES = 4
 # Tokens each program of `k_token_sums` adds up: 256 gives 106 programs a head at 121 frames (26,598 tokens).
 SUM_TOKENS_PER_PROGRAM = 256
 

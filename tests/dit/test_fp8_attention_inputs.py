@@ -164,6 +164,53 @@ def test_the_fused_kernel_equals_its_emulation():
         assert steps.max() <= 1.01
 
 
+# The rotating, smoothing kernel and the mean's sum kernel compiled ahead of time (Triton's bundled ptxas), as
+# the fp8 tier launches them for PAN 2 (head_dim 128, e4m3 out, the video stream with RoPE).
+_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pan2cli.dit import qk_norm_rope_kernel as m
+
+ARCH = {arch}
+ptr = {{n: "*bf16" for n in ("Q", "K")}} | {{n: "*fp8e4nv" for n in ("Q_OUT", "K_OUT")}}
+main = ptr | {{n: "*fp32" for n in ("Q_WEIGHT", "K_WEIGHT", "COS", "SIN", "K_MEAN")}}
+main |= {{n: "i32" for n in ("n_rows", "n_heads", "n_tokens", "out_token_offset", "stride_q_batch",
+        "stride_q_token", "stride_k_batch", "stride_k_token", "stride_out_batch", "stride_out_token")}}
+main |= {{n: "fp32" for n in ("eps", "q_out_mult", "k_out_mult")}}
+tiles, warps = m.HADAMARD_LAUNCH
+constants = dict(HALF=64, BLOCK_ROWS=16, ROTATE=True, INTERLEAVED=True, SMOOTH_K=True, HADAMARD=True, TILES=tiles)
+kernel = triton.compile(ASTSource(fn=m._qk_norm_rope_kernel, signature=main | dict.fromkeys(constants,
+    "constexpr"), constexprs=constants), target=GPUTarget("cuda", ARCH, 32), options={{"num_warps": warps}})
+sums = {{"K": "*bf16"}} | {{n: "*fp32" for n in ("K_WEIGHT", "COS", "SIN", "PARTIAL")}}
+sums |= {{n: "i32" for n in ("n_tokens", "n_heads", "n_batch", "block_offset", "stride_k_batch",
+         "stride_k_token")}} | {{"eps": "fp32"}}
+constants = dict(HALF=64, BLOCK_ROWS=32, TOKENS_PER_PROGRAM=m.SUM_TOKENS_PER_PROGRAM, ROTATE=True,
+                 INTERLEAVED=True)
+total = triton.compile(ASTSource(fn=m._k_sums_kernel, signature=sums | dict.fromkeys(constants, "constexpr"),
+    constexprs=constants), target=GPUTarget("cuda", ARCH, 32), options={{"num_warps": 4}})
+tensor_cores = next((op for op in ("wgmma", "tcgen05", "mma.sync") if op in kernel.asm["ptx"]), "none")
+print(tensor_cores, len(kernel.asm["cubin"]) > 0, len(total.asm["cubin"]) > 0)
+"""
+
+
+@pytest.mark.parametrize("arch", [90, 100])
+def test_the_rotating_kernels_compile_for_hopper_and_blackwell(arch):
+    """In a process of its own: this one may have run Triton's CPU interpreter, which breaks compiling."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.subprocess_env import python_env
+
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE.format(arch=arch)], env=python_env(TRITON_INTERPRET="0"),
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() in (["mma.sync", "True", "True"], ["tcgen05", "True", "True"]), result.stdout
+
+
 # -- the scales, each from its own norms ---------------------------------------------------------------
 @pytest.mark.parametrize("smooth_k", [True, False])
 def test_q_and_k_scales_each_come_from_their_own_norm_weights(smooth_k):
