@@ -157,10 +157,9 @@ def _qk_norm_rope_kernel(
         signs = _hadamard_signs(2 * HALF)  # built once a program, used for the q and k of its TILES tiles
     else:
         signs = 0.0
-    for tile in range(TILES):
-        rows = (tl.program_id(0) * TILES + tile) * BLOCK_ROWS + tl.arange(
-            0, BLOCK_ROWS
-        )  # (batch, token, head)
+    for tile in range(TILES):  # a loop of one tile is folded away: the plain kernel's code as it was
+        first = (tl.program_id(0) * TILES + tile) * BLOCK_ROWS
+        rows = first + tl.arange(0, BLOCK_ROWS)  # flat (batch, token, head) index
         row_ok = rows < n_rows
         head = rows % n_heads
         token = (rows // n_heads) % n_tokens

@@ -15,6 +15,7 @@ What stays in higher precision, and why (docs/BENCHMARKS.md has the measurements
 | patch embedding `x_embedder`, `proj_out` | bf16 | 97 and 192 channels: tiny GEMMs, and the first/last word on the latents |
 | text embedder and the 4 refiner blocks | bf16 | ≤ 1.5 k tokens once per forward: < 1 % of the time |
 | Q/K RMSNorm, RoPE, softmax, residuals | float32 math | as in bf16; only their outputs are rounded to e4m3 |
+| K smoothing, the Q/K Hadamard rotation | float32 (the rotation's operands float16) | exact transformations before Q/K's e4m3 cast: what keeps outlier channels and shared key directions from costing precision (`pan2cli.dit.fp8_attention`) |
 | `Fp8Policy.bf16_blocks` | bf16 | none by default (measured: keeping the first/last block changes the error by less than its spread) |
 """
 
