@@ -105,18 +105,9 @@ class Fp8AttentionScales:
 
 
 def quantize_qk(
-    q_video,
-    k_video,
-    q_text,
-    k_text,
-    weights,
-    cos,
-    sin,
-    *,
-    eps: float,
-    scales: Fp8AttentionScales,
-    fused: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q_video, k_video, q_text, k_text, weights, cos, sin,
+    *, eps: float, scales: Fp8AttentionScales, fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The joint Q and K of a block in e4m3 (video tokens, then text): RMSNorm, RoPE on the video tokens, then
     `scales`' smoothing and rotation, then the fixed scales (module docstring).
 
@@ -149,27 +140,18 @@ def quantize_qk_reference(
     inverse, with the rotation the operands rounded to float16 (as the kernel hands them to the tensor
     cores) and multiplied by the ±1 matrix in float32, then clamped to ±448 and rounded once to e4m3."""
     dtype = compute_dtype(q_video)
+    # Up-cast inputs: no rounding to the projections' dtype between the norm and the e4m3 cast.
     q, k = qk_norm_rope_reference(
-        q_video.to(dtype),
-        k_video.to(dtype),
-        weights[0],
-        weights[1],
-        cos,
-        sin,
-        q_text.to(dtype),
-        k_text.to(dtype),
-        weights[2],
-        weights[3],
-        eps,
-        True,
-    )  # fmt: skip  (inputs up-cast: no rounding to the projections' dtype before the e4m3 cast)
+        q_video.to(dtype), k_video.to(dtype), weights[0], weights[1], cos, sin,
+        q_text.to(dtype), k_text.to(dtype), weights[2], weights[3], eps, True,
+    )  # fmt: skip
     if scales.smooth_k:
         k = k - k.mean(dim=1, keepdim=True)
     head_dim = q.shape[-1]
     outs = []
     for x, descale in ((q, scales.q_descale), (k, scales.k_descale)):
         if scales.hadamard:
-            operand = (x * (1 / (descale * math.sqrt(head_dim)))).to(torch.float16).to(dtype)
+            operand = (x * ((1 / descale) / math.sqrt(head_dim))).to(torch.float16).to(dtype)
             x = operand @ hadamard_matrix(head_dim, dtype, x.device)
         else:
             x = x * (1 / descale)

@@ -157,9 +157,8 @@ def make_inputs(
     if case == "shared_key":  # in the frame the attention sees: after the norm and RoPE
         factors = torch.linspace(5, 20, heads, device=device)[:, None]  # per head
         direction = randn(heads, head_dim)
-        direction = (
-            direction / direction.square().mean(dim=-1, keepdim=True).sqrt()
-        )  # unit RMS, like the rest
+        # unit RMS, like the per-token parts
+        direction /= direction.square().mean(dim=-1, keepdim=True).sqrt()
         k_video = _before_norm(k_video + factors * direction, weights[1], cos, sin)
         k_text = _before_norm(k_text + factors * direction, weights[3])
     elif case == "outlier_channels":
