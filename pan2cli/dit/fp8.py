@@ -20,10 +20,23 @@ nearest even. A quantised tensor is (data, scale) with real value = data · scal
 Error of one product: each operand's rounding is at most 2⁻⁴ relative (3 mantissa bits: half an ulp of
 2⁻³), so an element of x·wᵀ is off by at most (2·2⁻⁴ + 2⁻⁸)·Σ|x_k·w_k| before accumulation rounding.
 
-Q and K of the attention need no measured scale: after the per-head RMSNorm, every element of a head is at
-most √head_dim · max|weight| in magnitude (a unit-RMS vector of D entries has none above √D; RoPE rotates
-pairs, which keeps their length), so `qk_bound` gives a fixed scale per block and stream. V takes one scale
-per head from its absolute maximum (`pan2cli.dit.fp8_values_kernel`).
+Q and K of the attention need no measured scale. After the per-head RMSNorm with weights w, a head's vector
+x = w ⊙ u has u of unit RMS, so its length is ‖x‖₂ ≤ ‖u‖₂ · max|w| = √D · max|w| (D = head_dim), and RoPE
+rotates channel pairs, which keeps that length. Every element is at most the vector's length in magnitude,
+so R = √D · max|w| bounds every element (`qk_bound`) and gives a fixed scale per block and stream.
+
+The fp8 attention quantises Q and K after two exact transformations (`pan2cli.dit.fp8_attention`):
+
+* the Hadamard rotation x ↦ x·H/√D (H the ±1 Sylvester matrix, `hadamard_matrix`): orthonormal, so
+  (QH)(KH)ᵀ = QKᵀ. Each rotated element is ⟨x, h_j⟩/√D with ‖h_j‖₂ = √D, at most ‖x‖₂ by Cauchy–Schwarz:
+  the bound R holds unchanged. What changes is the typical element: an outlier channel's energy is spread
+  over all D channels, so a few channels no longer take e4m3's rounding at their own (large) magnitude.
+* K smoothing, k ↦ k − m with m the mean of K over the joint tokens of its (batch, head): every score of a
+  query row moves by the same q·m, which the softmax removes. ‖m‖₂ ≤ R (a mean of vectors of length ≤ R),
+  so ‖k − m‖₂ ≤ 2R and the K bound doubles (`qk_bound(..., mean_subtracted=True)`), before or after the
+  rotation alike. 2R is reached only by a key opposite to all the others; the doubled scale moves K's
+  values one binade down in e4m3, where the relative rounding is the same (2⁻⁴) until they reach the
+  subnormals (below 2⁻⁶ · 2R/448, about 8·10⁻⁴ of a unit-RMS element at D = 128).
 """
 
 from __future__ import annotations
@@ -48,6 +61,8 @@ FAST_ACCUMULATION = os.environ.get("PAN2_FP8_FAST_ACCUM", "1").strip() != "0"
 FAST_ACCUMULATION_MIN_ROWS = 1024
 # Ada (sm_89), Hopper (sm_90) and Blackwell (sm_100, sm_120) have fp8 tensor cores; Ampere and older do not.
 MIN_CAPABILITY = (8, 9)
+# `quantize_weight` quantises this many elements at a time, so that its float32 temporary stays 64 MiB.
+QUANTIZE_BLOCK_ELEMENTS = 2**24
 
 
 class Fp8Activation(NamedTuple):
@@ -155,7 +170,7 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     data = torch.empty(weight.shape, dtype=FP8, device=weight.device)
     scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
-    rows = max(1, 2**24 // max(1, weight.shape[1]))
+    rows = max(1, QUANTIZE_BLOCK_ELEMENTS // max(1, weight.shape[1]))
     for start in range(0, weight.shape[0], rows):
         part = weight[start : start + rows]
         scale[start : start + rows] = row_scales(part)
@@ -165,9 +180,32 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return data, scale
 
 
-def qk_bound(head_dim: int, *weights: torch.Tensor) -> float:
-    """The largest magnitude a Q or K element can take after the per-head RMSNorm (and RoPE) with these weights."""
-    return math.sqrt(head_dim) * max(float(w.detach().abs().max()) for w in weights)
+def qk_bound(head_dim: int, *weights: torch.Tensor, mean_subtracted: bool = False) -> float:
+    """The largest magnitude a Q or K element can take after the per-head RMSNorm (and RoPE, and the Hadamard
+    rotation) with these weights: √head_dim · max|weight| (module docstring); twice that for K with its mean
+    over the tokens subtracted (`mean_subtracted`)."""
+    bound = math.sqrt(head_dim) * max(float(w.detach().abs().max()) for w in weights)
+    return 2 * bound if mean_subtracted else bound
+
+
+def hadamard_rotates(head_dim: int) -> bool:
+    """Whether the fp8 attention rotates Q and K of this head size: a power of two from 16 (the Triton kernel
+    multiplies by the matrix on the tensor cores, whose tiles are at least 16 wide) to 128 (at 256 the ±1
+    matrix takes 128 KiB of shared memory, more than an Ada GPU gives a program)."""
+    return 16 <= head_dim <= 128 and head_dim & (head_dim - 1) == 0
+
+
+def hadamard_matrix(head_dim: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """The ±1 Sylvester–Hadamard matrix `[head_dim, head_dim]`: H[i, j] = (−1)^popcount(i & j), symmetric,
+    H·Hᵀ = head_dim·I (so H/√head_dim is orthonormal). head_dim a power of two."""
+    assert head_dim >= 1 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} must be a power of two"
+    index = torch.arange(head_dim, device=device)
+    bits = index[:, None] & index[None, :]
+    parity = torch.zeros_like(bits)
+    while bool(bits.any()):
+        parity ^= bits & 1
+        bits = bits >> 1
+    return (1 - 2 * parity).to(dtype)
 
 
 def check_finite(x: torch.Tensor, what: str) -> None:

@@ -4,9 +4,17 @@
 sequence parallelism, which keeps bf16 attention):
 
 1. the q/k/v projections (fp8 GEMMs when the block is quantised);
-2. `qk_norm_rope` writes the joint Q and K straight in e4m3 with fixed scales (`Fp8AttentionScales`: the
-   RMSNorm bound of `pan2cli.dit.fp8.qk_bound`, per block and per tensor, the stream with the larger
-   weights setting it);
+2. `qk_norm_rope` writes the joint Q and K straight in e4m3 (`quantize_qk`), after two exact
+   transformations that keep trained models' outliers from costing precision (`Fp8AttentionScales`,
+   `Fp8Policy.qk_hadamard` / `smooth_k` turn them off for comparisons):
+   * K smoothing: K's mean over the joint tokens of its (batch, head) is subtracted (each score of a query
+     row moves by the same q·mean, which the softmax removes): keys that share a large common direction
+     keep their per-token differences in e4m3's 3 bits instead of spending them on the common part;
+   * a Hadamard rotation of Q and K, x ↦ x·H/√D (orthonormal: (QH)(KH)ᵀ = QKᵀ; FlashAttention-3's
+     "incoherent processing"): a few outlier channels are spread over all D channels, so the scores are no
+     longer sums of a few large products, each rounded at its own large magnitude;
+   then one fixed scale per tensor (the RMSNorm bound of `pan2cli.dit.fp8.qk_bound`, doubled for the
+   smoothed K; per block, the stream with the larger weights setting it);
 3. `values_fp8` quantises V with one scale per head, transposed for the kernel;
 4. cuDNN's fp8 attention through cudnn-frontend (`cudnn_fp8_attention.py`; per-tensor V scale, e4m3 output
    that `to_out` takes without another quantisation): 14.1 ms at 121 frames on an H200 against 16.2 for our
@@ -17,8 +25,20 @@ sequence parallelism, which keeps bf16 attention):
    measured; head dim 128 only, the Triton kernel otherwise);
 5. the output projections.
 
-On the CPU (tests) the same steps run as PyTorch emulations (`attention_reference`): Q, K, V rounded to
-e4m3 with the same scales, P rounded to e4m3 (times 2⁸) as the kernel rounds it, the rest in float32.
+On the CPU (tests) the same steps run as PyTorch emulations (`quantize_qk_reference`, `attention_reference`):
+Q and K smoothed, rotated (float16 operands, as the kernel's tensor cores take them) and rounded to e4m3
+with the same scales, V per head, P rounded to e4m3 (times 2⁸) as the kernel rounds it, the rest in float32.
+
+Measured in that emulation on the outlier suite (`pan2cli.testing.attention_inputs`, 4,160 tokens of 4
+heads of 128; error = relative RMS of O against float64 attention of the same bf16 inputs; the table is in
+docs/BENCHMARKS.md, `scripts/bench_kernels.py fp8-attention --suite --emulate` makes it): the rotation takes
+4 outlier channels of Q and K from 0.208 to 0.052, the random-input level (0.053); smoothing takes keys
+that share one direction from 0.045 to 0.036; per-token Q/K scales on top move no case by more than 0.0012
+(e4m3's relative precision does not depend on the scale while values stay normal, and the fixed scales
+keep RMS-normed vectors there: K scales 2x and 4x tighter than the doubled bound gave the same errors to
+4 digits on the random and shared-key cases), and V per channel instead of per head nothing on
+heavy-tailed V. Neither is used: the attention kernels keep one Q·K descale
+and one V descale per head. Head dims outside 16-128 or not a power of two are quantised without the rotation.
 """
 
 from __future__ import annotations
@@ -31,8 +51,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pan2cli.dit.fp8 import E4M3_MAX, FP8, P_SHIFT, Fp8Activation, qk_bound, quantize_with_scales
-from pan2cli.dit.fusions import qk_norm_rope
+from pan2cli.dit.fp8 import (
+    E4M3_MAX,
+    FP8,
+    P_SHIFT,
+    Fp8Activation,
+    hadamard_matrix,
+    hadamard_rotates,
+    qk_bound,
+    quantize_with_scales,
+)
+from pan2cli.dit.fusions import compute_dtype, qk_norm_rope, qk_norm_rope_reference
 
 # "cudnn", "triton" or "cuda" (the CUDA prototype); unset: cuDNN where it runs, else Triton
 ENV_FP8_ATTENTION = "PAN2_FP8_ATTENTION"
@@ -41,20 +70,101 @@ _cudnn_failure: list[str] = []  # why cuDNN's fp8 attention did not run in this 
 
 @dataclass
 class Fp8AttentionScales:
-    """A block's fixed Q and K scales (real value = e4m3 value · descale) and their product on the device."""
+    """How a block quantises Q and K: the transformations before the e4m3 cast, and the fixed scales that
+    bound the transformed values (real value = e4m3 value · descale; `pan2cli.dit.fp8`), their product on
+    the device as the attention kernels take it.
+
+    hadamard: Q and K rotated by H/√D after RoPE (False where `hadamard_rotates(head_dim)` is False).
+    smooth_k: K's mean over the joint tokens of its (batch, head) subtracted (K's bound doubled).
+    """
 
     q_descale: float
     k_descale: float
     qk_descale: torch.Tensor  # [1] float32, q_descale · k_descale
+    hadamard: bool
+    smooth_k: bool
 
     @classmethod
-    def for_attention(cls, attn) -> "Fp8AttentionScales":
+    def for_norm_weights(
+        cls, head_dim: int, q_weights, k_weights, *, hadamard: bool = True, smooth_k: bool = True, device=None
+    ) -> "Fp8AttentionScales":
+        """From the RMSNorm weights of Q (video and text stream) and those of K, each a sequence of `[D]`."""
+        q = qk_bound(head_dim, *q_weights) / E4M3_MAX
+        k = qk_bound(head_dim, *k_weights, mean_subtracted=smooth_k) / E4M3_MAX
+        qk = torch.tensor([q * k], dtype=torch.float32, device=device)
+        return cls(q, k, qk, hadamard and hadamard_rotates(head_dim), smooth_k)
+
+    @classmethod
+    def for_attention(cls, attn, *, hadamard: bool = True, smooth_k: bool = True) -> "Fp8AttentionScales":
         """From a `PAN2Attention`'s Q/K RMSNorm weights (both streams)."""
-        head_dim = attn.head_dim
-        q = qk_bound(head_dim, attn.norm_q.weight, attn.norm_added_q.weight) / E4M3_MAX
-        k = qk_bound(head_dim, attn.norm_k.weight, attn.norm_added_k.weight) / E4M3_MAX
-        device = attn.norm_q.weight.device
-        return cls(q, k, torch.tensor([q * k], dtype=torch.float32, device=device))
+        return cls.for_norm_weights(
+            attn.head_dim, (attn.norm_q.weight, attn.norm_added_q.weight),
+            (attn.norm_k.weight, attn.norm_added_k.weight),
+            hadamard=hadamard, smooth_k=smooth_k, device=attn.norm_q.weight.device,
+        )  # fmt: skip
+
+
+def quantize_qk(
+    q_video, k_video, q_text, k_text, weights, cos, sin,
+    *, eps: float, scales: Fp8AttentionScales, fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The joint Q and K of a block in e4m3 (video tokens, then text): RMSNorm, RoPE on the video tokens, then
+    `scales`' smoothing and rotation, then the fixed scales (module docstring).
+
+    Args:
+        q_video, k_video: `[B, N, H, D]`; q_text, k_text: `[B, L, H, D]` (the projections' outputs).
+        weights: RMSNorm weights (q, k, q_text, k_text), each `[D]`.
+        cos, sin: `[N, D/2]` RoPE tables.
+        fused: the Triton kernel (`qk_norm_rope_kernel.py`), else its emulation (`quantize_qk_reference`).
+
+    Returns:
+        (q8, k8), each `[B, N + L, H, D]` float8_e4m3fn: real Q = q8 · q_descale (rotated), K likewise.
+    """
+    if not fused:
+        return quantize_qk_reference(
+            q_video, k_video, q_text, k_text, weights, cos, sin, eps=eps, scales=scales
+        )
+    return qk_norm_rope(
+        q_video, k_video, weights[0], weights[1], cos, sin, q_text, k_text, weights[2], weights[3],
+        eps=eps, fused=True, interleaved=True, out_dtype=FP8,
+        q_out_mult=1 / scales.q_descale, k_out_mult=1 / scales.k_descale,
+        hadamard=scales.hadamard, smooth_k=scales.smooth_k,
+    )  # fmt: skip
+
+
+def quantize_qk_reference(
+    q_video, k_video, q_text, k_text, weights, cos, sin, *, eps: float, scales: Fp8AttentionScales
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch emulation of the fused kernel's e4m3 Q and K (`quantize_qk`), step for step: RMSNorm and RoPE in
+    float32 (float64 for float64 inputs), K's joint mean subtracted, the product with the fixed scale's
+    inverse, with the rotation the operands rounded to float16 (as the kernel hands them to the tensor
+    cores) and multiplied by the ±1 matrix in float32, then clamped to ±448 and rounded once to e4m3."""
+    dtype = compute_dtype(q_video)
+    # Up-cast inputs: no rounding to the projections' dtype between the norm and the e4m3 cast.
+    q, k = qk_norm_rope_reference(
+        q_video.to(dtype), k_video.to(dtype), weights[0], weights[1], cos, sin,
+        q_text.to(dtype), k_text.to(dtype), weights[2], weights[3], eps, True,
+    )  # fmt: skip
+    if scales.smooth_k:
+        k = k - k.mean(dim=1, keepdim=True)
+    head_dim = q.shape[-1]
+    outs = []
+    for x, descale in ((q, scales.q_descale), (k, scales.k_descale)):
+        if scales.hadamard:
+            operand = (x * ((1 / descale) / math.sqrt(head_dim))).to(torch.float16).to(dtype)
+            x = operand @ hadamard_matrix(head_dim, dtype, x.device)
+        else:
+            x = x * (1 / descale)
+        outs.append(x.clamp(-E4M3_MAX, E4M3_MAX).to(FP8))
+    return outs[0], outs[1]
+
+
+def quantize_values_reference(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """V `[B, S, H, D]` in e4m3 with one descale per head from its absolute maximum (as `values_fp8`) →
+    (v8 `[B, S, H, D]`, descale `[H]` float32; 1 for an all-zero head)."""
+    v_descale = v.float().abs().amax(dim=(0, 1, 3)) / E4M3_MAX
+    v_descale = torch.where(v_descale > 0, v_descale, torch.ones_like(v_descale))
+    return quantize_with_scales(v, v_descale[None, None, :].expand(v.shape[:-1])), v_descale
 
 
 def attention_reference(
@@ -108,12 +218,10 @@ def joint_attention_fp8(attn, x, ctx, cos: torch.Tensor, sin: torch.Tensor, fuse
     )
     v_video, v_text = attn.to_v(x), attn.add_v_proj(ctx)
     weights = (attn.norm_q.weight, attn.norm_k.weight, attn.norm_added_q.weight, attn.norm_added_k.weight)
+    q8, k8 = quantize_qk(
+        q_video, k_video, q_text, k_text, weights, cos, sin, eps=attn.eps, scales=scales, fused=fused
+    )
     if fused:
-        q8, k8 = qk_norm_rope(
-            q_video, k_video, weights[0], weights[1], cos, sin, q_text, k_text, weights[2], weights[3],
-            eps=attn.eps, fused=True, interleaved=True,
-            out_dtype=FP8, q_out_mult=1 / scales.q_descale, k_out_mult=1 / scales.k_descale,
-        )  # fmt: skip
         out = _attend_fused(q8, k8, [v_video, v_text], scales.qk_descale, attn.heads)
         if isinstance(out, Fp8Activation):  # cuDNN's e4m3 output, one descale: to_out takes it as it is
             data = out.data.reshape(batch, n_video + n_text, -1)
@@ -122,16 +230,8 @@ def joint_attention_fp8(attn, x, ctx, cos: torch.Tensor, sin: torch.Tensor, fuse
             text = Fp8Activation(data[:, n_video:], scale[:, n_video:].contiguous())
             return attn.to_out[0](video), attn.to_add_out(text)
     else:
-        q, k = qk_norm_rope(
-            q_video, k_video, weights[0], weights[1], cos, sin, q_text, k_text, weights[2], weights[3],
-            eps=attn.eps, fused=False, interleaved=True,
-        )  # fmt: skip
-        q8 = quantize_with_scales(q, torch.full(q.shape[:-1], scales.q_descale, device=q.device))
-        k8 = quantize_with_scales(k, torch.full(k.shape[:-1], scales.k_descale, device=k.device))
         v = torch.cat([v_video, v_text], dim=1).view(batch, n_video + n_text, *heads)
-        v_descale = v.float().abs().amax(dim=(0, 1, 3)) / E4M3_MAX
-        v_descale = torch.where(v_descale > 0, v_descale, torch.ones_like(v_descale))
-        v8 = quantize_with_scales(v, v_descale[None, None, :].expand(v.shape[:-1]))
+        v8, v_descale = quantize_values_reference(v)
         out = attention_reference(q8, k8, v8, scales.q_descale * scales.k_descale, v_descale).to(v.dtype)
     out = out.reshape(batch, n_video + n_text, -1)
     return attn.to_out[0](out[:, :n_video]), attn.to_add_out(out[:, n_video:])

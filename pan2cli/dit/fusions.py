@@ -25,6 +25,7 @@ reference elsewhere.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -110,24 +111,48 @@ def _qk_norm_rope_op(
     fp8_out: bool = False,
     q_out_mult: float = 1.0,
     k_out_mult: float = 1.0,
+    hadamard: bool = False,
+    smooth_k: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from pan2cli.dit.qk_norm_rope_kernel import qk_norm_rope as launch
 
     q_out, k_out = _joint_qk(q, q_text, fp8_out)
-    mults = dict(q_out_mult=q_out_mult, k_out_mult=k_out_mult)
-    launch(q, k, q_weight, k_weight, cos, sin, q_out, k_out, eps=eps, interleaved=interleaved, **mults)
+    k_mean = None
+    if smooth_k:
+        k_mean = _joint_k_mean(k, k_weight, cos, sin, k_text, k_text_weight, eps, interleaved)
+    if hadamard:  # the kernel multiplies by the ±1 matrix: the 1/√head_dim rides on the factors
+        q_out_mult, k_out_mult = (m / math.sqrt(q.shape[-1]) for m in (q_out_mult, k_out_mult))
+    options = dict(q_out_mult=q_out_mult, k_out_mult=k_out_mult, k_mean=k_mean, hadamard=hadamard)
+    launch(q, k, q_weight, k_weight, cos, sin, q_out, k_out, eps=eps, interleaved=interleaved, **options)
     if q_text is not None:
         launch(
             q_text, k_text, q_text_weight, k_text_weight, None, None, q_out, k_out,
-            eps=eps, out_token_offset=q.shape[1], **mults,
+            eps=eps, out_token_offset=q.shape[1], **options,
         )  # fmt: skip
     return q_out, k_out
 
 
 @_qk_norm_rope_op.register_fake
 def _(q, k, q_weight, k_weight, cos, sin, q_text, k_text, q_text_weight, k_text_weight, eps, interleaved,
-      fp8_out=False, q_out_mult=1.0, k_out_mult=1.0):  # fmt: skip
+      fp8_out=False, q_out_mult=1.0, k_out_mult=1.0, hadamard=False, smooth_k=False):  # fmt: skip
     return _joint_qk(q, q_text, fp8_out)
+
+
+def _joint_k_mean(
+    k, k_weight, cos, sin, k_text, k_text_weight, eps: float, interleaved: bool
+) -> torch.Tensor:
+    """The mean of RMSNorm(K) (RoPE on the video tokens) over the video and text tokens, per (batch, head):
+    `[B, H, head_dim]` float32, from the fused sum kernel's partial sums added in a fixed order."""
+    from pan2cli.dit.qk_norm_rope_kernel import k_sum_blocks, k_token_sums
+
+    batch, n_video, heads, head_dim = k.shape
+    n_text = 0 if k_text is None else k_text.shape[1]
+    blocks = k_sum_blocks(n_video) + k_sum_blocks(n_text)
+    partial = torch.empty(blocks, batch, heads, head_dim, dtype=torch.float32, device=k.device)
+    k_token_sums(k, k_weight, cos, sin, partial, eps=eps, interleaved=interleaved)
+    if n_text:
+        k_token_sums(k_text, k_text_weight, None, None, partial, eps=eps, block_offset=k_sum_blocks(n_video))
+    return partial.sum(dim=0).div_(max(1, n_video + n_text))
 
 
 def _joint_qk(
@@ -214,6 +239,8 @@ def qk_norm_rope(
     out_dtype: Optional[torch.dtype] = None,
     q_out_mult: float = 1.0,
     k_out_mult: float = 1.0,
+    hadamard: bool = False,
+    smooth_k: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Q/K RMSNorm per head + RoPE for video tokens, RMSNorm only for text tokens; joint output.
 
@@ -227,22 +254,26 @@ def qk_norm_rope(
         interleaved: RoPE pairs (2i, 2i+1), PAN 2's layout; False pairs (i, i + head_dim/2).
         out_dtype: None (the dtype of q) or float8_e4m3fn (fused only: the fp8 tier), then q and k are
             multiplied by `q_out_mult` / `k_out_mult`, clamped to ±448 and rounded once to e4m3.
+        hadamard, smooth_k: the fp8 attention's transformations (fused, fp8 output only;
+            `pan2cli.dit.fp8_attention`): after RoPE, subtract K's mean over all tokens of its (batch,
+            head) (`smooth_k`), then multiply Q and K by H/√head_dim (`hadamard`; head_dim 16-128).
 
     Returns:
         (q, k), each `[B, N + L, H, head_dim]` contiguous in the dtype of q (or `out_dtype`): video tokens,
         then text.
     """
     fp8_out = out_dtype == torch.float8_e4m3fn
+    assert fp8_out or not (hadamard or smooth_k), "hadamard and smooth_k go with the fp8 output"
     if not fused:
-        assert not fp8_out, (
-            "the fp8 output of qk_norm_rope is the fused kernel's (the reference rounds to q's dtype)"
+        assert not fp8_out and not hadamard and not smooth_k, (
+            "the fp8 output of qk_norm_rope is the fused kernel's (emulated by fp8_attention.quantize_qk_reference)"
         )
         return qk_norm_rope_reference(
             q, k, q_weight, k_weight, cos, sin, q_text, k_text, q_text_weight, k_text_weight, eps, interleaved
         )
     return _qk_norm_rope_op(
         q, k, q_weight, k_weight, cos, sin, q_text, k_text, q_text_weight, k_text_weight, eps, interleaved,
-        fp8_out, float(q_out_mult), float(k_out_mult),
+        fp8_out, float(q_out_mult), float(k_out_mult), hadamard, smooth_k,
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ What stays in higher precision, and why (docs/BENCHMARKS.md has the measurements
 | patch embedding `x_embedder`, `proj_out` | bf16 | 97 and 192 channels: tiny GEMMs, and the first/last word on the latents |
 | text embedder and the 4 refiner blocks | bf16 | ≤ 1.5 k tokens once per forward: < 1 % of the time |
 | Q/K RMSNorm, RoPE, softmax, residuals | float32 math | as in bf16; only their outputs are rounded to e4m3 |
+| K smoothing, the Q/K Hadamard rotation | float32 (the rotation's operands float16) | exact transformations before Q/K's e4m3 cast: what keeps outlier channels and shared key directions from costing precision (`pan2cli.dit.fp8_attention`) |
 | `Fp8Policy.bf16_blocks` | bf16 | none by default (measured: keeping the first/last block changes the error by less than its spread) |
 """
 
@@ -55,11 +56,17 @@ class Fp8Policy:
             (one per activation tensor, quantised in PyTorch: for accuracy comparisons only).
         attention: fp8 attention (else bf16 SDPA over bf16 Q/K/V, with fp8 linears).
         bf16_blocks: indices of blocks left in bf16.
+        qk_hadamard: the fp8 attention rotates Q and K by a Hadamard matrix before their e4m3 cast (exact;
+            what holds the error on outlier channels, `pan2cli.dit.fp8_attention`). False: for comparisons.
+        smooth_k: the fp8 attention subtracts K's mean over the tokens before its e4m3 cast (exact under the
+            softmax). False: for comparisons.
     """
 
     activation_scaling: str = "token"
     attention: bool = True
     bf16_blocks: frozenset[int] = field(default_factory=frozenset)
+    qk_hadamard: bool = True
+    smooth_k: bool = True
 
     def __post_init__(self) -> None:
         if self.activation_scaling not in ("token", "tensor"):
@@ -80,7 +87,11 @@ def quantize_block(block: nn.Module, policy: Fp8Policy = Fp8Policy()) -> None:
         ff.net[2] = _fp8(ff.net[2], policy)
         ff.net[0].fp8_output = fused_feeds
     block.fp8_activations = fused_feeds
-    attn.fp8_scales = Fp8AttentionScales.for_attention(attn) if policy.attention else None
+    attn.fp8_scales = (
+        Fp8AttentionScales.for_attention(attn, hadamard=policy.qk_hadamard, smooth_k=policy.smooth_k)
+        if policy.attention
+        else None
+    )
 
 
 def quantize_transformer(model: nn.Module, policy: Fp8Policy = Fp8Policy()) -> nn.Module:

@@ -19,6 +19,19 @@ ping-pong on/off x cp.async or TMA copies), as "cuda_fp8_s<stages>_<pp|free>_<cp
 results say why not.
 
     PAN2_KERNEL_EXPERIMENTAL=1 python3 scripts/bench_kernels.py fp8-attention --frames 121 481 --configs default
+
+`--suite` runs the outlier suite instead (`pan2cli.testing.attention_inputs`: synthetic pre-norm Q/K/V shaped
+like a trained DiT's, through the real `qk_norm_rope`) at the first `--frames` length (default 121: 26,898
+tokens, 32 heads of 128): the error of cuDNN bf16, cuDNN fp8 (per-tensor), our Triton fp8 and our CUDA fp8
+(when it loads; `--cuda-configs`' first instantiation) against float64 over the first `--check-rows` query
+rows of every head, each fp8 attention on Q/K quantised before (one fixed scale) and after (rotated and
+K-smoothed, the tier's default), and the time of the Q/K quantisation both ways. One markdown table, in
+well under a minute after the kernels compile. `--suite --emulate` runs the suite on the CPU instead, in
+the fp8 tier's PyTorch emulation at a reduced size (`--emulate-grid`, 4 heads), with the variants the
+default was chosen against (each transformation alone, per-token Q/K scales, V per channel).
+
+    python3 scripts/bench_kernels.py fp8-attention --suite --out suite.json
+    python3 scripts/bench_kernels.py fp8-attention --suite --emulate          # CPU, about a minute
 """
 
 from __future__ import annotations
@@ -39,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from pan2cli.dit.fp8 import E4M3_MAX, FP8  # noqa: E402
 from pan2cli.dit.fp8_attention_kernel import CONFIGS, fp8_attention, padded_keys  # noqa: E402
 from pan2cli.dit.fp8_values_kernel import values_fp8  # noqa: E402
+from pan2cli.testing.attention_inputs import CASES, exact_attention, make_inputs, relative_rms  # noqa: E402
 from scripts.kernels.conv import _time  # noqa: E402  (median ms, CUDA events, after a warm-up)
 
 HEADS, HEAD_DIM = 32, 128
@@ -63,6 +77,15 @@ def parse_args() -> argparse.Namespace:
         "--compare-kernel",
         type=Path,
         help="another version of fp8_attention_kernel.py to time beside the tree's",
+    )
+    parser.add_argument("--suite", action="store_true", help="the outlier suite's errors (module docstring)")
+    parser.add_argument(
+        "--emulate", action="store_true", help="with --suite: the CPU emulation, reduced size"
+    )
+    parser.add_argument(
+        "--emulate-grid",
+        default="4,32,32",
+        help="with --emulate: latent frames, rows, columns (default 4,32,32)",
     )
     parser.add_argument("--out", type=Path)
     return parser.parse_args()
@@ -114,8 +137,160 @@ def load_kernel_file(path: Path):
     return module
 
 
+def suite_table(rows: list[dict], columns: dict[str, str]) -> str:
+    """The suite's markdown table: a row per case, a column per attention (errors to 4 digits)."""
+    lines = ["| case | " + " | ".join(columns.values()) + " |", "| --- |" + " ---: |" * len(columns)]
+    for row in rows:
+        cells = [
+            f"{row[key]:.4f}" if isinstance(row.get(key), float) else str(row.get(key, "—"))
+            for key in columns
+        ]
+        lines.append(f"| {CASES[row['case']]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_suite_on_gpu(args: argparse.Namespace) -> dict:
+    """Every case of the outlier suite at the real shape through each attention (module docstring)."""
+    from pan2cli.dit.fusions import qk_norm_rope
+
+    device = torch.device("cuda")
+    frames = args.frames[0]
+    grid = (1 + (frames - 1) // 4, 22, 39)  # 704x1248: 44x78 latents in patches of 2
+    cuda_configs, cuda_status = cuda_candidates(
+        "default" if args.cuda_configs == "all" else args.cuda_configs, device
+    )
+    try:
+        from pan2cli.dit.cudnn_fp8_attention import cudnn_fp8_attention, cudnn_frontend
+
+        cudnn_status = None if args.skip_cudnn_fp8 else cudnn_frontend().backend_version_string()
+    except Exception as error:  # reported, not fatal
+        cudnn_status = f"unavailable: {error}"
+    results = {"gpu": torch.cuda.get_device_name(), "frames": frames, "cudnn_fp8": cudnn_status,
+               "cuda_fp8": cuda_status, "cases": []}  # fmt: skip
+    print(json.dumps(results), flush=True)
+    for case in CASES:
+        inputs = make_inputs(case, grid=grid, text_tokens=args.text, heads=HEADS, device=device, seed=frames)
+        rows = args.check_rows
+        want = exact_attention(inputs, rows=rows)
+        row = {"case": case, "tokens": inputs.tokens}
+        q, k = qk_norm_rope(**inputs.qk_streams(), eps=inputs.eps, fused=True)  # bf16, as the bf16 tier
+        v = inputs.joint_values()
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        row["cudnn_bf16"] = relative_rms(out.transpose(1, 2)[:, :rows], want)
+        v_streams = [inputs.v_video, inputs.v_text]
+        v_t = torch.empty(1, HEADS, HEAD_DIM, padded_keys(inputs.tokens), dtype=FP8, device=device)
+        v_descale = torch.empty(HEADS, device=device)
+        values_fp8(v_streams, HEADS, v_t, v_descale)
+        for label, scales in (("before", inputs.fp8_scales(hadamard=False, smooth_k=False)),
+                              ("after", inputs.fp8_scales())):  # fmt: skip
+            q8, k8 = inputs.quantized_qk(scales, fused=True)
+            if case == "random":  # the cost of the transformations: the Q/K quantisation alone
+
+                def quantize(inputs=inputs, scales=scales):
+                    return inputs.quantized_qk(scales, fused=True)
+
+                row[f"quantize_qk_{label}_ms"] = round(_time(quantize, args.repeats), 4)
+            out = fp8_attention(q8, k8, v_t, scales.qk_descale, v_descale)
+            row[f"triton_fp8_{label}"] = relative_rms(out[:, :rows], want)
+            if cudnn_status and not cudnn_status.startswith("unavailable"):
+                v8 = torch.empty(1, inputs.tokens, HEADS, HEAD_DIM, dtype=FP8, device=device)
+                v8_descale = torch.empty(HEADS, device=device)
+                values_fp8(v_streams, HEADS, v8, v8_descale, transposed=False, per_tensor=True)
+                o8, o_descale = cudnn_fp8_attention(q8, k8, v8, scales.qk_descale, v8_descale)
+                row[f"cudnn_fp8_{label}"] = relative_rms(o8[:, :rows].float() * o_descale, want)
+            for stages, ping_pong, tma in cuda_configs[:1]:
+                try:
+                    from pan2cli.dit.cuda_fp8_attention import cuda_fp8_attention, v_key_order
+
+                    v_cuda = torch.empty_like(v_t)
+                    values_fp8(
+                        v_streams, HEADS, v_cuda, torch.empty_like(v_descale), key_order=v_key_order(tma)
+                    )
+                    out = cuda_fp8_attention(q8, k8, v_cuda, scales.qk_descale, v_descale, stages=stages,
+                                             ping_pong=ping_pong, tma=tma)  # fmt: skip
+                    row[f"cuda_fp8_{label}"] = relative_rms(out[:, :rows], want)
+                except Exception as error:  # its failure is a result; the others still run
+                    row[f"cuda_fp8_{label}"] = f"failed: {str(error).splitlines()[0][:120]}"
+        results["cases"].append(row)
+        print(json.dumps(row), flush=True)
+        del inputs, q, k, v, v_t, out
+        torch.cuda.empty_cache()
+    columns = {"cudnn_bf16": "cuDNN bf16"}
+    for name, title in (("cudnn_fp8", "cuDNN fp8"), ("triton_fp8", "Triton fp8"), ("cuda_fp8", "CUDA fp8")):
+        columns |= {f"{name}_before": f"{title}, before", f"{name}_after": f"{title}, after"}
+    random_row = results["cases"][0]
+    print(f"\n{results['gpu']}, {frames} frames ({random_row['tokens']:,} tokens), {HEADS} heads of {HEAD_DIM}; "
+          f"error = relative RMS of O against float64 over {args.check_rows} query rows of every head; before: "
+          f"Q/K with one fixed scale; after: rotated and K-smoothed (the default)\n")  # fmt: skip
+    print(suite_table(results["cases"], columns))
+    print(f"\nQ/K quantisation (qk_norm_rope, e4m3 out): {random_row['quantize_qk_before_ms']} ms before, "
+          f"{random_row['quantize_qk_after_ms']} ms after (K's mean pass and the rotation)")  # fmt: skip
+    return results
+
+
+def run_suite_emulated(args: argparse.Namespace) -> dict:
+    """The outlier suite in the fp8 tier's CPU emulation at a reduced size, with the variants tried."""
+    from pan2cli.dit.fp8 import hadamard_matrix, quantize_with_scales, row_scales
+    from pan2cli.dit.fp8_attention import attention_reference, quantize_values_reference
+    from pan2cli.testing.attention_inputs import emulated_fp8_attention, normed_qk
+
+    grid = tuple(int(v) for v in args.emulate_grid.split(","))
+    heads = 4
+    results = {"device": "cpu (emulation)", "grid": grid, "cases": []}
+
+    def per_token(x):  # one e4m3 scale per row instead of the fixed one
+        scale = row_scales(x)
+        return quantize_with_scales(x, scale).float() * scale[..., None]
+
+    for case in CASES:
+        inputs = make_inputs(case, grid=grid, text_tokens=64, heads=heads, seed=1)
+        want = exact_attention(inputs)
+        row = {"case": case, "tokens": inputs.tokens}
+        q, k = normed_qk(inputs, torch.float32)
+        q, k = q.bfloat16().float(), k.bfloat16().float()  # the bf16 tier's Q/K, attention in float32
+        v = inputs.joint_values()
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.float().transpose(1, 2))
+        row["bf16"] = relative_rms(out.transpose(1, 2).bfloat16(), want)
+        for name, hadamard, smooth_k in (("before", False, False), ("hadamard", True, False),
+                                         ("smooth_k", False, True), ("after", True, True)):  # fmt: skip
+            out = emulated_fp8_attention(inputs, inputs.fp8_scales(hadamard=hadamard, smooth_k=smooth_k))
+            row[name] = relative_rms(out.bfloat16(), want)
+        q, k = normed_qk(inputs, torch.float32)
+        k = k - k.mean(dim=1, keepdim=True)
+        rotation = hadamard_matrix(HEAD_DIM) / math.sqrt(HEAD_DIM)
+        v8, v_descale = quantize_values_reference(v)
+        out = attention_reference(per_token(q @ rotation), per_token(k @ rotation), v8, 1.0, v_descale)
+        row["after_per_token_qk"] = relative_rms(out.bfloat16(), want)
+        channel_descale = v.float().abs().amax(dim=(0, 1)) / E4M3_MAX  # [H, D]
+        v_channels = (v.float() / channel_descale).clamp(-E4M3_MAX, E4M3_MAX).to(
+            FP8
+        ).float() * channel_descale
+        scales = inputs.fp8_scales()
+        q8, k8 = inputs.quantized_qk(scales, fused=False)
+        out = attention_reference(q8, k8, v_channels, scales.q_descale * scales.k_descale, torch.ones(heads))
+        row["after_v_per_channel"] = relative_rms(out.bfloat16(), want)
+        results["cases"].append(row)
+        print(json.dumps(row), flush=True)
+    columns = {
+        "bf16": "bf16", "before": "fp8, one fixed scale", "hadamard": "+ rotation", "smooth_k": "+ K smoothing",
+        "after": "+ both (default)", "after_per_token_qk": "+ both, per-token Q/K scales",
+        "after_v_per_channel": "+ both, V per channel",
+    }  # fmt: skip
+    tokens = results["cases"][0]["tokens"]
+    print(f"\nCPU emulation, {tokens:,} tokens, {heads} heads of {HEAD_DIM}; error = relative RMS of O against "
+          f"float64 attention of the same bf16 inputs\n")  # fmt: skip
+    print(suite_table(results["cases"], columns))
+    return results
+
+
 def main() -> None:
     args = parse_args()
+    if args.suite:
+        results = run_suite_emulated(args) if args.emulate else run_suite_on_gpu(args)
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=2) + "\n")
+        return
     compared = load_kernel_file(args.compare_kernel) if args.compare_kernel else None
     device = torch.device("cuda")
     configs = (
@@ -184,7 +359,9 @@ def main() -> None:
             name = f"cuda_fp8_s{stages}_{'pp' if ping_pong else 'free'}_{'tma' if tma else 'cpasync'}"
             if tma and v_t_wgmma is None:  # the TMA producer reads V with its keys in the wgmma order
                 v_t_wgmma = torch.empty_like(v_t)
-                values_fp8([v_flat], HEADS, v_t_wgmma, torch.empty_like(v_descale), key_order=v_key_order(True))
+                values_fp8(
+                    [v_flat], HEADS, v_t_wgmma, torch.empty_like(v_descale), key_order=v_key_order(True)
+                )
             v_in = v_t_wgmma if tma else v_t
             options = dict(stages=stages, ping_pong=ping_pong, tma=tma)
             try:

@@ -96,6 +96,41 @@ def test_weights_get_one_scale_per_output_channel():
     assert _within_rounding(data.double() * scale.double()[:, None], weight, scale.double())
 
 
+def test_a_weight_quantised_block_by_block_takes_each_rows_own_scale(monkeypatch):
+    """A weight past `QUANTIZE_BLOCK_ELEMENTS` elements (the release's fc1/fc2, 32768x4096, is 8 blocks of 2²⁴)
+    is quantised a block of rows at a time; every block must keep its own rows' scales. A block of 5 rows
+    stands in for 2²⁴ elements, and the rows' magnitudes span 10⁶, so a block given another's scales
+    saturates or underflows."""
+    from pan2cli.dit import fp8
+
+    monkeypatch.setattr(fp8, "QUANTIZE_BLOCK_ELEMENTS", 5 * 40)
+    weight = (
+        torch.randn(23, 40, dtype=torch.float64) * torch.logspace(3, -3, 23, dtype=torch.float64)[:, None]
+    )
+    data, scale = quantize_weight(weight)
+    torch.testing.assert_close(scale.double(), weight.abs().amax(dim=1) / E4M3_MAX, rtol=1e-6, atol=0)
+    assert torch.equal(data.float().abs().amax(dim=1), torch.full((23,), E4M3_MAX))
+    assert _within_rounding(data.double() * scale.double()[:, None], weight, scale.double())
+
+
+@pytest.mark.gpu
+def test_gpu_the_largest_release_weight_quantises_every_row_with_its_own_scale():
+    """fc1/fc2's shape in the release, 32768x4096 (8 blocks of 2²⁴ elements), on the GPU where it is quantised
+    at load: every row's scale its own maximum / 448, every value within one rounding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator("cuda").manual_seed(9)
+    rows = torch.logspace(-2, 2, 32768, device="cuda")[torch.randperm(32768, generator=gen, device="cuda")]
+    weight = (torch.randn(32768, 4096, generator=gen, device="cuda") * rows[:, None]).bfloat16()
+    data, scale = quantize_weight(weight)
+    for start in range(0, 32768, 4096):  # float64 checks a slice at a time (1 GiB for the whole weight)
+        part = weight[start : start + 4096].double()
+        part_scale = scale[start : start + 4096].double()
+        torch.testing.assert_close(part_scale, part.abs().amax(dim=1) / E4M3_MAX, rtol=1e-6, atol=0)
+        dequantized = data[start : start + 4096].double() * part_scale[:, None]
+        assert _within_rounding(dequantized, part, part_scale), start
+
+
 def test_fp8_linear_is_within_the_e4m3_bound_of_a_float64_product():
     """|y − y₆₄| ≤ (2·2⁻⁴ + 2⁻⁸)·Σ|x·w| (+ subnormal steps and float32 accumulation) per element."""
     gen = torch.Generator().manual_seed(0)
