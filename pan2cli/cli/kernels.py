@@ -75,7 +75,7 @@ def build_command():
         info(f"No fp8 attention kernel to build: {why_not} (the fp8 tier runs the Triton one).")
         return
     start = time.perf_counter()
-    with status("Building the fp8 attention (about a minute the first time)…"):
+    with status("Building the fp8 attention (once, the first time)…"):
         cuda_fp8_attention.extension_ops(device)
     info(f"fp8 attention ready in {time.perf_counter() - start:.1f} s.")
     result(str(cuda_fp8_attention.extension_spec().build_dir))

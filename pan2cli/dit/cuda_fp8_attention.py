@@ -179,5 +179,5 @@ def build_status(device: torch.device | None = None) -> tuple[bool, str | None, 
     return (
         False,
         str(spec.build_dir),
-        "built on the first fp8 run (about a minute), or now with `pan2 kernels build`",
+        "built on the first fp8 run, or now with `pan2 kernels build`",
     )

@@ -156,3 +156,29 @@ def test_an_fp8_run_records_the_fp8_attention_that_ran(tiny_pan2, run_cli, tmp_p
         "calls": layers * forwards * steps,
         "instantiations": [],
     }
+
+
+def test_doctor_names_the_fp8_attention_that_would_run_and_why(monkeypatch, tmp_path):
+    """On an H100 the default is our CUDA kernel (not yet built here), with the instantiations its table picks
+    for 5 s and 20 s of video; on an Ada GPU the Triton kernel, with the reason."""
+    import pan2cli.devices as devices
+    from pan2cli.cli import doctor
+    from pan2cli.dit import cuda_fp8_attention as cuda
+
+    monkeypatch.setenv("PAN2_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(devices, "fp8_unsupported_reason", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(cuda, "why_not_runnable", lambda device, head_dim: None)
+    line = doctor._fp8(torch.device("cuda"))
+    assert line.startswith(
+        "yes (--precision fp8: e4m3 linears, pan2's CUDA fp8 attention: the default on sm_90"
+    )
+    assert "built on first use" in line and "--fp8-attention picks another" in line
+    assert "s3-pingpong-tma at 121 frames, s4-free-tma at 481 frames (the H100 rows of its table)" in line
+    monkeypatch.setattr(
+        cuda, "why_not_runnable", lambda device, head_dim: "it runs on sm_90 GPUs, this one is sm_89"
+    )
+    line = doctor._fp8(torch.device("cuda"))
+    assert (
+        "pan2's Triton fp8 attention: pan2's CUDA fp8 attention does not run here: it runs on sm_90" in line
+    )

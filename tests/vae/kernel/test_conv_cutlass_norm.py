@@ -1,8 +1,9 @@
 """The fused-norm conv prototype (kernels/experimental): conv(SiLU(RMS(x) · γ)) with the norm applied to the
 activation tile in shared memory, against the decode's two passes (rms_norm_silu, then the conv).
 
-Its own extension (`pan2cli.vae.kernel.prototypes`), never the decode's. Its build takes minutes, so the GPU
-tests run only when asked: `PAN2_KERNEL_EXPERIMENTAL=1 python -m pytest tests/vae/kernel/test_conv_cutlass_norm.py`.
+Its own extension (`pan2cli.vae.kernel.prototypes`), never the decode's, another CUTLASS build that nothing
+else needs, so the GPU tests run only when asked:
+`PAN2_KERNEL_EXPERIMENTAL=1 python -m pytest tests/vae/kernel/test_conv_cutlass_norm.py`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def ops():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if os.environ.get("PAN2_KERNEL_EXPERIMENTAL", "") in ("", "0"):
-        pytest.skip("the prototype's build takes minutes: PAN2_KERNEL_EXPERIMENTAL=1 runs these tests")
+        pytest.skip("the prototype is built only when asked for: PAN2_KERNEL_EXPERIMENTAL=1 runs these tests")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the prototype is built for sm_90a only")
     decode, prototype = build.load_kernel(), prototypes.load_prototypes()
