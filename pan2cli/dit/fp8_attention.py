@@ -66,7 +66,7 @@ def attention_reference(
 def joint_attention_fp8(attn, x, ctx, cos: torch.Tensor, sin: torch.Tensor, fused: bool):
     """`PAN2Attention.forward` with fp8 Q/K/V and attention (module docstring) → (video out, text out)."""
     scales: Fp8AttentionScales = attn.fp8_scales
-    run = fp8_attention_run(attn, scales.qk_descale.device)
+    run = fp8_attention_run(attn, (x.data if isinstance(x, Fp8Activation) else x).device)
     batch, n_video = x.shape[:2]
     n_text = ctx.shape[1]
     heads = (attn.heads, attn.head_dim)

@@ -103,7 +103,7 @@ class Fp8AttentionRun:
     """A model's fp8 attention: the choice its calls take, and a count of what each call ran."""
 
     def __init__(self, choice: Fp8AttentionChoice | None):
-        self.choice = choice  # None: resolved ("auto") at the first call that needs a kernel
+        self.choice = choice  # None: resolved ("auto") at the first call
         self.calls: Counter[tuple[str, object]] = Counter()  # (kernel, instantiation or None) → calls
 
     def ran(self, kernel: str, instantiation=None) -> None:
@@ -123,7 +123,7 @@ def fp8_attention_run(attn, device: torch.device) -> Fp8AttentionRun:
     if attn.fp8_attention is None:
         attn.fp8_attention = Fp8AttentionRun(None)
     run = attn.fp8_attention
-    if run.choice is None and device.type == "cuda":
+    if run.choice is None:
         run.choice = resolve_fp8_attention("auto", device, attn.head_dim)
     return run
 

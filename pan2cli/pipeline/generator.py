@@ -135,7 +135,7 @@ class VideoGenerator:
         self.generator_device = self.config.torch_generator_device(self.device)  # where the noise is drawn
         self.config.check_precision(self.device)  # fp8 where it cannot run: bad input before anything loads
         self.fp8_attention: dict | None = (
-            None  # what the fp8 attention of the last sample ran (`fp8_attention_ran`)
+            None  # what the last sample's fp8 attention ran (`fp8_attention_ran`)
         )
         self.progress = progress or _no_progress
         self.info = info or (lambda line: None)
