@@ -17,7 +17,7 @@ if [ ! -f "$torch_include/c10/cuda/impl/cuda_cmake_macros.h" ]; then
     echo '#pragma once' > "$work/stub/c10/cuda/impl/cuda_cmake_macros.h"
 fi
 check() {  # folder, extension name, archs...
-    local src=kernels/$1 name=$2
+    local folder=$1 src=kernels/$1 name=$2
     shift 2
     for arch in "$@"; do
         for cu in "$src"/*.cu; do
@@ -26,7 +26,7 @@ check() {  # folder, extension name, archs...
         nvcc -std=c++17 -O3 -x cu -gencode=arch=compute_$arch,code=sm_$arch -c "$src/binding.cpp" -o "$work/binding.o" \
             -I"$work/stub" -I"$torch_include" -I"$torch_include/torch/csrc/api/include" -I"$py_include" \
             -DTORCH_EXTENSION_NAME="$name"
-        echo "$1, sm_$arch: every source compiles"
+        echo "$folder, sm_$arch: every source compiles"
     done
 }
 check wan22_vae_decode wan22_vae_decode 90a 100a 103a
