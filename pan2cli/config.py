@@ -40,6 +40,9 @@ DECODE_KERNEL_MODES = ("auto", "off", "require")
 GENERATOR_DEVICES = ("cpu", "cuda")
 # The DiT's arithmetic (`RuntimeConfig.precision`): bf16 as released, or the fp8 tier (pan2cli.dit.quantize).
 PRECISIONS = ("bf16", "fp8")
+# The fp8 tier's attention (`RuntimeConfig.fp8_attention`, pan2cli.dit.fp8_attention_choice): "auto" picks pan2's
+# CUDA kernel on sm_90 GPUs with head dim 128 and pan2's Triton kernel elsewhere; cuDNN's only when asked for.
+FP8_ATTENTIONS = ("auto", "cuda", "triton", "cudnn")
 # Latent frames per VAE decoder pass after the first: the output does not depend on it, the memory does.
 DEFAULT_CHUNK_LATENT_FRAMES = 4
 
@@ -112,6 +115,9 @@ RULES: dict[str, Rule] = {
         "a precision name",
         lambda v: v in PRECISIONS,
         f"must be one of: {', '.join(PRECISIONS)}",
+    ),
+    "fp8_attention": Rule(
+        str, "a string", lambda v: v in FP8_ATTENTIONS, f"must be one of: {', '.join(FP8_ATTENTIONS)}"
     ),
     "generator_device": Rule(
         (str, type(None)),
@@ -298,6 +304,10 @@ class RuntimeConfig:
         precision: The DiT's arithmetic, one of `PRECISIONS`: "bf16" as released, or "fp8" (e4m3 linears and
             attention in the 44 blocks, quantised at load; lossy, about twice bf16's speed on fp8 tensor cores:
             `pan2cli.dit.quantize`); fp8 needs a CUDA GPU with fp8 tensor cores (`check_precision`).
+        fp8_attention: The fp8 tier's attention, one of `FP8_ATTENTIONS`: "auto" (pan2's CUDA kernel on sm_90 GPUs
+            with head dim 128, pan2's Triton kernel elsewhere), "cuda", "triton" or "cudnn" (cuDNN's, through
+            nvidia-cudnn-frontend: one V scale per tensor and e4m3 output, less accurate); resolved once per run
+            when the model is prepared (`pan2cli.dit.fp8_attention_choice`); unused in bf16.
 
     Raises:
         InputError: On construction, naming every field with the wrong type or an invalid value.
@@ -313,6 +323,7 @@ class RuntimeConfig:
     chunk_latent_frames: int = DEFAULT_CHUNK_LATENT_FRAMES
     generator_device: str | None = None
     precision: str = "bf16"
+    fp8_attention: str = "auto"
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -321,7 +332,7 @@ class RuntimeConfig:
 
     def check_precision(self, device: torch.device) -> None:
         """Raise `InputError` when `precision` cannot run on `device` (fp8 on the CPU, or a GPU without fp8
-        tensor cores), before anything loads."""
+        tensor cores) or the fp8 attention asked for cannot (`fp8_attention`), before anything loads."""
         if self.precision != "fp8":
             return
         if not self.dit_fused_kernels:
@@ -329,11 +340,26 @@ class RuntimeConfig:
                 "--precision fp8 runs with the fused DiT kernels (they write its e4m3 activations)",
                 hint="drop --no-dit-fused-kernels, or run with --precision bf16",
             )
-        from pan2cli.dit.fp8 import fp8_unsupported_reason
+        from pan2cli.devices import compute_capability, fp8_unsupported_reason
 
         reason = fp8_unsupported_reason(device)
         if reason is not None:
             raise InputError(f"--precision fp8: {reason}", hint="run with --precision bf16 (the default)")
+        if self.fp8_attention == "cuda" and compute_capability(device) != (9, 0):
+            major, minor = compute_capability(device)
+            raise InputError(
+                f"--fp8-attention cuda: pan2's CUDA fp8 attention runs on sm_90 GPUs (H100, H200), this one is "
+                f"sm_{major}{minor}",
+                hint="--fp8-attention auto (the default) runs the Triton kernel here",
+            )
+        if self.fp8_attention == "cudnn":
+            import importlib.util
+
+            if importlib.util.find_spec("cudnn") is None:
+                raise InputError(
+                    "--fp8-attention cudnn: cuDNN's fp8 attention needs nvidia-cudnn-frontend, which is not installed",
+                    hint="pip install 'pan2cli[fp8]', or leave --fp8-attention at auto",
+                )
 
     def torch_generator_device(self, device: torch.device) -> torch.device:
         """Where the initial noise is drawn for a model on `device` (checked: cuda without CUDA is bad input)."""

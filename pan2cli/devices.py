@@ -1,4 +1,5 @@
-"""Which device and dtype a run uses when the user leaves them out, and checks on the ones they name.
+"""Which device and dtype a run uses when the user leaves them out, checks on the ones they name, and what a
+device can run (fp8 tensor cores, the GPU generation a kernel needs).
 
 torch is imported when a device is resolved, not with this module (the dtype names are in pan2cli.constants).
 """
@@ -12,6 +13,9 @@ from pan2cli.errors import InputError
 
 if TYPE_CHECKING:
     import torch
+
+# Ada (sm_89), Hopper (sm_90) and Blackwell (sm_100, sm_120) have fp8 tensor cores; Ampere and older do not.
+FP8_MIN_CAPABILITY = (8, 9)
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -64,3 +68,44 @@ def resolve_generator_device(name: str | None, device: torch.device) -> torch.de
             hint="pass --generator-device cpu, or leave it out to draw the noise on the device that runs the model",
         )
     return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+
+
+def compute_capability(device: torch.device | str) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device that exists, else None (the CPU, no CUDA, an index past the last GPU)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        return None
+    return torch.cuda.get_device_capability(index)
+
+
+def fp8_unsupported_reason(device: torch.device | str) -> str | None:
+    """Why the fp8 tier cannot run on `device`, or None when it can (a CUDA GPU with fp8 tensor cores, torch's
+    fp8 GEMM, Triton)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"fp8 needs a CUDA GPU with fp8 tensor cores (Ada, Hopper, Blackwell); this run is on the {device.type}"
+    if not torch.cuda.is_available():
+        return "fp8 needs a CUDA GPU, and torch sees none"
+    capability = compute_capability(device)
+    if capability is None:
+        return f"there is no GPU {device.index}"
+    if capability < FP8_MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return (
+            f"{name} (sm_{capability[0]}{capability[1]}) has no fp8 tensor cores; "
+            f"fp8 needs sm_{FP8_MIN_CAPABILITY[0]}{FP8_MIN_CAPABILITY[1]} or newer (Ada, Hopper, Blackwell)"
+        )
+    if not hasattr(torch, "_scaled_mm"):
+        return f"this torch ({torch.__version__}) has no fp8 GEMM (torch._scaled_mm)"
+    from pan2cli.triton_support import triton_available
+
+    if not triton_available():
+        return "the fp8 tier's fused kernels need Triton, which is not installed"
+    return None

@@ -9,10 +9,11 @@ TFLOP/s; peak memory; the 50-step estimate. `--variants` compares, in the same r
 the PyTorch reference ops, SDPA pinned to one backend, pan2's attention priority (`pan2cli.dit.attention`,
 "pan2"), and the blocks under `torch.compile` ("compiled", run last: the blocks stay compiled).
 `--profile` adds the CUDA time of one step by kind of kernel (attention, GEMMs, the fused norms, the rest).
-The fp8 tier (`pan2cli.dit.quantize`): "fp8" (as `pan2 generate --precision fp8` runs it: fp8 linears, cuDNN's
-fp8 attention where cudnn-frontend is installed, else ours), "fp8-triton" (our Triton fp8 attention), "fp8-cuda"
-(our CUDA fp8 attention prototype: needs PAN2_KERNEL_EXPERIMENTAL=1 and an sm_90 GPU), "fp8-sdpa" (fp8
-linears, bf16 attention). With bf16 variants in the
+The fp8 tier (`pan2cli.dit.quantize`): "fp8" (as `pan2 generate --precision fp8` runs it: fp8 linears and the
+default fp8 attention, `--fp8-attention auto`: our CUDA kernel on sm_90 GPUs, our Triton kernel elsewhere),
+"fp8-cuda", "fp8-triton", "fp8-cudnn" (that fp8 attention, as `--fp8-attention` asks for it; cuDNN's needs
+nvidia-cudnn-frontend), "fp8-sdpa" (fp8 linears, bf16 attention); each row's "fp8_attention" is what the timed
+steps ran (kernel, calls, the CUDA kernel's instantiation). With bf16 variants in the
 same run the bf16 model is quantised in place after them (list them first); with fp8 variants only, the
 model is made in fp8 block by block, so the bf16 model never occupies the GPU (as `pan2 generate
 --precision fp8` loads it), which is what `--memory-gib 80` measures.
@@ -32,6 +33,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,10 +46,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pan2cli.dit import set_fused_kernels  # noqa: E402
 from pan2cli.dit.attention import attention_backends  # noqa: E402
 from pan2cli.dit.checkpoint import release_defaults  # noqa: E402
+from pan2cli.dit.fp8_attention_choice import fp8_attention_ran, reset_fp8_attention_record  # noqa: E402
 from pan2cli.pipeline.sampling import denoise  # noqa: E402
 from scripts.make_random_pan2 import random_transformer  # noqa: E402
 
-FP8_VARIANTS = ("fp8", "fp8-triton", "fp8-cuda", "fp8-sdpa")
+FP8_VARIANTS = ("fp8", "fp8-cuda", "fp8-triton", "fp8-cudnn", "fp8-sdpa")
 SMALL = dict(
     num_attention_heads=2,
     attention_head_dim=16,
@@ -72,7 +75,8 @@ def parse_args() -> argparse.Namespace:
         choices=["fused", "unfused", "fused-cudnn", "fused-flash", "pan2", "compiled", *FP8_VARIANTS],
         help="DiT ops to time: fused Triton ops or the PyTorch reference; -cudnn / -flash pin SDPA's backend (default: torch's pick); "
         "pan2: fused, under pan2's attention priority; compiled: pan2 with the blocks under torch.compile (put it last); "
-        "fp8, fp8-triton, fp8-cuda, fp8-sdpa: the fp8 tier (after the bf16 variants)",
+        "fp8 (the default fp8 attention), fp8-cuda, fp8-triton, fp8-cudnn (that one), fp8-sdpa (bf16 attention): "
+        "the fp8 tier (after the bf16 variants)",
     )  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="CUDA time of one step by kind of kernel")
     parser.add_argument(
@@ -143,9 +147,11 @@ def weights_gib(model: torch.nn.Module) -> float:
     return round(sum(t.numel() * t.element_size() for t in tensors) / 2**30, 2)
 
 
-def use_variant_precision(model, variant: str) -> None:
-    """Quantise the model to fp8 the first time an fp8 variant comes; set its attention for this variant."""
-    from pan2cli.dit.fp8_attention import ENV_FP8_ATTENTION, Fp8AttentionScales
+def use_variant_precision(model, variant: str, device: torch.device) -> None:
+    """Quantise the model to fp8 the first time an fp8 variant comes; set its attention for this variant, as
+    `pan2 generate --fp8-attention` chooses it (once, building our CUDA kernel where it is chosen)."""
+    from pan2cli.dit.fp8_attention import Fp8AttentionScales
+    from pan2cli.dit.fp8_attention_choice import resolve_fp8_attention, use_fp8_attention
     from pan2cli.dit.quantize import quantize_transformer
 
     if variant not in FP8_VARIANTS:
@@ -156,21 +162,10 @@ def use_variant_precision(model, variant: str) -> None:
     for block in model.transformer_blocks:
         attn = block.attn
         attn.fp8_scales = None if variant == "fp8-sdpa" else Fp8AttentionScales.for_attention(attn)
-    if variant in ("fp8-triton", "fp8-cuda"):
-        os.environ[ENV_FP8_ATTENTION] = variant.removeprefix("fp8-")
-    else:
-        os.environ.pop(ENV_FP8_ATTENTION, None)
-
-
-def fp8_attention_name(model) -> str | None:
-    """Which attention the fp8 blocks run ("cudnn", "triton", "cuda" or "bf16 sdpa"); None for a bf16 model."""
-    from pan2cli.dit.fp8_attention import fp8_attention_backend
-
-    if model.precision != "fp8":
-        return None
-    if model.transformer_blocks[0].attn.fp8_scales is None:
-        return "bf16 sdpa"
-    return fp8_attention_backend()[0]
+    if variant != "fp8-sdpa":
+        requested = "auto" if variant == "fp8" else variant.removeprefix("fp8-")
+        head_dim = model.config.attention_head_dim
+        use_fp8_attention(model, resolve_fp8_attention(requested, device, head_dim))
 
 
 def main() -> None:
@@ -233,7 +228,7 @@ def main() -> None:
             dtype
         )  # " " through the template
         timestep = torch.tensor([900.0], device=device)
-        use_variant_precision(model, variant)
+        use_variant_precision(model, variant, device)
         set_fused_kernels(model, variant != "unfused" and device.type == "cuda")
         backend = {
             "fused-cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -267,6 +262,7 @@ def main() -> None:
             sync()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+            reset_fp8_attention_record(model)  # what the timed steps run
             times = []
             for _ in range(args.steps):
                 begin = time.perf_counter()
@@ -284,12 +280,13 @@ def main() -> None:
         flops = forward_flops(config, video_tokens, args.text) + forward_flops(config, video_tokens, 12)
         row = {
             "frames": frames, "variant": variant, "video_tokens": video_tokens, "text_tokens": args.text,
-            "cfg_step_s": round(seconds, 3), "cfg_step_s_all": [round(t, 3) for t in times],
+            "cfg_step_s": round(seconds, 3), "cfg_step_s_median": round(statistics.median(times), 3),
+            "cfg_step_s_all": [round(t, 3) for t in times],
             "tflops_per_step": round(flops / 1e12, 1), "tflop_per_s": round(flops / seconds / 1e12, 1),
             "fifty_steps_min": round(50 * seconds / 60, 1),
             "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
             "ranks": results["ranks"], "precision": model.precision, "weights_gib": weights_gib(model),
-            "fp8_attention": fp8_attention_name(model),
+            "fp8_attention": fp8_attention_ran(model) if model.precision == "fp8" else None,
             "profile_ms": kinds, "top_kernels_ms_calls": top,
         }  # fmt: skip
         results["runs"].append(row)

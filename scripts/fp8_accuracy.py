@@ -3,8 +3,9 @@ weights cannot be downloaded here; random weights tend to amplify rounding more 
 
 1. `--full`: the full-size transformer (release config, random weights of one seed), one forward's velocity at
    `--frames` (704x1248) with a 300-token prompt, fp8 against bf16, for each choice: per-token or per-tensor
-   activation scales, fp8 attention (cuDNN's, or our Triton kernel) or bf16 attention, the first and last
-   block kept in bf16. Relative RMS error and cosine similarity.
+   activation scales, the fp8 attention (the default, `--fp8-attention auto`: our CUDA kernel on sm_90 GPUs;
+   our Triton kernel; cuDNN's where cudnn-frontend is installed) or bf16 attention, the first and last block
+   kept in bf16. Relative RMS error and cosine similarity.
 2. `--reduced`: a reduced model (4 blocks of 4 heads x 128) against its own float64 forward, for bf16 and
    fp8, so that fp8's error is seen next to bf16's own.
 3. `--video`: a tiny random repository (scripts/make_tiny_pan2.py's writers, that reduced transformer) through
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pan2cli.dit.fp8_attention import ENV_FP8_ATTENTION  # noqa: E402
+from pan2cli.dit.fp8_attention_choice import resolve_fp8_attention, use_fp8_attention  # noqa: E402
 from pan2cli.dit.quantize import Fp8Policy, quantize_transformer  # noqa: E402
 from scripts.make_random_pan2 import random_transformer  # noqa: E402
 
@@ -37,12 +37,13 @@ REDUCED = dict(
     num_attention_heads=4, attention_head_dim=128, num_layers=4, num_refiner_layers=1, text_embed_dim=32,
     rope_axes_dim=(16, 56, 56),
 )  # fmt: skip
-FULL_CHOICES = {  # name → (policy, PAN2_FP8_ATTENTION)
-    "fp8 (per-token, fp8 attention: the tier)": (Fp8Policy(), ""),
+FULL_CHOICES = {  # name → (policy, --fp8-attention)
+    "fp8 (per-token, the default fp8 attention: the tier)": (Fp8Policy(), "auto"),
     "fp8, our Triton fp8 attention": (Fp8Policy(), "triton"),
-    "fp8 linears, bf16 attention": (Fp8Policy(attention=False), ""),
-    "fp8, per-tensor activation scales": (Fp8Policy(activation_scaling="tensor"), ""),
-    "fp8, first and last block bf16": (Fp8Policy(bf16_blocks=frozenset({0, 43})), ""),
+    "fp8, cuDNN's fp8 attention": (Fp8Policy(), "cudnn"),
+    "fp8 linears, bf16 attention": (Fp8Policy(attention=False), "auto"),
+    "fp8, per-tensor activation scales": (Fp8Policy(activation_scaling="tensor"), "auto"),
+    "fp8, first and last block bf16": (Fp8Policy(bf16_blocks=frozenset({0, 43})), "auto"),
 }
 
 
@@ -71,16 +72,19 @@ def full_size(frames: int) -> dict:
         want = model(hidden, t, ctx).float()
         del model
         torch.cuda.empty_cache()
-        for name, (policy, backend) in FULL_CHOICES.items():
-            os.environ.pop(ENV_FP8_ATTENTION, None)
-            if backend:
-                os.environ[ENV_FP8_ATTENTION] = backend
+        for name, (policy, requested) in FULL_CHOICES.items():
+            try:
+                choice = resolve_fp8_attention(requested, device, 128)
+            except Exception as error:  # cuDNN's without cudnn-frontend: said in the results
+                rows[name] = {"unavailable": str(error).splitlines()[0]}
+                continue
             model = random_transformer(device, precision="fp8", policy=policy)
-            rows[name] = compare(model(hidden, t, ctx), want)
+            use_fp8_attention(model, choice)
+            attention = choice.kernel if policy.attention else "bf16 sdpa"
+            rows[name] = {**compare(model(hidden, t, ctx), want), "fp8_attention": attention}
             print(json.dumps({"full": name, **rows[name]}), flush=True)
             del model
             torch.cuda.empty_cache()
-    os.environ.pop(ENV_FP8_ATTENTION, None)
     return rows
 
 

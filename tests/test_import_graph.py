@@ -118,3 +118,15 @@ def test_decode_kernel_modules_stay_readable():
     assert lengths, f"no module under {KERNEL_PACKAGE}"
     too_long = {path: n for path, n in lengths.items() if n > MAX_KERNEL_MODULE_LINES}
     assert not too_long, f"over {MAX_KERNEL_MODULE_LINES} lines (split by job): {too_long}"
+
+
+def test_the_configuration_imports_no_model_code():
+    """`pan2cli.config` (what every command builds before anything loads) sits below the models: the device
+    checks it makes are `pan2cli.devices`', so no arrow runs from it up to the DiT, the VAE or the pipeline."""
+    graph = import_graph(PACKAGE)
+    upward = {
+        m
+        for m in reachable(graph, "pan2cli.config")
+        if m.startswith(("pan2cli.dit", "pan2cli.vae", "pan2cli.pipeline"))
+    }
+    assert not upward, f"pan2cli.config reaches {sorted(upward)}"

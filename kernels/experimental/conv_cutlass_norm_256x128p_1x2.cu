@@ -1,10 +1,10 @@
-// PROTOTYPE of issue 16's fused norm: conv(SiLU(RMS-norm(x))) with the norm applied to the activation tile
-// in shared memory (kernels/wan22_vae_decode/conv_cutlass_norm.cuh), on the decode's 256x128 tiles in
-// clusters of 1x2. Built only with PAN2_KERNEL_EXPERIMENTAL=1 (the decode does not call it); CI compiles
-// it for sm_90a (tests/vae/kernel/test_conv_cutlass.py) so that it keeps building until it is run,
-// measured and moved into kernels/wan22_vae_decode/ (docs/KERNEL_NOTES.md: what it must show first).
+// PROTOTYPE of the fused norm: conv(SiLU(RMS-norm(x))) with the norm applied to the activation tile in
+// shared memory (conv_cutlass_norm.cuh), on the decode's 256x128 tiles in clusters of 1x2. Its own extension
+// (this folder's binding.cpp, `pan2cli.vae.kernel.prototypes`), never the decode's, and not in the wheel;
+// `pytest -m slow` compiles it for sm_90a (tests/vae/kernel/test_conv_cutlass.py) so that it keeps building.
+// Measured 2.7-3.0x slower than the two passes (docs/KERNEL_NOTES.md says why and what a next version needs).
 #include "fused_norm.h"
-#include "../wan22_vae_decode/conv_cutlass_norm.cuh"
+#include "conv_cutlass_norm.cuh"
 
 namespace wan22 {
 #if defined(PAN2_CUTLASS_CONV) && PAN2_CUTLASS_CONV == 90

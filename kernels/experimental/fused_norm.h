@@ -1,6 +1,4 @@
-// Launchers of the fused-norm prototype (kernels/experimental; built only with PAN2_KERNEL_EXPERIMENTAL=1,
-// which defines PAN2_EXPERIMENTAL for binding.cpp). Written before it could run on a GPU: the GPU tests
-// in tests/vae/kernel/test_conv_cutlass_norm.py are what will say whether it is right.
+// Launchers of the fused-norm prototype (this folder; its extension's binding is binding.cpp), for the binding.
 #pragma once
 
 #include "../wan22_vae_decode/decode_kernels.h"

@@ -10,10 +10,6 @@
 #include <vector>
 
 #include "decode_kernels.h"
-#if defined(PAN2_EXPERIMENTAL)
-#include "../experimental/fp8_attention.h"
-#include "../experimental/fused_norm.h"
-#endif
 
 namespace {
 
@@ -228,78 +224,6 @@ void conv_cutlass(const Tensor& x, const Tensor& weight, const Tensor& bias, Ten
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-#if defined(PAN2_EXPERIMENTAL)
-// The fused-norm prototype (kernels/experimental/fused_norm.h). inv_rms [N, D, H, W] fp32 of a dense x.
-void rms_inv(const Tensor& x, Tensor inv_rms) {
-    CHECK_BF16_CUDA(x, "x");
-    TORCH_CHECK(x.is_contiguous() && x.size(-1) % 8 == 0, "x must be dense with channels a multiple of 8");
-    TORCH_CHECK(inv_rms.is_cuda() && inv_rms.scalar_type() == at::kFloat && inv_rms.is_contiguous() &&
-                    inv_rms.numel() * x.size(-1) == x.numel(),
-                "inv_rms must be a dense fp32 tensor of one value per pixel of x");
-    if (x.numel() == 0) return;
-    const c10::cuda::CUDAGuard guard(x.device());
-    wan22::rms_inv(reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), inv_rms.numel(),
-                   static_cast<int>(x.size(-1)), inv_rms.data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-void conv_cutlass_norm(const Tensor& x, const Tensor& inv_rms, const Tensor& gamma, const Tensor& weight,
-                       const Tensor& bias, Tensor out, int64_t pad_w) {
-    Tensor w;
-    const wan22::ConvParams p = conv_params(x, weight, bias, out, pad_w, w);
-    TORCH_CHECK(x.is_contiguous(), "the fused-norm conv reads a dense x");
-    TORCH_CHECK(inv_rms.is_cuda() && inv_rms.scalar_type() == at::kFloat && inv_rms.is_contiguous() &&
-                    inv_rms.numel() * x.size(4) == x.numel(),
-                "inv_rms must be a dense fp32 tensor of one value per pixel of x");
-    CHECK_F32_VECTOR(gamma, "gamma", x.size(4));
-    if (out.numel() == 0) return;
-    const c10::cuda::CUDAGuard guard(x.device());
-    const char* error = wan22::conv_cutlass_norm(p, inv_rms.data_ptr<float>(), gamma.data_ptr<float>(),
-                                                 c10::cuda::getCurrentCUDAStream());
-    TORCH_CHECK(error == nullptr, "conv_cutlass_norm (", x.sizes(), " * ", weight.sizes(), "): ", error);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// The fp8 attention prototype (kernels/experimental/fp8_attention.h) into `out`: q, k [B, S, H, 128] e4m3,
-// v_t [B, H, 128, S_pad] e4m3 (keys in wgmma order with `tma`), qk_descale [1] and v_descale [H] fp32,
-// out [B, S, H, 128] bf16.
-void fp8_attention(const Tensor& q, const Tensor& k, const Tensor& v_t, const Tensor& qk_descale,
-                   const Tensor& v_descale, Tensor out, double sm_scale_log2, double p_shift, int64_t stages,
-                   bool ping_pong, bool tma) {
-    const auto fp8 = at::ScalarType::Float8_e4m3fn;
-    for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v_t, "v_t"}}) {
-        TORCH_CHECK(t->is_cuda() && t->scalar_type() == fp8 && t->is_contiguous(), name,
-                    " must be a contiguous float8_e4m3fn CUDA tensor");
-    }
-    CHECK_BF16_CUDA(out, "out");
-    TORCH_CHECK(q.dim() == 4 && q.size(3) == 128, "q must be [B, S, H, 128], got ", q.sizes());
-    TORCH_CHECK(k.sizes() == q.sizes() && out.sizes() == q.sizes() && out.is_contiguous(),
-                "k and out must be contiguous with q's shape ", q.sizes());
-    const int64_t batch = q.size(0), tokens = q.size(1), heads = q.size(2);
-    TORCH_CHECK(v_t.dim() == 4 && v_t.size(0) == batch && v_t.size(1) == heads && v_t.size(2) == 128 &&
-                    v_t.size(3) >= tokens && v_t.size(3) % 16 == 0,
-                "v_t must be [B, H, 128, S_pad] with S_pad >= S a multiple of 16, got ", v_t.sizes());
-    TORCH_CHECK(qk_descale.is_cuda() && qk_descale.scalar_type() == at::kFloat && qk_descale.numel() == 1,
-                "qk_descale must be one float32 on the GPU");
-    CHECK_F32_VECTOR(v_descale, "v_descale", heads);
-    TORCH_CHECK(batch * heads <= 65535, "batch x heads must be at most 65535");
-    if (tokens == 0) return;
-    const c10::cuda::CUDAGuard guard(q.device());
-    int major = 0, minor = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
-    TORCH_CHECK(major == 9 && minor == 0, "the fp8 attention prototype runs on sm_90 only, not sm_", major, minor);
-    const cudaError_t error = pan2_fp8_attention_launch(
-        reinterpret_cast<const uint8_t*>(q.data_ptr()), reinterpret_cast<const uint8_t*>(k.data_ptr()),
-        reinterpret_cast<const uint8_t*>(v_t.data_ptr()), qk_descale.data_ptr<float>(), v_descale.data_ptr<float>(),
-        reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), static_cast<int>(batch), static_cast<int>(tokens),
-        static_cast<int>(heads), static_cast<int>(v_t.size(3)), static_cast<float>(sm_scale_log2),
-        static_cast<float>(p_shift), static_cast<int>(stages), ping_pong, tma, c10::cuda::getCurrentCUDAStream());
-    TORCH_CHECK(error == cudaSuccess, "fp8_attention (", q.sizes(), ", stages ", stages, "): ",
-                cudaGetErrorString(error));
-}
-#endif
-
 std::vector<std::string> cutlass_conv_configs() {
     int count = 0;
     const char* const* names = wan22::cutlass_conv_configs(&count);
@@ -321,13 +245,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("pad_w"), py::arg("config"));
     m.def("cutlass_conv_configs", &cutlass_conv_configs,
           "the conv tile configurations of this build, in `config` order (empty without CUTLASS)");
-#if defined(PAN2_EXPERIMENTAL)
-    m.def("rms_inv", &rms_inv, "prototype: 1 / max(||x[pixel]||, 1e-12) per pixel", py::arg("x"), py::arg("inv_rms"));
-    m.def("conv_cutlass_norm", &conv_cutlass_norm, "prototype: conv(SiLU(x * inv_rms * gamma)) + bias into `out`",
-          py::arg("x"), py::arg("inv_rms"), py::arg("gamma"), py::arg("weight"), py::arg("bias"), py::arg("out"),
-          py::arg("pad_w"));
-    m.def("fp8_attention", &fp8_attention, "prototype: softmax(Q K^T / sqrt(128)) V, e4m3 in, bf16 `out`",
-          py::arg("q"), py::arg("k"), py::arg("v_t"), py::arg("qk_descale"), py::arg("v_descale"), py::arg("out"),
-          py::arg("sm_scale_log2"), py::arg("p_shift"), py::arg("stages"), py::arg("ping_pong"), py::arg("tma"));
-#endif
 }

@@ -28,7 +28,7 @@
 namespace wan22::cutlass_conv {
 
 // An operand transform: applied by the MMA warp groups to each activation tile in shared memory before
-// their MMAs read it (NormSiluOperand in conv_cutlass_norm.cuh: RMS norm + SiLU). A plain conv has none,
+// their MMAs read it (the fused-norm prototype's NormSiluOperand, kernels/experimental/conv_cutlass_norm.cuh: RMS norm + SiLU). A plain conv has none,
 // and its kernel is the same code as without this parameter (the transform's branch is discarded).
 struct NoOperandTransform {
     static constexpr bool kEnabled = false;

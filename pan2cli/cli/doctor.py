@@ -66,23 +66,32 @@ def collect_report() -> dict:
 
 
 def _fp8(device) -> str:
-    """Whether `--precision fp8` runs here, which fp8 attention it would take, or why it does not run."""
-    from pan2cli.dit.fp8 import fp8_unsupported_reason
-    from pan2cli.dit.fp8_attention import fp8_attention_backend
-    from pan2cli.errors import InputError
+    """Whether `--precision fp8` runs here, and which fp8 attention its default (`--fp8-attention auto`) would
+    take and why (the CUDA kernel's instantiation at 5 s and 20 s of video too), or why fp8 does not run."""
+    import torch
+
+    from pan2cli.devices import fp8_unsupported_reason
+    from pan2cli.dit import cuda_fp8_attention as cuda
+    from pan2cli.dit.checkpoint import release_defaults
+    from pan2cli.dit.fp8_attention_choice import DESCRIPTIONS, resolve_fp8_attention
 
     reason = fp8_unsupported_reason(device)
     if reason is not None:
         return f"no: {reason}"
-    try:
-        backend, why_not_cudnn = fp8_attention_backend()
-    except InputError as exc:  # a bad PAN2_FP8_ATTENTION
-        return f"yes, but {exc}"
-    attention = {
-        "cudnn": "cuDNN's fp8 attention",
-        "cuda": f"pan2's CUDA fp8 attention prototype ({why_not_cudnn})",
-    }.get(backend, f"pan2's Triton fp8 attention ({why_not_cudnn})")
-    return f"yes (--precision fp8: e4m3 linears, {attention})"
+    choice = resolve_fp8_attention("auto", device, release_defaults()["attention_head_dim"], build=False)
+    attention = f"{DESCRIPTIONS[choice.kernel]}: {choice.reason}"
+    if choice.kernel == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+        picks = ", ".join(
+            f"{cuda.choose_instantiation(gpu, tokens).name} at {frames} frames"
+            for frames, tokens in (
+                (121, 26_598 + 300),
+                (481, 103_818 + 300),
+            )  # 704x1248, a prompt's ~300 tokens
+        )
+        built = "built" if cuda.extension_spec().library.exists() else "built on first use"
+        attention += f"; {built}; {picks} (the {cuda.table_gpu(gpu)} rows of its table)"
+    return f"yes (--precision fp8: e4m3 linears, {attention}; --fp8-attention picks another)"
 
 
 def _attention(device) -> str:

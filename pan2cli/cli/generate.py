@@ -33,6 +33,7 @@ from pan2cli.cli._options import (
 from pan2cli.cli._output import info, progress_bar, result, warn
 from pan2cli.config import (
     DECODE_KERNEL_MODES,
+    FP8_ATTENTIONS,
     GENERATOR_DEVICES,
     PRECISIONS,
     RuntimeConfig,
@@ -326,10 +327,19 @@ def _jobs(
     type=click.Choice(PRECISIONS),
     default=None,
     help="The DiT's arithmetic. bf16: as released. fp8: e4m3 linears and attention in the 44 blocks (weights "
-    "quantised at load, activations per token): a step of 5 s of video in 2.69 s instead of 4.31 s on an H200, "
-    "44 GiB instead of 67, but lossy: one forward's velocity 12.6 % off bf16's (relative RMS, random weights) "
-    "with cuDNN's fp8 attention, 5.0 % with PAN2_FP8_ATTENTION=triton (docs/BENCHMARKS.md). Needs a GPU with "
-    "fp8 tensor cores (Ada, Hopper, Blackwell).  [default: the preset's, else bf16]",
+    "quantised at load, activations per token): faster and in less memory, but lossy (README's Precision; the "
+    "figures in docs/BENCHMARKS.md). Needs a GPU with fp8 tensor cores (Ada, Hopper, Blackwell).  "
+    "[default: the preset's, else bf16]",
+)
+@click.option(
+    "--fp8-attention",
+    type=click.Choice(FP8_ATTENTIONS),
+    default="auto",
+    show_default=True,
+    help="With --precision fp8, the kernel of the attention. auto: pan2's CUDA kernel on H100/H200 (sm_90), "
+    "pan2's Triton kernel on other GPUs; cuda or triton: that one; cudnn: cuDNN's (needs nvidia-cudnn-frontend; "
+    "one V scale for all heads and an e4m3 output, less accurate). Their speed and accuracy: docs/BENCHMARKS.md. "
+    "The sidecar records the one that ran.",
 )
 @dtype_option
 @device_option
@@ -365,6 +375,7 @@ def generate_command(
     crf,
     generator_device,
     precision,
+    fp8_attention,
     dtype,
     device,
     gpus,
@@ -400,7 +411,7 @@ def generate_command(
     runtime = RuntimeConfig(
         device=device, dtype=dtype, decode_kernel=decode_kernel, decode_kernel_parallel=decode_kernel_parallel,
         dit_fused_kernels=dit_fused_kernels, offload=offload, generator_device=generator_device,
-        **({"precision": precision} if precision is not None else {}),
+        fp8_attention=fp8_attention, **({"precision": precision} if precision is not None else {}),
     )  # fmt: skip
     if generator_device is not None:  # cuda without CUDA is bad input before any process starts
         runtime.torch_generator_device(runtime.torch_device())

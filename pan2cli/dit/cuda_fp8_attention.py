@@ -1,57 +1,143 @@
-"""pan2's CUDA fp8 attention for Hopper (`kernels/experimental/fp8_attention.cu`): a prototype, opt-in.
+"""pan2's CUDA fp8 attention for Hopper (`kernels/fp8_attention/`): its extension, its instantiations, its launcher.
 
-The third candidate for the fp8 tier's joint attention, beside cuDNN's (`cudnn_fp8_attention.py`) and our
-Triton kernel (`fp8_attention_kernel.py`), with the Triton kernel's inputs (Q, K `[B, S, H, 128]`, V
-transposed `[B, H, 128, S_pad]`, per-head V descale) and output (bf16), written as FlashAttention-3 is:
-warp-specialised (a producer warpgroup copies K/V tiles, two consumer warpgroups take turns at the wgmma
-MMAs so that one's softmax overlaps the other's MMAs), P handed from the S accumulators to the P·V MMA in
-registers, each tile's P·V summed in float32 (the kernel's header says how). Two producers: cp.async by the
-whole producer warpgroup (V in key order, K's rows permuted as they are copied), or TMA by one thread (V's
-keys permuted instead, by `values_fp8(..., key_order="wgmma")`: `v_key_order(tma)` says which V to make).
+The fp8 tier's default joint attention on sm_90 GPUs (H100, H200) with head dim 128 (`fp8_attention_choice`),
+with the Triton kernel's inputs (Q, K `[B, S, H, 128]` e4m3, V transposed `[B, H, 128, S_pad]` with one
+descale per head) and output (bf16), written as FlashAttention-3 is: warp-specialised (a producer warpgroup
+copies K/V tiles, two consumer warpgroups take turns at the wgmma MMAs so that one's softmax overlaps the
+other's MMAs), P handed from the S accumulators to the P·V MMA in registers, each tile's P·V summed in float32
+(the kernel's header says how). Twelve instantiations are compiled: 3, 4 or 5 K/V stages in shared memory,
+the ping-pong schedule on or off, and two producers: cp.async by the whole producer warpgroup (V in key
+order, K's rows permuted as they are copied), or TMA by one thread (V's keys permuted instead, by
+`values_fp8(..., key_order="wgmma")`: `Instantiation.v_key_order` says which V to make).
 
-Status: compiled for sm_90a and its fragment index math checked against CuTe's layouts on the CPU
-(tests/dit/test_fp8_attention_cuda.py); NOT yet run on a GPU, so never chosen by default. It is built into
-the decode extension's experimental build and runs with
-
-    PAN2_KERNEL_EXPERIMENTAL=1 PAN2_FP8_ATTENTION=cuda pan2 generate ... --precision fp8
-
-`scripts/bench_kernels.py fp8-attention` times it beside cuDNN's and the Triton kernel when the
-experimental build is on.
+Which instantiation runs is `choose_instantiation` (GPU, joint token count): a table of the fastest measured,
+with where each row was measured; `scripts/bench_kernels.py fp8-attention` times every instantiation and
+prints the table's pick. The extension is built on first use (`pan2cli.kernel_build`), or by
+`pan2 kernels build`.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 from pan2cli.errors import KernelBuildError
+from pan2cli.kernel_build import ExtensionSpec, arch_flags, current_arch, load_extension, sources_in
+from pan2cli.resources import kernels_dir
 
+EXTENSION = "pan2_fp8_attention"
+FOLDER = "fp8_attention"
+ARCH = "sm_90a"  # wgmma and TMA: Hopper only (sm_100a has no wgmma)
 HEAD_DIM = 128
 STAGES = (3, 4, 5)  # K/V stages in shared memory the kernel is instantiated for (32 KiB each)
-DEFAULT_STAGES, DEFAULT_PING_PONG, DEFAULT_TMA = 4, True, False
+PRODUCERS = ("cp.async", "tma")
 
 
-def v_key_order(tma: bool) -> str:
-    """The `key_order` of `values_fp8` that the kernel's producer needs for its V."""
-    return "wgmma" if tma else "natural"
+@dataclass(frozen=True)
+class Instantiation:
+    """One compiled form of the kernel: `stages` K/V tiles in shared memory, the consumers' `ping_pong`
+    schedule, and the `producer` of the tiles ("cp.async" or "tma")."""
+
+    stages: int
+    ping_pong: bool
+    producer: str
+
+    def __post_init__(self) -> None:
+        if self.stages not in STAGES or self.producer not in PRODUCERS:
+            raise ValueError(
+                f"no instantiation of {self.stages} stages with {self.producer}: {STAGES} x {PRODUCERS}"
+            )
+
+    @property
+    def tma(self) -> bool:
+        return self.producer == "tma"
+
+    @property
+    def v_key_order(self) -> str:
+        """The `key_order` of `values_fp8` that this producer needs for its V."""
+        return "wgmma" if self.tma else "natural"
+
+    @property
+    def name(self) -> str:
+        return f"s{self.stages}-{'pingpong' if self.ping_pong else 'free'}-{self.producer}"
+
+    def record(self) -> dict:
+        """As the sidecar records it."""
+        return {"stages": self.stages, "ping_pong": self.ping_pong, "producer": self.producer}
 
 
-def prototype_ops(device: torch.device):
-    """The experimental build's ops for `device` (building it on first use), or a `KernelBuildError`."""
-    from pan2cli.vae.kernel.build import experimental_flags, load_kernel
+INSTANTIATIONS = tuple(Instantiation(s, p, t) for t in PRODUCERS for s in STAGES for p in (True, False))
 
-    if not experimental_flags():
-        raise KernelBuildError(
-            "pan2's CUDA fp8 attention is a prototype in the experimental kernel build",
-            hint="set PAN2_KERNEL_EXPERIMENTAL=1 as well, or leave PAN2_FP8_ATTENTION unset",
-        )
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        raise KernelBuildError("pan2's CUDA fp8 attention runs on sm_90 GPUs (H100, H200) only")
-    ops = load_kernel(device)
-    if not hasattr(ops, "fp8_attention"):
-        raise KernelBuildError("the experimental kernel build has no fp8_attention (an older cached build?)")
-    return ops
+# The instantiation that runs, per GPU (a substring of its name) and joint token count (video + text): rows of
+# (up to this many tokens, or None for any), first match wins, from `scripts/bench_kernels.py fp8-attention`.
+# H100 80GB HBM3, 2026-12-06, tree e918a66, 32 heads of 128: at 121 frames (26,898 tokens) s3 ping-pong TMA
+# 13.28 ms (the fastest of the twelve; cuDNN fp8 14.01), at 481 frames (104,118) s4 free TMA 206.8 ms (cuDNN
+# fp8 216.7); the boundary between them (about 64k tokens) is not measured yet. Other sm_90 GPUs (H200, H800,
+# GH200) take the H100's rows until they are measured.
+CHOICE_TABLE: dict[str, tuple[tuple[int | None, Instantiation], ...]] = {
+    "H100": (
+        (65536, Instantiation(3, True, "tma")),
+        (None, Instantiation(4, False, "tma")),
+    ),
+}
+DEFAULT_GPU = "H100"  # the rows a GPU without its own takes
+
+
+def table_gpu(gpu_name: str) -> str:
+    """The `CHOICE_TABLE` key whose rows a GPU of this name (`torch.cuda.get_device_name`) takes."""
+    return next((key for key in CHOICE_TABLE if key in gpu_name), DEFAULT_GPU)
+
+
+def choose_instantiation(gpu_name: str, tokens: int) -> Instantiation:
+    """The instantiation that runs on a GPU named `gpu_name` for `tokens` joint tokens (`CHOICE_TABLE`)."""
+    for limit, instantiation in CHOICE_TABLE[table_gpu(gpu_name)]:
+        if limit is None or tokens <= limit:
+            return instantiation
+    raise AssertionError("every row list of CHOICE_TABLE ends with a row for any count")
+
+
+def extension_spec(arch: str = ARCH) -> ExtensionSpec:
+    """The fp8 attention's build (its own extension, not the decode kernel's)."""
+    return ExtensionSpec(
+        name=EXTENSION,
+        arch=arch,
+        sources=sources_in(kernels_dir() / FOLDER),
+        cuda_flags=tuple(arch_flags(arch)),
+        what="pan2's CUDA fp8 attention",
+        hint="set PAN2_KERNEL_VERBOSE=1 to see the compiler output; --fp8-attention triton runs the Triton kernel",
+    )
+
+
+def why_not_runnable(device: torch.device, head_dim: int) -> str | None:
+    """None where the CUDA kernel can run a model on `device` with heads of `head_dim`, else why not."""
+    if head_dim != HEAD_DIM:
+        return f"its head dim is {HEAD_DIM}, the model's {head_dim}"
+    if device.type != "cuda":
+        return f"it needs an sm_90 GPU, this run is on the {device.type}"
+    if current_arch(device) != ARCH:
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"it runs on sm_90 GPUs (H100, H200), this one is sm_{major}{minor}"
+    return None
+
+
+_loaded: list[ModuleType] = []  # the extension, once loaded (one build serves every sm_90 GPU)
+
+
+def extension_ops(device: torch.device) -> ModuleType:
+    """The extension for `device` (built on first use; the binding refuses a GPU other than sm_90).
+
+    Raises:
+        KernelBuildError: not an sm_90 GPU, or the build failed (the first compiler error, the log's path).
+    """
+    if not _loaded:
+        reason = why_not_runnable(device, HEAD_DIM)
+        if reason is not None:
+            raise KernelBuildError(f"pan2's CUDA fp8 attention cannot run here: {reason}")
+        _loaded.append(load_extension(extension_spec()))
+    return _loaded[0]
 
 
 def cuda_fp8_attention(
@@ -62,24 +148,36 @@ def cuda_fp8_attention(
     v_descale: torch.Tensor,
     out: torch.Tensor | None = None,
     *,
-    stages: int = DEFAULT_STAGES,
-    ping_pong: bool = DEFAULT_PING_PONG,
-    tma: bool = DEFAULT_TMA,
+    instantiation: Instantiation,
 ) -> torch.Tensor:
     """softmax(Q·Kᵀ/√128)·V from e4m3 inputs and their descales, no mask → `out` (bf16 `[B, S, H, 128]`).
 
-    Args: as `fp8_attention_kernel.fp8_attention` (head dim 128 only; with `tma`, v_t's keys in the wgmma
-    order, `v_key_order(True)`), plus `stages` (K/V tiles in shared memory, 3-5), `ping_pong` (the consumer
-    warpgroups take turns at the MMAs) and `tma` (the producer's copies).
+    Args: as `fp8_attention_kernel.fp8_attention` (head dim 128 only; v_t's keys in `instantiation.v_key_order`),
+    plus `instantiation` (`choose_instantiation`, or any of `INSTANTIATIONS`).
     """
     from pan2cli.dit.fp8 import P_SHIFT
 
-    assert q.shape[-1] == HEAD_DIM, f"head dim must be {HEAD_DIM}, got {q.shape[-1]}"
-    assert stages in STAGES, f"stages must be one of {STAGES}"
     if out is None:
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-    prototype_ops(q.device).fp8_attention(
+    extension_ops(q.device).fp8_attention(
         q, k, v_t, qk_descale, v_descale, out, math.log2(math.e) / math.sqrt(HEAD_DIM), float(P_SHIFT),
-        stages, ping_pong, tma,
+        instantiation.stages, instantiation.ping_pong, instantiation.tma,
     )  # fmt: skip
     return out
+
+
+def build_status(device: torch.device | None = None) -> tuple[bool, str | None, str]:
+    """(built, build folder, a line on it) for `pan2 kernels status`: whether this machine's GPU runs the kernel
+    and whether its extension is built; nothing is built here."""
+    device = device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    reason = why_not_runnable(device, HEAD_DIM)
+    if reason is not None:
+        return False, None, f"not built for this machine: {reason}"
+    spec = extension_spec()
+    if spec.library.exists():
+        return True, str(spec.build_dir), "built, loads from the cache"
+    return (
+        False,
+        str(spec.build_dir),
+        "built on the first fp8 run, or now with `pan2 kernels build`",
+    )

@@ -1,7 +1,7 @@
 """cuDNN's fp8 attention through cudnn-frontend's Python package (optional: `pip install nvidia-cudnn-frontend`).
 
-The alternative to the Triton kernel (`fp8_attention_kernel.py`) that `scripts/bench_kernels.py fp8-attention`
-measures beside it, and that `PAN2_FP8_ATTENTION=cudnn` selects. cuDNN's fp8 SDPA takes one descale per
+The third fp8 attention beside pan2's CUDA and Triton kernels, run only when asked for (`--fp8-attention cudnn`,
+`pan2cli.dit.fp8_attention_choice`) and timed beside them by `scripts/bench_kernels.py fp8-attention`. cuDNN's fp8 SDPA takes one descale per
 tensor for Q, K and V (the V of `values_fp8(..., per_tensor=True)`) and scales P by 448 before its e4m3
 cast. On Hopper it writes the output in e4m3 too (cuDNN 9.19 makes a bf16 output on Blackwell only): each
 output row is a convex combination of V's rows, so |O| ≤ max|V| and O takes V's descale with no measured
@@ -25,7 +25,7 @@ def cudnn_frontend():
     except ImportError as error:
         raise KernelBuildError(
             f"cuDNN's fp8 attention needs cudnn-frontend's Python package ({error})",
-            hint="pip install nvidia-cudnn-frontend, or leave PAN2_FP8_ATTENTION unset for the Triton kernel",
+            hint="pip install nvidia-cudnn-frontend, or leave --fp8-attention at auto (pan2's own kernels)",
         ) from None
     return cudnn
 

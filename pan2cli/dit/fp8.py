@@ -59,8 +59,6 @@ FAST_ACCUMULATION = os.environ.get("PAN2_FP8_FAST_ACCUM", "1").strip() != "0"
 # cuBLASLt has no fast-accumulation kernel for a few rows (CUBLAS_STATUS_NOT_SUPPORTED at 12, the negative
 # prompt's text tokens); the text stream's GEMMs are a fraction of a percent of the time anyway.
 FAST_ACCUMULATION_MIN_ROWS = 1024
-# Ada (sm_89), Hopper (sm_90) and Blackwell (sm_100, sm_120) have fp8 tensor cores; Ampere and older do not.
-MIN_CAPABILITY = (8, 9)
 # `quantize_weight` quantises this many elements at a time, so that its float32 temporary stays 64 MiB.
 QUANTIZE_BLOCK_ELEMENTS = 2**24
 
@@ -82,32 +80,6 @@ class Fp8Activation(NamedTuple):
 
 class NonFiniteError(Pan2Error):
     """NaN or Inf reached the fp8 tier's activations (or the latents): exit code 1."""
-
-
-def fp8_unsupported_reason(device: torch.device | str) -> str | None:
-    """Why fp8 cannot run on `device`, or None when it can (a CUDA GPU with fp8 tensor cores, torch's fp8 GEMM, Triton)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"fp8 needs a CUDA GPU with fp8 tensor cores (Ada, Hopper, Blackwell); this run is on the {device.type}"
-    if not torch.cuda.is_available():
-        return "fp8 needs a CUDA GPU, and torch sees none"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index >= torch.cuda.device_count():
-        return f"there is no GPU {index}"
-    capability = torch.cuda.get_device_capability(index)
-    name = torch.cuda.get_device_name(index)
-    if capability < MIN_CAPABILITY:
-        return (
-            f"{name} (sm_{capability[0]}{capability[1]}) has no fp8 tensor cores; "
-            f"fp8 needs sm_{MIN_CAPABILITY[0]}{MIN_CAPABILITY[1]} or newer (Ada, Hopper, Blackwell)"
-        )
-    if not hasattr(torch, "_scaled_mm"):
-        return f"this torch ({torch.__version__}) has no fp8 GEMM (torch._scaled_mm)"
-    from pan2cli.triton_support import triton_available
-
-    if not triton_available():
-        return "the fp8 tier's fused kernels need Triton, which is not installed"
-    return None
 
 
 # -- quantisation (PyTorch reference; the Triton kernels compute the same) ---------------------------

@@ -16,16 +16,14 @@ sequence parallelism, which keeps bf16 attention):
    then one fixed scale per tensor (the RMSNorm bound of `pan2cli.dit.fp8.qk_bound`, doubled for the
    smoothed K; per block, the stream with the larger weights setting it);
 3. `values_fp8` quantises V with one scale per head, transposed for the kernel;
-4. cuDNN's fp8 attention through cudnn-frontend (`cudnn_fp8_attention.py`; per-tensor V scale, e4m3 output
-   that `to_out` takes without another quantisation): 14.1 ms at 121 frames on an H200 against 16.2 for our
-   Triton kernel and 20.4 for cuDNN's bf16 (scripts/bench_kernels.py fp8-attention). Where cudnn-frontend is not
-   installed, or cuDNN cannot build the graph on this GPU, our Triton kernel (`fp8_attention_kernel.py`;
-   per-head V scale) runs instead, said once on stderr. `PAN2_FP8_ATTENTION=triton` (or `cudnn`) forces one;
-   `PAN2_FP8_ATTENTION=cuda` runs our CUDA prototype for Hopper (`cuda_fp8_attention.py`: opt-in, not yet
-   measured; head dim 128 only, the Triton kernel otherwise);
+4. the fp8 attention the run chose once (`fp8_attention_choice`: pan2's CUDA kernel on sm_90 GPUs with head
+   dim 128, pan2's Triton kernel elsewhere, cuDNN's when asked for), each call recorded in the block's
+   `Fp8AttentionRun` (what ran, for the sidecar); cuDNN's e4m3 output goes to `to_out` without another
+   quantisation;
 5. the output projections.
 
-On the CPU (tests) the same steps run as PyTorch emulations (`quantize_qk_reference`, `attention_reference`):
+On the CPU (tests) the same steps run as PyTorch emulations (`quantize_qk_reference`, `attention_reference`,
+recorded as "emulation"):
 Q and K smoothed, rotated (float16 operands, as the kernel's tensor cores take them) and rounded to e4m3
 with the same scales, V per head, P rounded to e4m3 (times 2⁸) as the kernel rounds it, the rest in float32.
 
@@ -44,8 +42,6 @@ and one V descale per head. Head dims outside 16-128 or not a power of two are q
 from __future__ import annotations
 
 import math
-import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -61,11 +57,8 @@ from pan2cli.dit.fp8 import (
     qk_bound,
     quantize_with_scales,
 )
+from pan2cli.dit.fp8_attention_choice import Fp8AttentionRun, fp8_attention_run
 from pan2cli.dit.fusions import compute_dtype, qk_norm_rope, qk_norm_rope_reference
-
-# "cudnn", "triton" or "cuda" (the CUDA prototype); unset: cuDNN where it runs, else Triton
-ENV_FP8_ATTENTION = "PAN2_FP8_ATTENTION"
-_cudnn_failure: list[str] = []  # why cuDNN's fp8 attention did not run in this process (said once)
 
 
 @dataclass
@@ -180,34 +173,10 @@ def attention_reference(
     return out.transpose(1, 2)
 
 
-def fp8_attention_backend() -> tuple[str, str | None]:
-    """(the fp8 attention that runs, why not cuDNN's or None): "cudnn", "triton" or "cuda" (`ENV_FP8_ATTENTION`)."""
-    choice = os.environ.get(ENV_FP8_ATTENTION, "").strip().lower()
-    if choice not in ("", "triton", "cudnn", "cuda"):
-        from pan2cli.errors import InputError
-
-        raise InputError(
-            f"{ENV_FP8_ATTENTION}={choice!r} is not an fp8 attention",
-            hint="use cudnn, triton or cuda (the CUDA prototype)",
-        )
-    if choice in ("triton", "cuda"):
-        return choice, f"{ENV_FP8_ATTENTION}={choice}"
-    if _cudnn_failure:
-        return "triton", _cudnn_failure[0]
-    try:
-        import cudnn  # noqa: F401
-    except ImportError:
-        if choice == "cudnn":
-            from pan2cli.dit.cudnn_fp8_attention import cudnn_frontend
-
-            cudnn_frontend()  # raises the error that says how to install it
-        return "triton", "cudnn-frontend is not installed (pip install 'pan2cli[fp8]')"
-    return "cudnn", None
-
-
 def joint_attention_fp8(attn, x, ctx, cos: torch.Tensor, sin: torch.Tensor, fused: bool):
     """`PAN2Attention.forward` with fp8 Q/K/V and attention (module docstring) → (video out, text out)."""
     scales: Fp8AttentionScales = attn.fp8_scales
+    run = fp8_attention_run(attn, (x.data if isinstance(x, Fp8Activation) else x).device)
     batch, n_video = x.shape[:2]
     n_text = ctx.shape[1]
     heads = (attn.heads, attn.head_dim)
@@ -222,7 +191,7 @@ def joint_attention_fp8(attn, x, ctx, cos: torch.Tensor, sin: torch.Tensor, fuse
         q_video, k_video, q_text, k_text, weights, cos, sin, eps=attn.eps, scales=scales, fused=fused
     )
     if fused:
-        out = _attend_fused(q8, k8, [v_video, v_text], scales.qk_descale, attn.heads)
+        out = _attend_fused(q8, k8, [v_video, v_text], scales.qk_descale, attn.heads, run)
         if isinstance(out, Fp8Activation):  # cuDNN's e4m3 output, one descale: to_out takes it as it is
             data = out.data.reshape(batch, n_video + n_text, -1)
             scale = out.scale.expand(batch, n_video + n_text)
@@ -233,39 +202,40 @@ def joint_attention_fp8(attn, x, ctx, cos: torch.Tensor, sin: torch.Tensor, fuse
         v = torch.cat([v_video, v_text], dim=1).view(batch, n_video + n_text, *heads)
         v8, v_descale = quantize_values_reference(v)
         out = attention_reference(q8, k8, v8, scales.q_descale * scales.k_descale, v_descale).to(v.dtype)
+        run.ran("emulation")
     out = out.reshape(batch, n_video + n_text, -1)
     return attn.to_out[0](out[:, :n_video]), attn.to_add_out(out[:, n_video:])
 
 
-def _attend_fused(q8: torch.Tensor, k8: torch.Tensor, v_streams, qk_descale: torch.Tensor, heads: int):
+def _attend_fused(
+    q8: torch.Tensor, k8: torch.Tensor, v_streams, qk_descale: torch.Tensor, heads: int, run: Fp8AttentionRun
+):
+    """The chosen kernel on e4m3 Q, K and V quantised for it (per head; per tensor for cuDNN); recorded in `run`."""
     from pan2cli.dit.fp8_values_kernel import values_fp8
 
     batch, n_tokens, _, head_dim = q8.shape
     v_descale = torch.empty(heads, dtype=torch.float32, device=q8.device)
-    backend, _ = fp8_attention_backend()
-    if backend == "cudnn":
+    kernel = run.choice.kernel
+    if kernel == "cudnn":
         from pan2cli.dit.cudnn_fp8_attention import cudnn_fp8_attention
 
         v8 = torch.empty(batch, n_tokens, heads, head_dim, dtype=FP8, device=q8.device)
+        # cuDNN applies one V descale to every head: the heads' scales made equal (the largest).
         values_fp8(v_streams, heads, v8, v_descale, transposed=False, per_tensor=True)
-        try:
-            return Fp8Activation(*cudnn_fp8_attention(q8, k8, v8, qk_descale, v_descale))
-        except Exception as error:  # cuDNN declined the graph on this GPU: the Triton kernel, said once
-            if os.environ.get(ENV_FP8_ATTENTION, "").strip().lower() == "cudnn":
-                raise
-            first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-            _cudnn_failure.append(f"cuDNN's fp8 attention does not run here ({first_line[:160]})")
-            print(f"Note: {_cudnn_failure[0]}; using pan2's Triton fp8 attention.", file=sys.stderr)
+        run.ran("cudnn")
+        return Fp8Activation(*cudnn_fp8_attention(q8, k8, v8, qk_descale, v_descale))
     from pan2cli.dit.fp8_attention_kernel import fp8_attention, padded_keys
 
     v_t = torch.empty(batch, heads, head_dim, padded_keys(n_tokens), dtype=FP8, device=q8.device)
-    # The CUDA prototype takes one head size, PAN 2's 128; other sizes run the Triton kernel.
-    if backend == "cuda" and head_dim == 128:
-        from pan2cli.dit.cuda_fp8_attention import DEFAULT_TMA, cuda_fp8_attention, v_key_order
+    if kernel == "cuda":
+        from pan2cli.dit.cuda_fp8_attention import choose_instantiation, cuda_fp8_attention
 
-        values_fp8(v_streams, heads, v_t, v_descale, key_order=v_key_order(DEFAULT_TMA))
-        return cuda_fp8_attention(q8, k8, v_t, qk_descale, v_descale)
+        instantiation = choose_instantiation(torch.cuda.get_device_name(q8.device), n_tokens)
+        values_fp8(v_streams, heads, v_t, v_descale, key_order=instantiation.v_key_order)
+        run.ran("cuda", instantiation)
+        return cuda_fp8_attention(q8, k8, v_t, qk_descale, v_descale, instantiation=instantiation)
     values_fp8(v_streams, heads, v_t, v_descale)
+    run.ran("triton")
     return fp8_attention(q8, k8, v_t, qk_descale, v_descale)
 
 

@@ -227,8 +227,10 @@ class PAN2Attention(nn.Module):
         )
         self.norm_added_q, self.norm_added_k = PAN2RMSNorm(head_dim, eps), PAN2RMSNorm(head_dim, eps)
         self.to_add_out = nn.Linear(inner, dim)
-        # Set by `pan2cli.dit.quantize` for fp8 attention (`pan2cli.dit.fp8_attention.Fp8AttentionScales`).
+        # Set by `pan2cli.dit.quantize` for fp8 attention (`pan2cli.dit.fp8_attention.Fp8AttentionScales`), and
+        # the kernel it runs with the record of its calls (`pan2cli.dit.fp8_attention_choice.use_fp8_attention`).
         self.fp8_scales = None
+        self.fp8_attention = None
 
     def forward(
         self, x: torch.Tensor | Fp8Activation, ctx: torch.Tensor | Fp8Activation, cos: torch.Tensor,

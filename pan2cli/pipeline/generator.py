@@ -33,6 +33,7 @@ from pan2cli.atomic import replace_into
 from pan2cli.config import GenerationSettings, RuntimeConfig, settings_with
 from pan2cli.constants import video_frames
 from pan2cli.dit.attention import attention_backend, attention_backends, attention_order
+from pan2cli.dit.fp8_attention_choice import fp8_attention_ran, reset_fp8_attention_record
 from pan2cli.errors import InputError, Pan2Error, out_of_memory
 from pan2cli.outputs import check_output_path
 from pan2cli.pipeline.background import BackgroundLoad
@@ -133,7 +134,9 @@ class VideoGenerator:
         self.vae_dtype = self.config.torch_vae_dtype(self.device)
         self.generator_device = self.config.torch_generator_device(self.device)  # where the noise is drawn
         self.config.check_precision(self.device)  # fp8 where it cannot run: bad input before anything loads
-        self.fp8_attention: str | None = None  # which fp8 attention ran (`pan2cli.dit.fp8_attention`)
+        self.fp8_attention: dict | None = (
+            None  # what the last sample's fp8 attention ran (`fp8_attention_ran`)
+        )
         self.progress = progress or _no_progress
         self.info = info or (lambda line: None)
         self.warn = warn or (lambda line: warnings.warn(line, stacklevel=3))
@@ -457,13 +460,14 @@ class VideoGenerator:
         from pan2cli.dit.fusions import set_fused_kernels, triton_available
 
         cfg = self.config
-        if cfg.precision == "fp8":
-            from pan2cli.dit.fp8_attention import fp8_attention_backend
+        if cfg.precision == "fp8":  # the fp8 attention chosen once for the run (built now where it is ours)
+            from pan2cli.dit.fp8_attention_choice import resolve_fp8_attention, use_fp8_attention
 
-            self.fp8_attention, why_not_cudnn = fp8_attention_backend()
-            if why_not_cudnn:
-                kernel = "CUDA prototype" if self.fp8_attention == "cuda" else "Triton kernel"
-                self.info(f"fp8 attention: pan2's {kernel} ({why_not_cudnn}).")
+            head_dim = self.dit_config.get("attention_head_dim", 128)
+            choice = resolve_fp8_attention(cfg.fp8_attention, self.device, head_dim)
+            use_fp8_attention(model, choice)
+            if choice.fallback:
+                self.info(f"fp8 attention: pan2's Triton kernel ({choice.reason}).")
         fused = False
         if cfg.dit_fused_kernels:
             head_dim = self.dit_config.get("attention_head_dim", 128)
@@ -585,11 +589,13 @@ class VideoGenerator:
         scheduler = self.components.scheduler
         sigmas = scheduler.sigmas(settings.steps, self.flow_shift(settings)[0]).tolist()
         self.attention = self._attention_backend(model, shape, cond)
+        reset_fp8_attention_record(model)
         with attention_backends():  # cuDNN SDPA first, falling through to flash, efficient, math
             latents = denoise(
                 model, latents, condition, cond, uncond, sigmas, settings.guidance, scheduler.num_train_timesteps,
                 split=split, on_step=on_step,
             )  # fmt: skip
+        self.fp8_attention = fp8_attention_ran(model)  # what ran, not what was asked for
         if getattr(model, "precision", "bf16") == "fp8":  # a NaN/Inf activation gives NaN latents: say so
             from pan2cli.dit.fp8 import check_finite
 

@@ -13,17 +13,19 @@ values; fp8 inputs are quantised as the tier quantises them (Q/K by the RMSNorm 
 `--compare-kernel FILE` times another version of `pan2cli/dit/fp8_attention_kernel.py` beside the tree's, on the
 same inputs (`git show REV:pan2cli/dit/fp8_attention_kernel.py > /tmp/old_kernel.py`), as "compared_*".
 
-With `PAN2_KERNEL_EXPERIMENTAL=1` on an sm_90 GPU, pan2's CUDA fp8 attention prototype
-(`pan2cli/dit/cuda_fp8_attention.py`) runs too, in each of its instantiations (`--cuda-configs`: K/V stages x
-ping-pong on/off x cp.async or TMA copies), as "cuda_fp8_s<stages>_<pp|free>_<cpasync|tma>"; otherwise the
-results say why not.
+On an sm_90 GPU, pan2's CUDA fp8 attention (`pan2cli/dit/cuda_fp8_attention.py`, the tier's default there)
+runs too, in each of its instantiations (`--cuda-configs`: K/V stages x ping-pong on/off x cp.async or TMA
+copies), as "cuda_fp8_s<stages>_<pingpong|free>_<cp.async|tma>", and each length's row names the one its table
+picks for this GPU ("cuda_fp8_table_pick"); V is quantised for it in both key orders ("values_fp8_ms",
+"values_fp8_wgmma_ms": the TMA producer's order should cost the same). Elsewhere the results say why not.
+The last lines are a markdown table per length: every kernel's milliseconds and error, the pick marked.
 
-    PAN2_KERNEL_EXPERIMENTAL=1 python3 scripts/bench_kernels.py fp8-attention --frames 121 481 --configs default
+    python3 scripts/bench_kernels.py fp8-attention --frames 121 481 --configs default
 
 `--suite` runs the outlier suite instead (`pan2cli.testing.attention_inputs`: synthetic pre-norm Q/K/V shaped
 like a trained DiT's, through the real `qk_norm_rope`) at the first `--frames` length (default 121: 26,898
 tokens, 32 heads of 128): the error of cuDNN bf16, cuDNN fp8 (per-tensor), our Triton fp8 and our CUDA fp8
-(when it loads; `--cuda-configs`' first instantiation) against float64 over the first `--check-rows` query
+(when it loads; the instantiation its table picks) against float64 over the first `--check-rows` query
 rows of every head, each fp8 attention on Q/K quantised before (one fixed scale) and after (rotated and
 K-smoothed, the tier's default), and the time of the Q/K quantisation both ways. One markdown table, in
 well under a minute after the kernels compile. `--suite --emulate` runs the suite on the CPU instead, in
@@ -49,6 +51,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
+from pan2cli.dit.cuda_fp8_attention import Instantiation, choose_instantiation, cuda_fp8_attention  # noqa: E402
 from pan2cli.dit.fp8 import E4M3_MAX, FP8  # noqa: E402
 from pan2cli.dit.fp8_attention_kernel import CONFIGS, fp8_attention, padded_keys  # noqa: E402
 from pan2cli.dit.fp8_values_kernel import values_fp8  # noqa: E402
@@ -71,7 +74,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-cudnn-fp8", action="store_true")
     parser.add_argument(
         "--cuda-configs", default="all",
-        help="the CUDA prototype's instantiations: 'all', 'default', 'none', or stages,pingpong,tma (0|1);...",
+        help="the CUDA kernel's instantiations: 'all', 'table' (the table's pick), 'none', or "
+        "stages,pingpong(0|1),producer(cp.async|tma);...",
     )  # fmt: skip
     parser.add_argument(
         "--compare-kernel",
@@ -105,28 +109,23 @@ def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).norm() / want.norm())
 
 
-def cuda_candidates(spec: str, device: torch.device) -> tuple[list[tuple[int, bool, bool]], str]:
-    """The CUDA prototype's (stages, ping_pong, tma) instantiations to time, and a word on its availability."""
-    from pan2cli.dit.cuda_fp8_attention import (
-        DEFAULT_PING_PONG,
-        DEFAULT_STAGES,
-        DEFAULT_TMA,
-        STAGES,
-        prototype_ops,
-    )
+def cuda_candidates(spec: str, device: torch.device) -> tuple[list[Instantiation] | None, str]:
+    """The CUDA kernel's instantiations to time (None: the table's pick of each length), and a word on its
+    availability."""
+    from pan2cli.dit import cuda_fp8_attention as cuda
 
     if spec == "none":
         return [], "not asked for"
     try:
-        prototype_ops(device)
-    except Exception as error:  # not built here: said in the results
+        cuda.extension_ops(device)
+    except Exception as error:  # not here (another GPU, a failed build): said in the results
         return [], f"unavailable: {error}"
     if spec == "all":
-        return [(s, p, t) for t in (False, True) for s in STAGES for p in (True, False)], "built"
-    if spec == "default":
-        return [(DEFAULT_STAGES, DEFAULT_PING_PONG, DEFAULT_TMA)], "built"
-    configs = [tuple(int(v) for v in c.split(",")) for c in spec.split(";")]
-    return [(s, bool(p), bool(t)) for s, p, t in configs], "built"
+        return list(cuda.INSTANTIATIONS), "built"
+    if spec == "table":
+        return None, "built"
+    configs = [c.split(",") for c in spec.split(";")]
+    return [Instantiation(int(s), bool(int(p)), t) for s, p, t in configs], "built"
 
 
 def load_kernel_file(path: Path):
@@ -135,6 +134,27 @@ def load_kernel_file(path: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def print_table(row: dict) -> None:
+    """One length's kernels as a markdown table: milliseconds, TFLOP/s, error against float32; the CUDA
+    kernel's instantiation that the table picks is marked."""
+    pick = (
+        "cuda_fp8_" + row["cuda_fp8_table_pick"].replace("-", "_") if "cuda_fp8_table_pick" in row else None
+    )
+    print(f"\n{row['frames']} frames ({row['tokens']} tokens)\n")
+    print("| kernel | ms | TFLOP/s | error vs float32 |")
+    print("| --- | ---: | ---: | ---: |")
+    for key in row:
+        if key.endswith("_ms") and not key.startswith("values_fp8"):
+            name = key[:-3]
+            mark = " (the table's pick)" if name == pick else ""
+            print(
+                f"| {name}{mark} | {row[key]} | {row.get(name + '_tflops', '')} | {row.get(name + '_err', '')} |"
+            )
+    print(
+        f"\nV quantised: {row['values_fp8_ms']} ms in key order, {row['values_fp8_wgmma_ms']} ms in the wgmma order"
+    )
 
 
 def suite_table(rows: list[dict], columns: dict[str, str]) -> str:
@@ -156,9 +176,7 @@ def run_suite_on_gpu(args: argparse.Namespace) -> dict:
     device = torch.device("cuda")
     frames = args.frames[0]
     grid = (1 + (frames - 1) // 4, 22, 39)  # 704x1248: 44x78 latents in patches of 2
-    cuda_configs, cuda_status = cuda_candidates(
-        "default" if args.cuda_configs == "all" else args.cuda_configs, device
-    )
+    _, cuda_status = cuda_candidates("table", device)
     try:
         from pan2cli.dit.cudnn_fp8_attention import cudnn_fp8_attention, cudnn_frontend
 
@@ -199,16 +217,14 @@ def run_suite_on_gpu(args: argparse.Namespace) -> dict:
                 values_fp8(v_streams, HEADS, v8, v8_descale, transposed=False, per_tensor=True)
                 o8, o_descale = cudnn_fp8_attention(q8, k8, v8, scales.qk_descale, v8_descale)
                 row[f"cudnn_fp8_{label}"] = relative_rms(o8[:, :rows].float() * o_descale, want)
-            for stages, ping_pong, tma in cuda_configs[:1]:
+            if cuda_status == "built":
                 try:
-                    from pan2cli.dit.cuda_fp8_attention import cuda_fp8_attention, v_key_order
-
+                    pick = choose_instantiation(torch.cuda.get_device_name(device), inputs.tokens)
                     v_cuda = torch.empty_like(v_t)
                     values_fp8(
-                        v_streams, HEADS, v_cuda, torch.empty_like(v_descale), key_order=v_key_order(tma)
+                        v_streams, HEADS, v_cuda, torch.empty_like(v_descale), key_order=pick.v_key_order
                     )
-                    out = cuda_fp8_attention(q8, k8, v_cuda, scales.qk_descale, v_descale, stages=stages,
-                                             ping_pong=ping_pong, tma=tma)  # fmt: skip
+                    out = cuda_fp8_attention(q8, k8, v_cuda, scales.qk_descale, v_descale, instantiation=pick)
                     row[f"cuda_fp8_{label}"] = relative_rms(out[:, :rows], want)
                 except Exception as error:  # its failure is a result; the others still run
                     row[f"cuda_fp8_{label}"] = f"failed: {str(error).splitlines()[0][:120]}"
@@ -339,6 +355,11 @@ def main() -> None:
         v_t = torch.empty(1, HEADS, HEAD_DIM, padded_keys(s), dtype=FP8, device=device)
         v_descale = torch.empty(HEADS, device=device)
         row["values_fp8_ms"] = _time(lambda: values_fp8([v_flat], HEADS, v_t, v_descale), args.repeats)
+        v_t_wgmma = torch.empty_like(v_t)  # the TMA producer's V: each 32-key block permuted
+        row["values_fp8_wgmma_ms"] = _time(
+            lambda: values_fp8([v_flat], HEADS, v_t_wgmma, torch.empty_like(v_descale), key_order="wgmma"),
+            args.repeats,
+        )
         kernels = [("triton_fp8_", fp8_attention)]
         if compared is not None:
             kernels.append(("compared_triton_fp8_", compared.fp8_attention))
@@ -352,27 +373,23 @@ def main() -> None:
                 row[name + "_err"] = rel_rms(got[:, : args.check_rows], want)
             except Exception as error:  # a configuration that does not fit (shared memory) is reported
                 row[name + "_error"] = str(error).splitlines()[0][:200]
-        v_t_wgmma = None
-        if cuda_configs:
-            from pan2cli.dit.cuda_fp8_attention import cuda_fp8_attention, v_key_order
-        for stages, ping_pong, tma in cuda_configs:
-            name = f"cuda_fp8_s{stages}_{'pp' if ping_pong else 'free'}_{'tma' if tma else 'cpasync'}"
-            if tma and v_t_wgmma is None:  # the TMA producer reads V with its keys in the wgmma order
-                v_t_wgmma = torch.empty_like(v_t)
-                values_fp8(
-                    [v_flat], HEADS, v_t_wgmma, torch.empty_like(v_descale), key_order=v_key_order(True)
-                )
-            v_in = v_t_wgmma if tma else v_t
-            options = dict(stages=stages, ping_pong=ping_pong, tma=tma)
+        pick = choose_instantiation(torch.cuda.get_device_name(device), s)
+        if results["cuda_fp8"] == "built":
+            row["cuda_fp8_table_pick"] = pick.name
+        for instantiation in cuda_configs if cuda_configs is not None else [pick]:
+            name = f"cuda_fp8_{instantiation.name.replace('-', '_')}"
+            v_in = v_t_wgmma if instantiation.tma else v_t
             try:
-                got = cuda_fp8_attention(q8, k8, v_in, qk_descale, v_descale, **options)
+                got = cuda_fp8_attention(q8, k8, v_in, qk_descale, v_descale, instantiation=instantiation)
                 row[name + "_err"] = rel_rms(got[:, : args.check_rows], want)
                 out = torch.empty_like(got)
                 row[name + "_ms"] = _time(
-                    lambda: cuda_fp8_attention(q8, k8, v_in, qk_descale, v_descale, out, **options),
+                    lambda: cuda_fp8_attention(
+                        q8, k8, v_in, qk_descale, v_descale, out, instantiation=instantiation
+                    ),
                     args.repeats,
                 )
-            except Exception as error:  # a prototype: its failure is a result, the others still run
+            except Exception as error:  # its failure is a result, the others still run
                 row[name + "_error"] = str(error).splitlines()[0][:300]
         if cudnn is not None:
             try:
@@ -395,6 +412,8 @@ def main() -> None:
         results["runs"].append(row)
         print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()
+    for row in results["runs"]:
+        print_table(row)
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
 

@@ -1,11 +1,12 @@
-"""The fused-norm conv prototype against the decode's two passes, per 3x3x3 layer (issue 16; one GPU).
+"""The fused-norm conv prototype against the decode's two passes, per 3x3x3 layer (one GPU).
 
-Usage: PAN2_KERNEL_EXPERIMENTAL=1 python3 scripts/bench_kernels.py fused-norm [--repeats 10] [--layers up1,up3]
+Usage: python3 scripts/bench_kernels.py fused-norm [--repeats 10] [--layers up1,up3]
 
 For each residual-block conv of a 704x1248 decode (the `conv` benchmark's LAYERS): today's
 rms_norm_silu (read x, write the normed copy) + the plain conv, against rms_inv (read x, write one fp32 per
 pixel) + the conv that normalises its operand tiles in shared memory; milliseconds (CUDA events, median),
-the conv's TFLOP/s, and max |fused - two passes|. The prototype (kernels/experimental/) measured 2.7-3.0x
+the conv's TFLOP/s, and max |fused - two passes|. The prototype (kernels/experimental/, its own extension, built
+here on first use) measured 2.7-3.0x
 slower than the two passes (docs/KERNEL_NOTES.md says why); this is how a next version is timed.
 """
 
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from pan2cli.vae.kernel import conv  # noqa: E402
 from pan2cli.vae.kernel.build import load_kernel  # noqa: E402
+from pan2cli.vae.kernel.prototypes import load_prototypes  # noqa: E402
 from scripts.kernels.conv import LAYERS, _time  # noqa: E402
 
 
@@ -31,9 +33,7 @@ def main() -> None:
         "--layers", default="", help="comma-separated name prefixes (default: every 3x3x3 layer)"
     )
     args = parser.parse_args()
-    ops = load_kernel()
-    if not hasattr(ops, "conv_cutlass_norm"):
-        raise SystemExit("needs the experimental build: set PAN2_KERNEL_EXPERIMENTAL=1")
+    ops, prototype = load_kernel(), load_prototypes()
     wanted = [p for p in args.layers.split(",") if p]
     print("| layer | two passes ms | fused ms (rms_inv + conv) | conv TFLOP/s two / fused | max abs diff |")
     print("| --- | ---: | ---: | ---: | ---: |")
@@ -55,14 +55,14 @@ def main() -> None:
             return conv.conv_cutlass(ops, normed, w, bias, pad_w=pad_w)
 
         def fused():
-            ops.rms_inv(x, inv)
-            ops.conv_cutlass_norm(x, inv, gamma, w, bias, out, pad_w)
+            prototype.rms_inv(x, inv)
+            prototype.conv_cutlass_norm(x, inv, gamma, w, bias, out, pad_w)
             return out
 
         diff = (fused().float() - two_passes().float()).abs().max().item()
         flop = 2.0 * out.numel() * c_in * 27
         conv_two = _time(lambda: conv.conv_cutlass(ops, normed, w, bias, pad_w=pad_w), args.repeats)
-        conv_fused = _time(lambda: ops.conv_cutlass_norm(x, inv, gamma, w, bias, out, pad_w), args.repeats)
+        conv_fused = _time(lambda: prototype.conv_cutlass_norm(x, inv, gamma, w, bias, out, pad_w), args.repeats)
         print(
             f"| {name} | {_time(two_passes, args.repeats):.3f} | {_time(fused, args.repeats):.3f} | "
             f"{flop / conv_two / 1e9:.0f} / {flop / conv_fused / 1e9:.0f} | {diff:.3g} |",

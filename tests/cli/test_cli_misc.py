@@ -225,6 +225,9 @@ def test_kernels_status_and_clean(tmp_path):
     assert status.returncode == 0, status.stderr
     report = json.loads(status.stdout)
     assert report["built"] is False and "reference" in report["decode_path"]
+    assert report["fp8_attention"] == {
+        "built": False, "build_dir": None, "status": "not built for this machine: it needs an sm_90 GPU, this run is on the cpu",
+    }  # fmt: skip
     cleaned = _pan2_without_a_gpu("kernels", "clean", env=env)
     assert cleaned.returncode == 0 and cleaned.stdout.strip() == str(tmp_path / "cache" / "kernels")
     assert not (tmp_path / "cache" / "kernels").exists()

@@ -88,6 +88,12 @@ def test_wheel_ships_data_inside_the_package(wheel: Path) -> None:
         names = zf.namelist()
         assert "pan2cli/_presets/pan2-10s.toml" in names
         assert "pan2cli/_kernels/README.md" in names
+        # Both extensions' sources ship; the prototypes of kernels/experimental/ do not.
+        for folder in ("wan22_vae_decode", "fp8_attention"):
+            for path in sorted((REPO / "kernels" / folder).iterdir()):
+                assert zf.read(f"pan2cli/_kernels/{folder}/{path.name}") == path.read_bytes()
+        assert (REPO / "kernels" / "experimental").is_dir()
+        assert not [n for n in names if n.startswith("pan2cli/_kernels/experimental")]
         assert "pan2cli/resources.py" in names
         assert "pan2cli/presets.py" in names
         # No top-level `presets`/`kernels` package: PyPI has an unrelated `kernels` package.

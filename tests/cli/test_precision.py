@@ -106,3 +106,79 @@ def test_an_fp8_load_quantises_every_block_and_keeps_the_rest(tiny_pan2):
         want, got = bf16(x, t, ctx), copy.deepcopy(fp8)(x, t, ctx)
     error = float((got - want).norm() / want.norm())
     assert 1e-4 < error < 0.1, error
+
+
+def test_the_fp8_attention_is_a_checked_runtime_option(monkeypatch):
+    """`fp8_attention` (`--fp8-attention`): auto by default, one of four names, and a kernel asked for that cannot
+    run here is bad input before anything loads: ours needs an sm_90 GPU, cuDNN's its frontend package."""
+    import pan2cli.devices as devices
+
+    assert RuntimeConfig().fp8_attention == "auto"
+    with pytest.raises(InputError, match="'fp8_attention' = 'flash'.*auto, cuda, triton, cudnn"):
+        RuntimeConfig(fp8_attention="flash")
+    monkeypatch.setattr(devices, "fp8_unsupported_reason", lambda device: None)  # an fp8 GPU
+    monkeypatch.setattr(devices, "compute_capability", lambda device: (8, 9))  # an Ada one
+    gpu = torch.device("cuda")
+    for kernel in ("auto", "triton"):
+        RuntimeConfig(precision="fp8", fp8_attention=kernel).check_precision(gpu)
+    with pytest.raises(InputError, match="--fp8-attention cuda: .*sm_90 GPUs.*this one is sm_89") as error:
+        RuntimeConfig(precision="fp8", fp8_attention="cuda").check_precision(gpu)
+    assert "--fp8-attention auto" in error.value.hint
+    monkeypatch.setattr(devices, "compute_capability", lambda device: (9, 0))
+    RuntimeConfig(precision="fp8", fp8_attention="cuda").check_precision(gpu)
+    import importlib.util
+
+    if importlib.util.find_spec("cudnn") is None:
+        with pytest.raises(InputError, match="--fp8-attention cudnn: .*nvidia-cudnn-frontend"):
+            RuntimeConfig(precision="fp8", fp8_attention="cudnn").check_precision(gpu)
+    RuntimeConfig(fp8_attention="cuda").check_precision(torch.device("cpu"))  # bf16: nothing to check
+
+
+def test_an_fp8_run_records_the_fp8_attention_that_ran(tiny_pan2, run_cli, tmp_path, monkeypatch):
+    """`pan2 generate --precision fp8` through to the sidecar, with fp8 let through on the CPU: every block's
+    attention of every forward ran the fp8 attention (its CPU emulation, the fused kernels being off there),
+    and `ran.fp8_attention` says so with the count; the option as given is in `config`."""
+    import json
+
+    import pan2cli.devices as devices
+
+    monkeypatch.setattr(devices, "fp8_unsupported_reason", lambda device: None)
+    out = tmp_path / "a.mp4"
+    args = ("generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "--precision", "fp8", "-o", out)
+    res = run_cli(*args, "--fp8-attention", "triton")
+    assert res.exit_code == 0, res.stderr
+    sidecar = json.loads(out.with_suffix(".json").read_text())
+    assert sidecar["config"]["fp8_attention"] == "triton" and sidecar["ran"]["precision"] == "fp8"
+    layers, forwards, steps = 2, 2, 2  # the tiny model's blocks; conditional and unconditional passes
+    assert sidecar["ran"]["fp8_attention"] == {
+        "kernel": "emulation",
+        "why": None,
+        "calls": layers * forwards * steps,
+        "instantiations": [],
+    }
+
+
+def test_doctor_names_the_fp8_attention_that_would_run_and_why(monkeypatch, tmp_path):
+    """On an H100 the default is our CUDA kernel (not yet built here), with the instantiations its table picks
+    for 5 s and 20 s of video; on an Ada GPU the Triton kernel, with the reason."""
+    import pan2cli.devices as devices
+    from pan2cli.cli import doctor
+    from pan2cli.dit import cuda_fp8_attention as cuda
+
+    monkeypatch.setenv("PAN2_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(devices, "fp8_unsupported_reason", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(cuda, "why_not_runnable", lambda device, head_dim: None)
+    line = doctor._fp8(torch.device("cuda"))
+    assert line.startswith(
+        "yes (--precision fp8: e4m3 linears, pan2's CUDA fp8 attention: the default on sm_90"
+    )
+    assert "built on first use" in line and "--fp8-attention picks another" in line
+    assert "s3-pingpong-tma at 121 frames, s4-free-tma at 481 frames (the H100 rows of its table)" in line
+    monkeypatch.setattr(
+        cuda, "why_not_runnable", lambda device, head_dim: "it runs on sm_90 GPUs, this one is sm_89"
+    )
+    line = doctor._fp8(torch.device("cuda"))
+    assert (
+        "pan2's Triton fp8 attention: pan2's CUDA fp8 attention does not run here: it runs on sm_90" in line
+    )

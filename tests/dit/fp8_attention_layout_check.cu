@@ -1,4 +1,4 @@
-// Host-side check of the fp8 attention's index math (kernels/experimental/fp8_attention_layout.h) against
+// Host-side check of the fp8 attention's index math (kernels/fp8_attention/fp8_attention_layout.h) against
 // CuTe's definitions of the wgmma register fragments and of the 128-byte swizzle. Built and run by
 // tests/dit/test_fp8_attention_cuda.py; prints "ok" or the first mismatch (exit status 1).
 #include <cstdio>

@@ -11,6 +11,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from pan2cli.devices import fp8_unsupported_reason  # noqa: E402
 from pan2cli.dit import fusions  # noqa: E402
 from pan2cli.dit.fp8 import (  # noqa: E402
     E4M3_MAX,
@@ -19,7 +20,6 @@ from pan2cli.dit.fp8 import (  # noqa: E402
     Fp8Linear,
     NonFiniteError,
     check_finite,
-    fp8_unsupported_reason,
     qk_bound,
     quantize_rows,
     quantize_rows_reference,
@@ -269,19 +269,26 @@ def wgmma_key_columns(n_keys: int) -> list[int]:
     return columns
 
 
-def test_values_in_the_wgmma_key_order_are_the_natural_ones_with_each_32_key_block_permuted():
+@pytest.mark.parametrize("n_text", [0, 6], ids=["one-stream", "video-and-text"])
+def test_values_in_the_wgmma_key_order_are_the_natural_ones_with_each_32_key_block_permuted(n_text):
+    """The TMA producer's V: each 32-key block permuted by `key_of_row` (written out here from its definition),
+    the padding too; with the text stream starting inside a block (key 45), each key still from its stream."""
     from pan2cli.dit.fp8_attention_kernel import padded_keys
     from pan2cli.dit.fp8_values_kernel import values_fp8
 
     gen = _gen(6)
     heads, head_dim, n = 2, 64, 51  # a full 32-key block, then 19 keys and 13 of zeros
     v = (torch.randn(1, n, heads * head_dim, generator=gen, device=DEVICE) * 3).bfloat16()
+    streams = [v[:, : n - n_text], v[:, n - n_text :]] if n_text else [v]
     natural, permuted = (
         torch.full((1, heads, head_dim, padded_keys(n)), 99.0, device=DEVICE).to(FP8) for _ in range(2)
     )
     descales = torch.empty(2, heads, device=DEVICE)
-    values_fp8([v], heads, natural, descales[0])
-    values_fp8([v], heads, permuted, descales[1], key_order="wgmma")
+    values_fp8(streams, heads, natural, descales[0])
+    values_fp8(streams, heads, permuted, descales[1], key_order="wgmma")
+    one_stream = torch.empty_like(natural)
+    values_fp8([v], heads, one_stream, torch.empty(heads, device=DEVICE))
+    assert torch.equal(natural.view(torch.uint8), one_stream.view(torch.uint8))
     columns = wgmma_key_columns(padded_keys(n))
     assert sorted(columns) == list(range(padded_keys(n)))  # a permutation of the padded keys
     assert columns[:8] == [0, 1, 4, 5, 8, 9, 12, 13] and columns[8:10] == [2, 3]
@@ -290,6 +297,29 @@ def test_values_in_the_wgmma_key_order_are_the_natural_ones_with_each_32_key_blo
     with pytest.raises(AssertionError, match="transposed"):
         values_fp8([v], heads, torch.empty(1, n, heads, head_dim, device=DEVICE).to(FP8), descales[0],
                    transposed=False, key_order="wgmma")  # fmt: skip
+
+
+def test_values_for_cudnn_share_the_largest_heads_scale():
+    """cuDNN's fp8 attention applies one V descale (head 0's) to every head: `per_tensor=True` gives every head the
+    largest head's descale, and each head's values, however small, still dequantise within e4m3's rounding."""
+    from pan2cli.dit.fp8_values_kernel import values_fp8
+
+    gen = _gen(7)
+    heads, head_dim, n_video, n_text = 3, 64, 45, 6
+    magnitudes = torch.tensor([0.01, 1.0, 50.0], device=DEVICE)  # heads of very different sizes
+    rand = lambda n: torch.randn(2, n, heads, head_dim, generator=gen, device=DEVICE) * magnitudes[:, None]  # noqa: E731
+    video, text = (rand(n).reshape(2, n, heads * head_dim).bfloat16() for n in (n_video, n_text))
+    out = torch.full((2, n_video + n_text, heads, head_dim), 99.0, device=DEVICE).to(FP8)
+    descale = torch.empty(heads, device=DEVICE)
+    values_fp8([video, text], heads, out, descale, transposed=False, per_tensor=True)
+    joint = torch.cat([video, text], dim=1).double().view(out.shape)
+    largest = float(joint.abs().max()) / E4M3_MAX
+    torch.testing.assert_close(
+        descale.double(), torch.full((heads,), largest, device=DEVICE, dtype=torch.float64)
+    )
+    scale = descale.double()[None, None, :].expand(out.shape[:3])
+    assert _within_rounding(out.double() * scale[..., None], joint, scale, ulps=1.01)
+    assert float(out[:, :, 2].float().abs().max()) == E4M3_MAX  # the largest head uses e4m3's whole range
 
 
 @pytest.mark.parametrize("tokens, head_dim", [(70, 64), (130, 128)])
@@ -361,6 +391,44 @@ def test_a_quantised_model_is_close_to_its_bf16_self_and_keeps_the_rest_in_highe
                 x.cuda(), t.cuda(), ctx.cuda()
             )
         assert rel(fused.double().cpu(), want.double()) < 0.06
+
+
+def test_a_quantised_model_runs_its_fp8_attention_and_records_it():
+    """The fp8 blocks take the fp8 attention (here its CPU emulation), not the bf16 SDPA: the output is the
+    emulation's, off the same model's with bf16 attention by more than the linears' rounding alone, and each
+    block's call is recorded (what the sidecar's `ran.fp8_attention` reports); none is recorded after a reset
+    and for a bf16 model."""
+    from pan2cli.dit.fp8_attention_choice import fp8_attention_ran, reset_fp8_attention_record
+    from pan2cli.dit.quantize import Fp8Policy, quantize_transformer
+    from tests.dit.small_models import random_small_pan2
+
+    model = random_small_pan2(head_dim=64)
+    x, t, ctx = torch.randn(1, 97, 2, 6, 8), torch.tensor([500.0]), torch.randn(1, 5, 32)
+    with torch.no_grad():
+        assert fp8_attention_ran(model) is None  # a bf16 model: no fp8 attention
+        fp8 = quantize_transformer(copy.deepcopy(model))
+        linears_only = quantize_transformer(copy.deepcopy(model), Fp8Policy(attention=False))
+        fusions.set_fused_kernels(fp8, False)
+        fusions.set_fused_kernels(linears_only, False)
+        got = fp8(x, t, ctx)
+        ran = fp8_attention_ran(fp8)
+        assert ran == {"kernel": "emulation", "why": None, "calls": 2, "instantiations": []}
+        reset_fp8_attention_record(fp8)
+        assert fp8_attention_ran(fp8) is None
+        without = linears_only(x, t, ctx)
+        assert fp8_attention_ran(linears_only) is None
+        # the same forward with the attention's e4m3 inputs: the emulation, exactly
+        from pan2cli.dit import fp8_attention
+
+        calls = []
+        reference = fp8_attention.attention_reference
+        fp8_attention.attention_reference = lambda *a: calls.append(1) or reference(*a)
+        try:
+            again = fp8(x, t, ctx)
+        finally:
+            fp8_attention.attention_reference = reference
+    assert len(calls) == 2 and torch.equal(again, got)
+    assert float((got - without).norm() / without.norm()) > 3e-4  # e4m3 Q, K, V, P moved it (9.9e-4 measured)
 
 
 @pytest.mark.gpu

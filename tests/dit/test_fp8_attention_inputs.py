@@ -292,7 +292,7 @@ def test_gpu_the_triton_fp8_attention_holds_on_every_case(case):
     7,164 tokens of 8 heads: within 0.06 of float64 over the first 512 query rows (the emulation's 0.05)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from pan2cli.dit.fp8 import fp8_unsupported_reason
+    from pan2cli.devices import fp8_unsupported_reason
     from pan2cli.dit.fp8_attention_kernel import fp8_attention, padded_keys
     from pan2cli.dit.fp8_values_kernel import values_fp8
 

@@ -54,13 +54,7 @@ def register_ops(module: ModuleType) -> SimpleNamespace:
     ops = {name: getattr(torch.ops.pan2, name) for name in _OP_SCHEMAS}
     # The conv tile configurations compiled in (none: a build without the CUTLASS headers, or a stand-in).
     configs = getattr(module, "cutlass_conv_configs", None)
-    # A PAN2_KERNEL_EXPERIMENTAL=1 build's prototypes, as the extension's plain functions (tests, benchmarks).
-    prototypes = {
-        name: getattr(module, name)
-        for name in ("rms_inv", "conv_cutlass_norm", "fp8_attention")
-        if hasattr(module, name)
-    }
-    return SimpleNamespace(**ops, **prototypes, cutlass_conv_configs=tuple(configs()) if configs else ())
+    return SimpleNamespace(**ops, cutlass_conv_configs=tuple(configs()) if configs else ())
 
 
 def _calling_the_extension(name: str):

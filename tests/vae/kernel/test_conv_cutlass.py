@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pan2cli.vae.kernel import conv
-from pan2cli.vae.kernel.build import CUTLASS_CONV_TARGETS, KernelSpec, cutlass_include_dirs
+from pan2cli.vae.kernel.build import CUTLASS_CONV_TARGETS, cuda_flags, cutlass_include_dirs
 
 REPO = Path(__file__).resolve().parents[3]
 SOURCES = REPO / "kernels" / "wan22_vae_decode"
@@ -45,19 +45,19 @@ def test_every_layer_runs_one_tile_configuration():
 def test_the_build_defines_the_cutlass_conv_only_where_it_has_a_collective():
     if not cutlass_include_dirs():
         pytest.skip("nvidia-cutlass is not installed")
-    assert "-DPAN2_CUTLASS_CONV=90" in KernelSpec("sm_90a", (), "").cuda_flags
-    assert "-DPAN2_CUTLASS_CONV=100" in KernelSpec("sm_100a", (), "").cuda_flags
-    assert not any("PAN2_CUTLASS_CONV" in f for f in KernelSpec("sm_103a", (), "").cuda_flags)
+    assert "-DPAN2_CUTLASS_CONV=90" in cuda_flags("sm_90a")
+    assert "-DPAN2_CUTLASS_CONV=100" in cuda_flags("sm_100a")
+    assert not any("PAN2_CUTLASS_CONV" in f for f in cuda_flags("sm_103a"))
     # NDEBUG everywhere: a device-side assert serialises the wgmma pipeline (ptxas warning C7510).
-    assert "-DNDEBUG" in KernelSpec("sm_90a", (), "").cuda_flags
+    assert "-DNDEBUG" in cuda_flags("sm_90a")
 
 
 DECODE_SOURCES = {
     ("sm_90a", "decode"): SOURCES / "conv_cutlass_256x128p_1x2.cu",
     ("sm_100a", "decode"): SOURCES / "conv_cutlass_128x128.cu",
 }
-# The fused-norm prototype, not in the decode's build (PAN2_KERNEL_EXPERIMENTAL=1 builds it): kept out of
-# CI's time budget (two more CUTLASS units on two cores), compiled with `pytest -m slow`.
+# The fused-norm prototype, its own extension (`pan2cli.vae.kernel.prototypes`): kept out of CI's time budget
+# (two more CUTLASS units on two cores), compiled with `pytest -m slow`.
 PROTOTYPE_SOURCES = {
     ("sm_90a", "prototype"): SOURCES.parent / "experimental" / "conv_cutlass_norm_256x128p_1x2.cu",
     ("sm_90a", "prototype-rms"): SOURCES.parent / "experimental" / "rms_inv.cu",
@@ -90,7 +90,7 @@ def test_cutlass_conv_compiles_for_hopper_and_blackwell_without_a_gpu(tmp_path, 
         assert {arch for arch, _ in sources} == set(CUTLASS_CONV_TARGETS)
     jobs = {}
     for (arch, role), source in sources.items():
-        flags = KernelSpec(arch, (), "").cuda_flags
+        flags = cuda_flags(arch)
         command = ["nvcc", *flags, *torch_flags, *(f"-I{d}" for d in includes)]
         command += ["-c", str(source), "-o", str(tmp_path / f"{arch}-{role}.o")]
         command += ["--resource-usage"]  # ptxas prints each kernel's registers: proof the kernel was built

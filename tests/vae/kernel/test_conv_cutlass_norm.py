@@ -1,33 +1,39 @@
-"""The fused-norm conv prototype (kernels/experimental, issue 16): conv(SiLU(RMS(x) · γ)) with the norm applied
-to the activation tile in shared memory, against the decode's two passes (rms_norm_silu, then the conv).
+"""The fused-norm conv prototype (kernels/experimental): conv(SiLU(RMS(x) · γ)) with the norm applied to the
+activation tile in shared memory, against the decode's two passes (rms_norm_silu, then the conv).
 
-The GPU tests need the experimental build: run them as
-`PAN2_KERNEL_EXPERIMENTAL=1 python -m pytest tests/vae/kernel/test_conv_cutlass_norm.py` (another build,
-cached apart from the decode's); in a plain run they skip.
+Its own extension (`pan2cli.vae.kernel.prototypes`), never the decode's, another CUTLASS build that nothing
+else needs, so the GPU tests run only when asked:
+`PAN2_KERNEL_EXPERIMENTAL=1 python -m pytest tests/vae/kernel/test_conv_cutlass_norm.py`.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pan2cli.vae.kernel import build, conv
+from pan2cli.vae.kernel import build, conv, prototypes
+
+DECODE_BINDING = Path(__file__).resolve().parents[3] / "kernels" / "wan22_vae_decode" / "binding.cpp"
 
 
-def test_the_experimental_build_is_another_build(monkeypatch):
-    monkeypatch.delenv("PAN2_KERNEL_EXPERIMENTAL", raising=False)
-    plain = build.kernel_spec("sm_90a")
-    assert not any(p.parent.name == "experimental" for p in plain.sources)
-    assert "-DPAN2_EXPERIMENTAL" not in plain.cuda_flags
-    monkeypatch.setenv("PAN2_KERNEL_EXPERIMENTAL", "1")
-    experimental = build.kernel_spec("sm_90a")
-    names = {p.name for p in experimental.sources if p.parent.name == "experimental"}
-    assert {"conv_cutlass_norm_256x128p_1x2.cu", "rms_inv.cu", "fused_norm.h"} <= names
-    assert "-DPAN2_EXPERIMENTAL" in experimental.cuda_flags
-    assert experimental.source_hash != plain.source_hash  # cached apart: the decode's build stays
-    monkeypatch.setenv("PAN2_KERNEL_EXPERIMENTAL", "0")
-    assert build.kernel_spec("sm_90a").source_hash == plain.source_hash
+def test_the_prototype_is_its_own_extension_never_the_decodes(monkeypatch):
+    monkeypatch.setenv("PAN2_KERNEL_EXPERIMENTAL", "1")  # the switch that once compiled it into the decode's
+    decode = build.kernel_spec("sm_90a")
+    assert {p.parent.name for p in decode.sources} == {"wan22_vae_decode"}
+    assert not any("EXPERIMENTAL" in flag for flag in (*decode.cuda_flags, *decode.cxx_flags))
+    assert (
+        "conv_cutlass_norm" not in DECODE_BINDING.read_text() and "rms_inv" not in DECODE_BINDING.read_text()
+    )
+    prototype = prototypes.prototype_spec("sm_90a")
+    assert prototype.name != decode.name and prototype.build_dir != decode.build_dir
+    compiled = {p.name for p in prototype.sources if p.suffix in (".cu", ".cpp")}
+    assert compiled == {"conv_cutlass_norm_256x128p_1x2.cu", "rms_inv.cu", "binding.cpp"}
+    assert prototype.headers and all(p.suffix in (".h", ".cuh") for p in prototype.headers)
 
 
 # ---------------------------------------------------------------- on a GPU
@@ -35,12 +41,15 @@ def test_the_experimental_build_is_another_build(monkeypatch):
 def ops():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    loaded = build.load_kernel()
-    if not hasattr(loaded, "conv_cutlass_norm"):
-        pytest.skip("needs the experimental build (PAN2_KERNEL_EXPERIMENTAL=1)")
+    if os.environ.get("PAN2_KERNEL_EXPERIMENTAL", "") in ("", "0"):
+        pytest.skip("the prototype is built only when asked for: PAN2_KERNEL_EXPERIMENTAL=1 runs these tests")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the prototype is built for sm_90a only")
-    return loaded
+    decode, prototype = build.load_kernel(), prototypes.load_prototypes()
+    return SimpleNamespace(
+        decode=decode, rms_norm_silu=decode.rms_norm_silu,
+        rms_inv=prototype.rms_inv, conv_cutlass_norm=prototype.conv_cutlass_norm,
+    )  # fmt: skip
 
 
 def _inputs(shape, c_out, kernel, seed=0):
@@ -95,7 +104,7 @@ def test_fused_norm_conv_matches_the_two_passes(ops, shape, c_out, kernel):
     ops.conv_cutlass_norm(x, inv, gamma, w, bias, fused, 1)
     normed = torch.empty_like(x)
     ops.rms_norm_silu(x, gamma, None, None, None, normed, True, None, True)
-    two_pass = conv.conv_cutlass(ops, normed, w, bias, pad_w=1)
+    two_pass = conv.conv_cutlass(ops.decode, normed, w, bias, pad_w=1)
     expected = _fp32_reference(x, w, gamma, bias, pad_w=1)
     scale = expected.abs().max().item()
     # the same bf16 operands up to SiLU's form (tanh.approx against exp): about one bf16 ulp apart

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from pan2cli import kernel_build
 from pan2cli.vae.kernel import build, choice, ops, status
 from pan2cli.vae.kernel.ops import register_ops
 
@@ -89,7 +90,7 @@ print(sorted(set(sys.modules) - before))
 def test_build_log_keeps_the_whole_output_also_when_it_is_echoed(tmp_path, capfd):
     for echo in (False, True):
         log = tmp_path / f"build-{echo}.log"
-        with build._output_to(log, echo=echo):
+        with kernel_build._output_to(log, echo=echo):
             # ninja and nvcc are child processes writing to fds 1 and 2
             command = "import sys; print('from a compiler'); print('err', file=sys.stderr)"
             subprocess.run([sys.executable, "-c", command], check=True)
@@ -177,17 +178,17 @@ def test_build_error_names_the_compilers_first_error():
     'Error building extension' wrapper are not errors of the source)."""
     exception = "Error building extension 'wan22_vae_decode'"
     assert (
-        build._first_compiler_error(_NVCC_LOG + "\n" + exception)
+        kernel_build._first_compiler_error(_NVCC_LOG + "\n" + exception)
         == 'head.cu(42): error: identifier "blockDimX" is undefined'
     )
     # torch's wrapper line is skipped also where it comes first (a log appended to by an earlier build)
-    assert build._first_compiler_error(
+    assert kernel_build._first_compiler_error(
         f"{exception}\n  ptxas ERROR : Entry function uses too much shared data  \n"
     ) == ("ptxas ERROR : Entry function uses too much shared data")
 
 
 def test_build_error_without_an_error_line_is_the_last_line():
     killed = "[1/3] /usr/local/cuda/bin/nvcc -c head.cu -o head.cuda.o\nKilled\nninja: build stopped: subcommand failed.\n\n"
-    assert build._first_compiler_error(killed) == "ninja: build stopped: subcommand failed."
-    assert build._first_compiler_error("") == "the build failed without output"
-    assert build._first_compiler_error("\n  \n") == "the build failed without output"
+    assert kernel_build._first_compiler_error(killed) == "ninja: build stopped: subcommand failed."
+    assert kernel_build._first_compiler_error("") == "the build failed without output"
+    assert kernel_build._first_compiler_error("\n  \n") == "the build failed without output"

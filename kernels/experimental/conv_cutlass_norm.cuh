@@ -1,6 +1,6 @@
-// RMS norm + SiLU applied to the conv's activation operand in shared memory (issue 16's fusion; a
-// PROTOTYPE: compile-checked for sm_90a, not yet run on a GPU, not in the decode build. Its translation
-// unit is kernels/experimental/conv_cutlass_norm_256x128p_1x2.cu).
+// RMS norm + SiLU applied to the conv's activation operand in shared memory (the fused norm; a PROTOTYPE,
+// measured 2.7-3x slower than the two passes (docs/KERNEL_NOTES.md), not in the decode build. Its
+// translation unit is conv_cutlass_norm_256x128p_1x2.cu, its extension this folder's binding.cpp).
 //
 // The conv reads the block's raw input x (bf16, channels last) and computes conv(SiLU(x · inv_rms · γ)):
 // after the TMA has written an activation tile [TileM pixels x 64 channels of one tap] into shared
@@ -22,7 +22,7 @@
 // (the MUFU does 16 per clock), about half the consumer warps' issue slots.
 #pragma once
 
-#include "conv_cutlass_persistent.cuh"
+#include "../wan22_vae_decode/conv_cutlass_persistent.cuh"
 
 #if defined(PAN2_CUTLASS_CONV) && PAN2_CUTLASS_CONV == 90
 

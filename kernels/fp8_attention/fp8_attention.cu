@@ -1,6 +1,6 @@
 // fp8 attention for Hopper (sm_90a): softmax(Q·Kᵀ/√D)·V with e4m3 Q, K, V, no mask, head dim 128, bf16 out.
-// A prototype (PAN2_KERNEL_EXPERIMENTAL=1 builds it; PAN2_FP8_ATTENTION=cuda runs it): compiled and its index
-// math checked on the CPU, not yet run on a GPU.
+// The fp8 tier's default attention on sm_90 with head dim 128 (`pan2cli.dit.cuda_fp8_attention` picks one of
+// the twelve instantiations by GPU and token count, from measurements); its own extension (binding.cpp).
 //
 // One CTA takes 128 query rows of one (batch, head): two consumer warpgroups of 64 rows each, and a producer
 // warpgroup that fills a ring of shared-memory stages with K and Vᵀ tiles of 128 keys, in the 128-byte

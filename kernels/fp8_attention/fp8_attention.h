@@ -1,4 +1,4 @@
-// The fp8 attention prototype's launcher (fp8_attention.cu), for the binding. No torch here.
+// The fp8 attention's launcher (fp8_attention.cu), for the binding. No torch here.
 #pragma once
 
 #include <cuda.h>
