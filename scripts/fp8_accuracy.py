@@ -37,13 +37,18 @@ REDUCED = dict(
     num_attention_heads=4, attention_head_dim=128, num_layers=4, num_refiner_layers=1, text_embed_dim=32,
     rope_axes_dim=(16, 56, 56),
 )  # fmt: skip
-FULL_CHOICES = {  # name → (policy, --fp8-attention)
-    "fp8 (per-token, the default fp8 attention: the tier)": (Fp8Policy(), "auto"),
-    "fp8, our Triton fp8 attention": (Fp8Policy(), "triton"),
-    "fp8, cuDNN's fp8 attention": (Fp8Policy(), "cudnn"),
-    "fp8 linears, bf16 attention": (Fp8Policy(attention=False), "auto"),
-    "fp8, per-tensor activation scales": (Fp8Policy(activation_scaling="tensor"), "auto"),
-    "fp8, first and last block bf16": (Fp8Policy(bf16_blocks=frozenset({0, 43})), "auto"),
+FULL_CHOICES = {  # key → (row name, policy, --fp8-attention)
+    "tier": ("fp8 (per-token, the default fp8 attention: the tier)", Fp8Policy(), "auto"),
+    "triton": ("fp8, our Triton fp8 attention", Fp8Policy(), "triton"),
+    "cudnn": ("fp8, cuDNN's fp8 attention", Fp8Policy(), "cudnn"),
+    "unrotated": (
+        "fp8, Q/K neither rotated nor K smoothed",
+        Fp8Policy(qk_hadamard=False, smooth_k=False),
+        "auto",
+    ),
+    "bf16-attention": ("fp8 linears, bf16 attention", Fp8Policy(attention=False), "auto"),
+    "per-tensor": ("fp8, per-tensor activation scales", Fp8Policy(activation_scaling="tensor"), "auto"),
+    "bf16-ends": ("fp8, first and last block bf16", Fp8Policy(bf16_blocks=frozenset({0, 43})), "auto"),
 }
 
 
@@ -63,7 +68,7 @@ def inputs(config: dict, frames: int, height: int, width: int, device, dtype, te
     return hidden, torch.tensor([700.0], device=device), ctx
 
 
-def full_size(frames: int) -> dict:
+def full_size(frames: int, choices: list[str]) -> dict:
     device = torch.device("cuda")
     rows = {}
     with torch.inference_mode():
@@ -72,7 +77,7 @@ def full_size(frames: int) -> dict:
         want = model(hidden, t, ctx).float()
         del model
         torch.cuda.empty_cache()
-        for name, (policy, requested) in FULL_CHOICES.items():
+        for name, policy, requested in (FULL_CHOICES[key] for key in choices):
             try:
                 choice = resolve_fp8_attention(requested, device, 128)
             except Exception as error:  # cuDNN's without cudnn-frontend: said in the results
@@ -159,6 +164,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true")
     parser.add_argument("--frames", type=int, default=121)
+    parser.add_argument(
+        "--choices",
+        default=",".join(FULL_CHOICES),
+        help=f"with --full: the fp8 variants to build, comma-separated (default all: {','.join(FULL_CHOICES)})",
+    )
     parser.add_argument("--reduced", action="store_true")
     parser.add_argument("--video", action="store_true")
     parser.add_argument("--steps", type=int, default=50)
@@ -176,7 +186,7 @@ def main() -> None:
     if args.video:
         results["video_fp8_vs_bf16"] = video(args.steps)
     if args.full:
-        results["full_size_fp8_vs_bf16"] = full_size(args.frames)
+        results["full_size_fp8_vs_bf16"] = full_size(args.frames, args.choices.split(","))
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
 
