@@ -143,9 +143,13 @@ def weights_gib(model: torch.nn.Module) -> float:
     return round(sum(t.numel() * t.element_size() for t in tensors) / 2**30, 2)
 
 
-def use_variant_precision(model, variant: str) -> None:
-    """Quantise the model to fp8 the first time an fp8 variant comes; set its attention for this variant."""
-    from pan2cli.dit.fp8_attention import ENV_FP8_ATTENTION, Fp8AttentionScales
+def use_variant_precision(model, variant: str, kept_scales: dict) -> None:
+    """Quantise the model to fp8 the first time an fp8 variant comes; set its attention for this variant.
+
+    The fp8 attention's scales are the ones made at quantisation (`kept_scales`, by block), never made again:
+    made from weights that stream, they would be made in host memory.
+    """
+    from pan2cli.dit.fp8_attention import ENV_FP8_ATTENTION
     from pan2cli.dit.quantize import quantize_transformer
 
     if variant not in FP8_VARIANTS:
@@ -153,9 +157,11 @@ def use_variant_precision(model, variant: str) -> None:
     if model.precision != "fp8":
         quantize_transformer(model)
         torch.cuda.empty_cache()
-    for block in model.transformer_blocks:
+    for index, block in enumerate(model.transformer_blocks):
         attn = block.attn
-        attn.fp8_scales = None if variant == "fp8-sdpa" else Fp8AttentionScales.for_attention(attn)
+        if attn.fp8_scales is not None:
+            kept_scales[index] = attn.fp8_scales
+        attn.fp8_scales = None if variant == "fp8-sdpa" else kept_scales[index]
     if variant in ("fp8-triton", "fp8-cuda"):
         os.environ[ENV_FP8_ATTENTION] = variant.removeprefix("fp8-")
     else:
@@ -189,6 +195,10 @@ def main() -> None:
     fp8_variants = [v for v in args.variants if v in FP8_VARIANTS]
     if fp8_variants and args.variants[-len(fp8_variants) :] != fp8_variants:
         raise SystemExit("list the fp8 variants after the bf16 ones: the model is quantised in place")
+    if args.offload and fp8_variants and len(fp8_variants) != len(args.variants):
+        raise SystemExit(
+            "with --offload, run the fp8 variants in a run of their own: a streamed model is not re-quantised"
+        )
     start = time.perf_counter()
     precision = "fp8" if len(fp8_variants) == len(args.variants) else "bf16"
     model = random_transformer(device, precision=precision, **(SMALL if args.small else {}))
@@ -219,6 +229,7 @@ def main() -> None:
     if main_rank:
         print(json.dumps({k: v for k, v in results.items() if k != "runs"}), flush=True)
     dtype = next(model.x_embedder.parameters()).dtype
+    kept_scales: dict = {}  # the fp8 attention's scales by block (`use_variant_precision`)
     # Variants outside, lengths inside: the bf16 variants run every length before the model is quantised.
     for variant, frames in ((v, f) for v in args.variants for f in args.frames):
         height, width = (64, 96) if args.small else (args.height, args.width)
@@ -233,7 +244,7 @@ def main() -> None:
             dtype
         )  # " " through the template
         timestep = torch.tensor([900.0], device=device)
-        use_variant_precision(model, variant)
+        use_variant_precision(model, variant, kept_scales)
         set_fused_kernels(model, variant != "unfused" and device.type == "cuda")
         backend = {
             "fused-cudnn": SDPBackend.CUDNN_ATTENTION,

@@ -26,10 +26,10 @@ from __future__ import annotations
 import math
 import os
 import sys
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pan2cli.dit.fp8 import E4M3_MAX, FP8, P_SHIFT, Fp8Activation, qk_bound, quantize_with_scales
 from pan2cli.dit.fusions import qk_norm_rope
@@ -39,22 +39,32 @@ ENV_FP8_ATTENTION = "PAN2_FP8_ATTENTION"
 _cudnn_failure: list[str] = []  # why cuDNN's fp8 attention did not run in this process (said once)
 
 
-@dataclass
-class Fp8AttentionScales:
-    """A block's fixed Q and K scales (real value = e4m3 value · descale) and their product on the device."""
+class Fp8AttentionScales(nn.Module):
+    """A block's fixed Q and K scales (real value = e4m3 value · descale) and their product for the kernels.
 
-    q_descale: float
-    k_descale: float
-    qk_descale: torch.Tensor  # [1] float32, q_descale · k_descale
+    A submodule of the `PAN2Attention` it belongs to, its product `qk_descale` (`[1]` float32) a buffer (outside
+    the state dict's keys), so that it goes wherever the block's other tensors go, with `.to()` and with the
+    block streamer (`pan2cli.pipeline.offload`), which moves parameters and buffers only: a plain tensor
+    attribute stays where it was made, and one made from streamed weights is host memory that the kernels
+    would read as a device address (an illegal memory access).
+    """
+
+    def __init__(self, q_descale: float, k_descale: float, device: torch.device | str | None = None):
+        super().__init__()
+        self.q_descale, self.k_descale = q_descale, k_descale
+        product = torch.tensor([q_descale * k_descale], dtype=torch.float32, device=device)
+        self.register_buffer("qk_descale", product, persistent=False)
 
     @classmethod
     def for_attention(cls, attn) -> "Fp8AttentionScales":
-        """From a `PAN2Attention`'s Q/K RMSNorm weights (both streams)."""
+        """From a `PAN2Attention`'s Q/K RMSNorm weights (both streams), on their device."""
         head_dim = attn.head_dim
         q = qk_bound(head_dim, attn.norm_q.weight, attn.norm_added_q.weight) / E4M3_MAX
         k = qk_bound(head_dim, attn.norm_k.weight, attn.norm_added_k.weight) / E4M3_MAX
-        device = attn.norm_q.weight.device
-        return cls(q, k, torch.tensor([q * k], dtype=torch.float32, device=device))
+        return cls(q, k, attn.norm_q.weight.device)
+
+    def extra_repr(self) -> str:
+        return f"q_descale={self.q_descale:.4g}, k_descale={self.k_descale:.4g}"
 
 
 def attention_reference(

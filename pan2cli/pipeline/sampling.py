@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from pan2cli import distributed
 from pan2cli.dit.parallel import SequenceParallel
+from pan2cli.pipeline.offload import streams_blocks
 from pan2cli.pipeline.scheduler import euler_step, guided, uses_guidance
 
 
@@ -140,6 +141,9 @@ def denoise(
             ):  # CFG-parallel: my half's pass, then the first rank of each half's prediction
                 predictions = distributed.gather_equal(model(x, timestep, cond if mine == 0 else uncond))
                 v_cond, v_uncond = predictions[groups[0][0]], predictions[groups[1][0]]
+            elif use_uncond and streams_blocks(model):
+                # both passes through each block while it is on the device: a streamed block crosses the bus once
+                v_cond, v_uncond = model.forward_passes(x, timestep, [cond, uncond])
             else:
                 v_cond = model(x, timestep, cond)
                 v_uncond = model(x, timestep, uncond) if use_uncond else None
