@@ -310,10 +310,13 @@ class PAN2TransformerBlock(nn.Module):
 
         x and ctx may be lists, one entry per pass (`PAN2Transformer3DModel.forward_passes`): each pass runs as a
         call of its own would, one after the other, inside one call of the block (the hooks of a block streamer
-        then bring its weights to the device once for all of them); returns lists then.
+        then bring its weights to the device once for all of them); returns lists then. The lists are emptied
+        as the passes go, so that a pass's input is freed once its output exists.
         """
-        if isinstance(x, (list, tuple)):
-            outputs = [self._one_pass(*state, temb, cos, sin, sp, video_tokens) for state in zip(x, ctx)]
+        if isinstance(x, list):
+            outputs = []
+            while x:
+                outputs.append(self._one_pass(x.pop(0), ctx.pop(0), temb, cos, sin, sp, video_tokens))
             return [out[0] for out in outputs], [out[1] for out in outputs]
         return self._one_pass(x, ctx, temb, cos, sin, sp, video_tokens)
 

@@ -9,7 +9,7 @@ this layer's compute and that of the resident layers in between; a forward hook 
 At most two streamed layers occupy the device. The output is the same: the same weights, the same ops.
 
 Which layers stream is the memory plan's choice (`pan2cli.pipeline.memory_plan`): spread evenly over the model
-(`spread`), so that each copy has the compute of several layers to hide behind.
+(`memory_plan.spread`), so that each copy has the compute of several layers to hide behind.
 
 The streamer moves parameters and buffers (what `.to()` moves); a streamed layer holding any other tensor
 (`stray_tensors`) is refused, since that tensor would stay behind.
@@ -25,12 +25,6 @@ import torch
 from torch import nn
 
 from pan2cli.pipeline.pinned import HostArena
-
-
-def spread(count: int, total: int) -> list[int]:
-    """`count` of `total` layer indices, as evenly spaced as they go (the first one first): which layers stream."""
-    count = max(0, min(count, total))
-    return [i * total // count for i in range(count)] if count else []
 
 
 def stray_tensors(module: nn.Module) -> list[str]:
@@ -173,6 +167,18 @@ def streams_blocks(model: nn.Module) -> bool:
     return streamer is not None and bool(streamer.streamed)
 
 
+def stream_layers(
+    model: nn.Module, name: str, device: torch.device | str, streamer: LayerStreamer
+) -> LayerStreamer:
+    """Put everything of `model` but its `name` ModuleList on `device`, and `streamer` on that list's layers
+    (the text encoder's `layers`; `enable_block_offload` for the DiT's blocks)."""
+    layers = getattr(model, name)
+    setattr(model, name, nn.ModuleList())
+    model.to(device)
+    setattr(model, name, layers)
+    return streamer.attach(layers)
+
+
 def enable_block_offload(
     model: nn.Module,
     device: torch.device | str,
@@ -191,12 +197,8 @@ def enable_block_offload(
     Returns:
         The streamer (its hooks stay until `remove()`), also kept as `model.block_streamer`.
     """
-    device = torch.device(device)
-    blocks = model.transformer_blocks
     if streamer is None:
-        streamer = LayerStreamer(device, range(len(blocks)) if streamed is None else streamed)
-    model.transformer_blocks = nn.ModuleList()
-    model.to(device)
-    model.transformer_blocks = blocks
-    model.block_streamer = streamer.attach(blocks)
+        count = len(model.transformer_blocks)
+        streamer = LayerStreamer(device, range(count) if streamed is None else streamed)
+    model.block_streamer = stream_layers(model, "transformer_blocks", device, streamer)
     return streamer

@@ -16,13 +16,8 @@ from torch import nn
 from pan2cli.dit import set_fused_kernels
 from pan2cli.dit.model import PAN2Transformer3DModel
 from pan2cli.dit.quantize import quantize_transformer
-from pan2cli.pipeline.offload import (
-    LayerStreamer,
-    enable_block_offload,
-    spread,
-    stray_tensors,
-    streams_blocks,
-)
+from pan2cli.pipeline.memory_plan import spread
+from pan2cli.pipeline.offload import LayerStreamer, enable_block_offload, stray_tensors, streams_blocks
 from pan2cli.pipeline.pinned import ALIGN, HostArena, module_bytes
 from pan2cli.pipeline.sampling import denoise
 from tests.dit.small_models import random_small_pan2
