@@ -296,7 +296,9 @@ def plan_memory(
     text = plan_layers(text_encoder, TEXT_ACTIVATION_BYTES, budget)
     if text is None:
         floor = (
-            text_encoder.other_bytes + TEXT_ACTIVATION_BYTES + STREAM_BUFFERS * max(text_encoder.layer_bytes)
+            text_encoder.other_bytes
+            + TEXT_ACTIVATION_BYTES
+            + STREAM_BUFFERS * max(text_encoder.layer_bytes, default=0)
         )
         raise InputError(
             f"the text encoder needs {_gib(floor + MARGIN_BYTES)} of GPU memory even with its layers streamed; "
@@ -317,7 +319,7 @@ def plan_memory(
             transformer.other_bytes
             + activations
             + second_pass
-            + STREAM_BUFFERS * max(transformer.layer_bytes)
+            + STREAM_BUFFERS * max(transformer.layer_bytes, default=0)
         )
         hints = [
             alt.flag
@@ -336,7 +338,7 @@ def plan_memory(
         chunk -= 1
     if decoder_bytes(decoder_kernel, shape.pixels, chunk, vae_element_bytes) > budget:
         raise InputError(
-            f"the VAE decoder needs about {_gib(decoder_bytes(decoder_kernel, shape.pixels, 1, vae_element_bytes))} "
+            f"the VAE decoder needs about {_gib(decoder_bytes(decoder_kernel, shape.pixels, 1, vae_element_bytes) + MARGIN_BYTES)} "
             f"at one latent frame per pass; the GPU has {gpu}",
             hint="a smaller --size, or a larger --max-gpu-memory",
         )
