@@ -302,7 +302,10 @@ class VideoGenerator:
             yield
         except torch.OutOfMemoryError as exc:
             raise out_of_memory(
-                exc, f"during {stage.replace('_', ' ')}", hint="pass --offload, or a smaller size or duration"
+                exc,
+                f"during {stage.replace('_', ' ')}",
+                hint="pass --max-gpu-memory below what the GPU has (the plan then streams more), --offload, "
+                "or a smaller size or duration",
             ) from exc
         finally:
             self._sync()

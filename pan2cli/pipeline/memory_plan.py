@@ -271,6 +271,7 @@ def plan_memory(
     vae_element_bytes: int = 2,
     stream_all: bool = False,
     alternatives: Sequence[Alternative] = (),
+    decoder_beside_transformer: bool = False,
 ) -> MemoryPlan:
     """The plan of a run (module docstring).
 
@@ -284,6 +285,8 @@ def plan_memory(
         vae_element_bytes: 2 (bf16) or 4 (float32).
         stream_all: `--offload`: every block streams.
         alternatives: other ways to run (`Alternative`), named in an error where they would fit.
+        decoder_beside_transformer: the VAE decoder stays on the GPU while the transformer denoises (a batch
+            that decodes each video as soon as it is sampled): its weights count in the denoising stage.
 
     Raises:
         InputError: a stage fits the GPU in no plan, or the host lacks the memory the plan page-locks.
@@ -312,6 +315,9 @@ def plan_memory(
         )
 
     # 3. denoising
+    if decoder_beside_transformer:
+        budget_for_decoder = budget
+        budget -= DECODER_WEIGHT_BYTES
     dit = _plan_denoising(shape, shape.precision, transformer, budget, stream_all)
     if dit is None:
         activations, second_pass = _denoising_needs(shape, shape.precision)
@@ -333,6 +339,8 @@ def plan_memory(
         )
 
     # 4. decode: the chunk asked for, or the largest that fits
+    if decoder_beside_transformer:
+        budget = budget_for_decoder
     chunk = chunk_latent_frames
     while chunk > 1 and decoder_bytes(decoder_kernel, shape.pixels, chunk, vae_element_bytes) > budget:
         chunk -= 1

@@ -5,6 +5,7 @@ and the cap (`--max-gpu-memory`) applied to the process (`torch.cuda.set_per_pro
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Sequence
@@ -12,6 +13,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from pan2cli import distributed, launch
 from pan2cli.config import GenerationSettings, RuntimeConfig
 from pan2cli.host_memory import read_host_memory
 from pan2cli.pipeline.memory_plan import Alternative, LayeredSizes, MemoryPlan, RunShape, plan_memory
@@ -96,6 +98,10 @@ def make_plan(
 
     free, _ = torch.cuda.mem_get_info(device)
     cap = int(config.max_gpu_memory_gib * GIB) if config.max_gpu_memory_gib is not None else None
+    host = read_host_memory()
+    local_ranks = launch.env_local_world_size(distributed.world_size())
+    if host is not None and local_ranks > 1:  # every process of this machine page-locks its own copy
+        host = dataclasses.replace(host, available=host.available // local_ranks)
     alternatives = []
     if config.precision == "bf16" and torch.cuda.get_device_capability(device) >= (8, 9):
         alternatives.append(
@@ -107,7 +113,7 @@ def make_plan(
         text_encoder=text_encoder_sizes(text_folder, dtype),
         free_bytes=free,
         cap_bytes=cap,
-        host=read_host_memory(),
+        host=host,
         decoder_kernel=config.decode_kernel != "off" and why_not_applicable(device, vae_dtype) is None,
         chunk_latent_frames=config.chunk_latent_frames,
         vae_element_bytes=torch.empty(0, dtype=vae_dtype).element_size(),

@@ -136,6 +136,13 @@ def test_the_reference_decoder_takes_a_smaller_chunk_to_fit_and_the_kernel_does_
     assert plan(sizes, "fp8", 121, 16).chunk_latent_frames == 4
 
 
+def test_a_decoder_kept_beside_the_transformer_counts_in_the_denoising_stage(sizes):
+    alone = plan(sizes, "bf16", 121, 32).transformer
+    beside = plan(sizes, "bf16", 121, 32, decoder_beside_transformer=True).transformer
+    assert beside.stage_bytes + mp.DECODER_WEIGHT_BYTES <= 31 * GIB
+    assert len(beside.streamed) == len(alone.streamed) + 1
+
+
 # -- the host's memory ------------------------------------------------------------------------------------
 def host(available_gib: float, shmem_gib: float = 0.0, cache_gib: float = 5.0) -> HostMemory:
     return HostMemory(
@@ -219,3 +226,20 @@ def test_the_pipeline_runs_the_plan_and_records_it(tiny_pan2, monkeypatch, write
     assert torch.allclose(got.latents, want.latents, rtol=0, atol=1e-5)  # the same weights and ops
     side = json.loads((tmp_path / "kite.json").read_text())
     assert side["memory_plan"] == forced.record() and side["memory_plan"]["streamed_blocks"] == [1]
+
+
+def test_max_gpu_memory_on_the_cpu_runs_says_it_changes_nothing_and_is_recorded(tiny_pan2, run_cli, tmp_path):
+    out = tmp_path / "fox.mp4"
+    res = run_cli(
+        "generate", "a fox", "--model", tiny_pan2, "--steps", 1, "--frames", 5, "--size", "64x96",
+        "--device", "cpu", "--max-gpu-memory", 24, "-o", out,
+    )  # fmt: skip
+    assert res.exit_code == 0, res.stderr
+    warnings = [line for line in res.stderr.splitlines() if line.startswith("Warning:")]
+    assert warnings == [
+        "Warning: --max-gpu-memory changes nothing on the CPU: it caps what a run may use of a GPU"
+    ]
+    side = json.loads(out.with_suffix(".json").read_text())
+    assert side["config"]["max_gpu_memory_gib"] == 24 and side["memory_plan"] is None
+    bad = run_cli("generate", "a fox", "--model", tiny_pan2, "--device", "cpu", "--max-gpu-memory", 0)
+    assert bad.exit_code == 2 and "--max-gpu-memory" in bad.stderr
