@@ -12,6 +12,7 @@ itself goes when the last view of it does.
 
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from torch import nn
 from pan2cli.errors import Pan2Error
 
 ALIGN = 256  # bytes: where each tensor starts in an arena (cudaMalloc's alignment)
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,15 @@ def _aligned(nbytes: int) -> int:
 def module_bytes(module: nn.Module) -> int:
     """Bytes an arena of `module` takes: its parameters and buffers, each rounded up to `ALIGN`."""
     return sum(_aligned(t.numel() * t.element_size()) for t in (*module.parameters(), *module.buffers()))
+
+
+def _whole_pages(nbytes: int) -> torch.Tensor:
+    """`nbytes` of host memory starting on a page of its own and ending a page short of the allocation's end, so
+    that no other allocation shares a page with it: `cudaHostRegister` locks whole pages, and a page locked twice
+    (by two arenas from the same heap) is an error."""
+    raw = torch.empty(nbytes + 2 * PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % PAGE
+    return raw[start : start + nbytes]
 
 
 def _page_lock(buffer: torch.Tensor) -> None:
@@ -77,7 +88,7 @@ class HostArena:
             self.slots.append(_Slot(tensor, total, nbytes, tensor.dtype, tensor.shape))
             total += _aligned(nbytes)
         self.nbytes = total
-        self.buffer = torch.empty(total, dtype=torch.uint8)
+        self.buffer = _whole_pages(total)
         self.pinned = False
         if pin and total:
             _page_lock(self.buffer)
