@@ -171,6 +171,8 @@ def loaded_bytes(
         elements = math.prod(shape)
         if precision == "fp8" and is_fp8_weight(key):
             total += elements + 4 * shape[0]  # e4m3, and a float32 scale per output channel
+            if key.endswith(".attn.to_q.weight"):
+                total += 4  # the block's fp8 attention scale (`Fp8AttentionScales.qk_descale`, float32)
         elif keep_fp32_modules and keeps_fp32(key) and dtype != torch.float64:
             total += 4 * elements
         else:
