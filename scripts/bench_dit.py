@@ -276,17 +276,13 @@ def run_table(args, device: torch.device) -> list[dict]:
                 sync()
                 replan_s = time.perf_counter() - begin
                 cap_at(cap)
-                with torch.inference_mode(), attention_backends():
-                    guidance_passes(model, hidden, timestep, cond, uncond)  # warm-up
-                    sync()
-                    if cuda:
-                        torch.cuda.reset_peak_memory_stats(device)
-                    times = []
-                    for _ in range(args.steps):
-                        begin = time.perf_counter()
-                        guidance_passes(model, hidden, timestep, cond, uncond)
-                        sync()
-                        times.append(time.perf_counter() - begin)
+                try:
+                    times = time_steps(model, hidden, timestep, cond, uncond, args.steps, sync, cuda, device)
+                except torch.OutOfMemoryError as error:  # the plan's prediction was short: say so, go on
+                    row["plan"] = f"{plan.line()} OUT OF MEMORY: {str(error).splitlines()[0]}"
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    continue
                 step = statistics.median(times)
                 if not streamed:
                     resident_step.setdefault(frames, step)
@@ -309,6 +305,22 @@ def run_table(args, device: torch.device) -> list[dict]:
         cap_at(None)
     print(markdown_table(rows, args.steps), flush=True)
     return rows
+
+
+def time_steps(model, hidden, timestep, cond, uncond, steps: int, sync, cuda: bool, device) -> list[float]:
+    """Seconds of `steps` CFG steps as `pan2 generate` runs them, after a warm-up; the peak counted from there."""
+    with torch.inference_mode(), attention_backends():
+        guidance_passes(model, hidden, timestep, cond, uncond)  # warm-up
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for _ in range(steps):
+            begin = time.perf_counter()
+            guidance_passes(model, hidden, timestep, cond, uncond)
+            sync()
+            times.append(time.perf_counter() - begin)
+    return times
 
 
 def markdown_table(rows: list[dict], steps: int) -> str:

@@ -137,11 +137,14 @@ class LayerStreamer:
         arena.point_to(arena.buffer)
 
     def remove(self) -> None:
-        """Take the hooks off (the streamed layers stay in host memory)."""
+        """Take the hooks off; the streamed layers stay in host memory (pointed back there, should a forward have
+        stopped halfway through one)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._ready.clear()
+        for arena in self.arenas.values():
+            arena.point_to(arena.buffer)
 
     def replan(self, streamed: Iterable[int]) -> "LayerStreamer":
         """A streamer of the same layers with another set streamed (this one's hooks removed): the layers that
