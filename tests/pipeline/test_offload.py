@@ -113,6 +113,38 @@ def test_an_arena_holds_a_module_in_one_buffer_exactly_its_aligned_size():
     assert all(torch.equal(a, b) for a, b in zip(module.state_dict().values(), values))
 
 
+def test_a_pinned_arena_locks_whole_pages_of_its_own_and_unlocks_them_when_collected(monkeypatch):
+    """The registration (faked here: no GPU) covers the arena exactly, from a page boundary, so that two arenas
+    never lock the same page; collecting the arena unlocks it after the device has finished its copies."""
+    import gc
+
+    from pan2cli.pipeline import pinned
+
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, pointer, size, flags):
+            calls.append(("lock", pointer, size))
+            return 0
+
+        def cudaHostUnregister(self, pointer):
+            calls.append(("unlock", pointer))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", FakeCudart)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: calls.append(("synchronize",)))
+    module = nn.Linear(300, 7)
+    arena = HostArena(module, pin=True)
+    pointer = arena.buffer.data_ptr()
+    assert arena.pinned and calls == [("lock", pointer, arena.nbytes)] and pointer % pinned.PAGE == 0
+    assert (
+        arena.buffer.untyped_storage().nbytes() >= arena.nbytes + pinned.PAGE
+    )  # a page of its own at the end
+    del arena
+    gc.collect()
+    assert calls[1:] == [("synchronize",), ("unlock", pointer)]
+
+
 def test_spread_picks_evenly_spaced_layers():
     assert spread(0, 44) == [] and spread(44, 44) == list(range(44)) and spread(50, 4) == [0, 1, 2, 3]
     assert spread(4, 44) == [0, 11, 22, 33]
