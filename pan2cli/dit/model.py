@@ -544,7 +544,7 @@ class PAN2Transformer3DModel(nn.Module):
             x, cos, sin = x[:, start:stop], cos[start:stop], sin[start:stop]
         else:
             sp = None
-        states = [x] * len(texts)
+        states, x = [x] * len(texts), None  # the blocks free each input once its output exists
         for block in self.transformer_blocks:
             states, contexts = block(states, contexts, temb, cos, sin, sp, video_tokens)
         # 5. final modulation (scale, shift) + projection, features read as (c, pt, ph, pw)
