@@ -110,6 +110,9 @@ RULES: dict[str, Rule] = {
     "decode_kernel_parallel": Rule(bool, "True or False"),
     "dit_fused_kernels": Rule(bool, "True or False"),
     "offload": Rule(bool, "True or False"),
+    "max_gpu_memory_gib": Rule(
+        (int, float, type(None)), "a number of GiB", _positive_number, "must be a finite number > 0"
+    ),
     "precision": Rule(
         (str, type(None)),
         "a precision name",
@@ -292,8 +295,13 @@ class RuntimeConfig:
             (one halo row exchanged per 3x3 convolution: exact); False: every rank decodes the whole video.
         dit_fused_kernels: The Triton fusions of the MMDiT where they apply (CUDA with Triton,
             power-of-two head_dim); the PyTorch ops elsewhere.
-        offload: Keep the DiT's blocks in (pinned) host memory and stream them to the device one at a
-            time: same output, a fraction of the memory.
+        offload: Keep every one of the DiT's blocks in page-locked host memory and stream them to the device
+            one at a time: same output, a fraction of the memory. Without it the memory plan
+            (`pan2cli.pipeline.memory_plan`) streams as many blocks as the GPU (or `max_gpu_memory_gib`) needs.
+        max_gpu_memory_gib: The most GPU memory (GiB) the run may allocate (`--max-gpu-memory`): the memory plan
+            keeps every stage under it (streaming the transformer's blocks and the text encoder's layers, a
+            smaller decoder chunk where needed) and the process is capped there
+            (`torch.cuda.set_per_process_memory_fraction`); None: the GPU's free memory.
         chunk_latent_frames: Latent frames per VAE decoder pass after the first (the first is one frame);
             the output does not depend on it, larger chunks use more memory and give larger GEMMs.
         generator_device: Where the initial noise is drawn, one of `GENERATOR_DEVICES`: None on the device
@@ -320,6 +328,7 @@ class RuntimeConfig:
     decode_kernel_parallel: bool = True
     dit_fused_kernels: bool = True
     offload: bool = False
+    max_gpu_memory_gib: float | None = None
     chunk_latent_frames: int = DEFAULT_CHUNK_LATENT_FRAMES
     generator_device: str | None = None
     precision: str = "bf16"

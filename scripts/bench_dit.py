@@ -18,12 +18,21 @@ same run the bf16 model is quantised in place after them (list them first); with
 model is made in fp8 block by block, so the bf16 model never occupies the GPU (as `pan2 generate
 --precision fp8` loads it), which is what `--memory-gib 80` measures.
 
+`--table` runs the memory plan's acceptance table in one process (`run_table`): per precision (`--precisions`)
+the model is made once, then for each length and each cap (`--caps`, largest first) the plan `pan2 generate
+--max-gpu-memory CAP` would make (`pan2cli.pipeline.memory_plan`) is applied (blocks moved between the GPU and
+page-locked host memory, the process capped with `torch.cuda.set_per_process_memory_fraction`) and the CFG step
+timed as `pan2 generate` runs it (both passes through each streamed block): the median of `--steps` steps after
+a warm-up, the peak GPU memory against the plan's prediction, the bytes streamed per step and the rate that
+hides them, the host memory page-locked. One markdown table at the end; each row as JSON as it comes.
+
 Under torchrun (`python -m torch.distributed.run --nproc-per-node 2 scripts/bench_dit.py ...`) every rank
 holds the model on its GPU and the step is `pan2cli.pipeline.sampling.denoise`'s with `split=True`
 (CFG-parallel, and sequence parallel within each half of four or more ranks); rank 0 reports.
 
     python scripts/bench_dit.py --frames 121 241 --variants fused pan2 compiled --profile --out dit.json
     python scripts/bench_dit.py --frames 121 241 481 --variants pan2 fp8 --profile --out dit.json
+    python scripts/bench_dit.py --table --frames 121 --precisions bf16 fp8 --caps 80 48 32 24 16 --steps 3
     python scripts/bench_dit.py --device cpu --small        # dry run of the set-up on a tiny config
 """
 
@@ -31,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -47,7 +57,7 @@ from pan2cli.dit import set_fused_kernels  # noqa: E402
 from pan2cli.dit.attention import attention_backends  # noqa: E402
 from pan2cli.dit.checkpoint import release_defaults  # noqa: E402
 from pan2cli.dit.fp8_attention_choice import fp8_attention_ran, reset_fp8_attention_record  # noqa: E402
-from pan2cli.pipeline.sampling import denoise  # noqa: E402
+from pan2cli.pipeline.sampling import denoise, guidance_passes  # noqa: E402
 from scripts.make_random_pan2 import random_transformer  # noqa: E402
 
 FP8_VARIANTS = ("fp8", "fp8-cuda", "fp8-triton", "fp8-cudnn", "fp8-sdpa")
@@ -91,6 +101,14 @@ def parse_args() -> argparse.Namespace:
         "--sequence-only", action="store_true",
         help="under torchrun: both CFG passes sequence-parallel over all ranks, not CFG-parallel (SP measured alone)",
     )  # fmt: skip
+    parser.add_argument(
+        "--table", action="store_true",
+        help="the memory plan's table: every --precisions x --frames x --caps, as `pan2 generate --max-gpu-memory` plans it",
+    )  # fmt: skip
+    parser.add_argument("--precisions", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    parser.add_argument(
+        "--caps", type=float, nargs="+", default=[80, 48, 32, 24, 16], help="--table's GPU memory caps, GiB"
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="a tiny config (dry run)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -147,10 +165,13 @@ def weights_gib(model: torch.nn.Module) -> float:
     return round(sum(t.numel() * t.element_size() for t in tensors) / 2**30, 2)
 
 
-def use_variant_precision(model, variant: str, device: torch.device) -> None:
+def use_variant_precision(model, variant: str, device: torch.device, kept_scales: dict) -> None:
     """Quantise the model to fp8 the first time an fp8 variant comes; set its attention for this variant, as
-    `pan2 generate --fp8-attention` chooses it (once, building our CUDA kernel where it is chosen)."""
-    from pan2cli.dit.fp8_attention import Fp8AttentionScales
+    `pan2 generate --fp8-attention` chooses it (once, building our CUDA kernel where it is chosen).
+
+    The fp8 attention's scales are the ones made at quantisation (`kept_scales`, by block), never made again:
+    made from weights that stream, they would be made in host memory.
+    """
     from pan2cli.dit.fp8_attention_choice import resolve_fp8_attention, use_fp8_attention
     from pan2cli.dit.quantize import quantize_transformer
 
@@ -159,17 +180,170 @@ def use_variant_precision(model, variant: str, device: torch.device) -> None:
     if model.precision != "fp8":
         quantize_transformer(model)
         torch.cuda.empty_cache()
-    for block in model.transformer_blocks:
+    for index, block in enumerate(model.transformer_blocks):
         attn = block.attn
-        attn.fp8_scales = None if variant == "fp8-sdpa" else Fp8AttentionScales.for_attention(attn)
+        if attn.fp8_scales is not None:
+            kept_scales[index] = attn.fp8_scales
+        attn.fp8_scales = None if variant == "fp8-sdpa" else kept_scales[index]
     if variant != "fp8-sdpa":
         requested = "auto" if variant == "fp8" else variant.removeprefix("fp8-")
         head_dim = model.config.attention_head_dim
         use_fp8_attention(model, resolve_fp8_attention(requested, device, head_dim))
 
 
+def run_table(args, device: torch.device) -> list[dict]:
+    """The memory plan's acceptance table (module docstring): a row per precision, length and cap."""
+    from pan2cli.dit.checkpoint import expected_shapes
+    from pan2cli.errors import InputError
+    from pan2cli.pipeline.memory_plan import LayeredSizes, RunShape, plan_memory
+    from pan2cli.pipeline.offload import enable_block_offload
+    from pan2cli.pipeline.planning import transformer_sizes
+
+    config = {**release_defaults(), **(SMALL if args.small else {})}
+    cuda = device.type == "cuda"  # on the CPU (a dry run with --small) nothing is capped or measured
+    total = torch.cuda.get_device_properties(device).total_memory if cuda else 0
+    index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else 0
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def cap_at(gib: float | None) -> None:
+        if cuda:
+            torch.cuda.set_per_process_memory_fraction(
+                1.0 if gib is None else min(1.0, gib * 2**30 / total), index
+            )
+            torch.cuda.empty_cache()
+
+    hidden_size = config["num_attention_heads"] * config["attention_head_dim"]
+    height, width = (64, 96) if args.small else (args.height, args.width)
+    rows = []
+    for precision in args.precisions:
+        start = time.perf_counter()
+        model = random_transformer(device, precision=precision, **(SMALL if args.small else {}))
+        set_fused_kernels(model, cuda)
+        sync()
+        made = {"precision": precision, "materialise_s": round(time.perf_counter() - start, 1)}
+        print(json.dumps(made), flush=True)
+        sizes = transformer_sizes(expected_shapes(config), torch.bfloat16, precision)
+        streamer = None
+        resident_step: dict[int, float] = {}
+        for frames in args.frames:
+            latent = (1 + (frames - 1) // 4, height // 16, width // 16)
+            video_tokens = latent[0] * (latent[1] // 2) * (latent[2] // 2)
+            generator = torch.Generator(device=device).manual_seed(1)
+            dtype = next(model.x_embedder.parameters()).dtype
+            hidden = torch.randn(1, 97, *latent, generator=generator, device=device).to(dtype)
+            text = config["text_embed_dim"]
+            cond = torch.randn(1, args.text, text, generator=generator, device=device).to(dtype)
+            uncond = torch.randn(1, 12, text, generator=generator, device=device).to(dtype)
+            timestep = torch.tensor([900.0], device=device)
+            shape = RunShape(precision, video_tokens, height * width, frames, hidden_size=hidden_size)
+            for cap in sorted(
+                args.caps, reverse=True
+            ):  # largest first: blocks go to host memory, rarely back
+                row = {"frames": frames, "precision": precision, "cap_gib": cap}
+                cap_at(None)
+                # what `pan2 generate` would see free before loading anything: free now and what this process holds
+                if cuda:
+                    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                else:
+                    free = int(max(args.caps) * 2**30)
+                try:
+                    plan = plan_memory(
+                        shape=shape, transformer=sizes, text_encoder=LayeredSizes((), 0), free_bytes=free,
+                        cap_bytes=int(cap * 2**30), host=None, decoder_kernel=True, chunk_latent_frames=4,
+                        stream_all=args.offload,
+                    )  # fmt: skip
+                except InputError as error:
+                    row["plan"] = f"no plan: {error}"
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    continue
+                begin = time.perf_counter()
+                streamed = plan.transformer.streamed
+                if streamer is None and streamed:
+                    streamer = enable_block_offload(model, device, streamed=streamed)
+                elif streamer is not None:
+                    streamer = model.block_streamer = streamer.replan(streamed)
+                sync()
+                replan_s = time.perf_counter() - begin
+                cap_at(cap)
+                try:
+                    times = time_steps(model, hidden, timestep, cond, uncond, args.steps, sync, cuda, device)
+                except torch.OutOfMemoryError as error:  # the plan's prediction was short: say so, go on
+                    row["plan"] = f"{plan.line()} OUT OF MEMORY: {str(error).splitlines()[0]}"
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    continue
+                step = statistics.median(times)
+                if not streamed:
+                    resident_step.setdefault(frames, step)
+                base = resident_step.get(frames)
+                row.update(
+                    resident=plan.transformer.resident, streamed=len(streamed), cfg_step_s=round(step, 3),
+                    cfg_step_s_all=[round(t, 3) for t in times],
+                    vs_resident=round(step / base - 1, 4) if base else None,
+                    peak_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
+                    predicted_peak_gib=round(plan.transformer.stage_bytes / 2**30, 2),
+                    streamed_gb_per_step=round(plan.bytes_per_step / 1e9, 2),
+                    gb_per_s_to_hide=round(plan.bytes_per_step / 1e9 / step, 1),
+                    host_pinned_gib=round((streamer.host_bytes if streamer else 0) / 2**30, 2),
+                    replan_s=round(replan_s, 1), plan=plan.line(),
+                )  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        del model, streamer
+        gc.collect()  # the page-locked arenas go with the model (`pan2cli.pipeline.pinned`)
+        cap_at(None)
+    print(markdown_table(rows, args.steps), flush=True)
+    return rows
+
+
+def time_steps(model, hidden, timestep, cond, uncond, steps: int, sync, cuda: bool, device) -> list[float]:
+    """Seconds of `steps` CFG steps as `pan2 generate` runs them, after a warm-up; the peak counted from there."""
+    with torch.inference_mode(), attention_backends():
+        guidance_passes(model, hidden, timestep, cond, uncond)  # warm-up
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for _ in range(steps):
+            begin = time.perf_counter()
+            guidance_passes(model, hidden, timestep, cond, uncond)
+            sync()
+            times.append(time.perf_counter() - begin)
+    return times
+
+
+def markdown_table(rows: list[dict], steps: int) -> str:
+    """The acceptance table of `run_table`'s rows."""
+    lines = [
+        f"| frames | precision | cap GiB | blocks resident / streamed | CFG step s (median of {steps}) | vs resident "
+        "| peak GiB (plan) | GB streamed per step | GB/s to hide it | host GiB page-locked |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if "cfg_step_s" not in r:
+            lines.append(f"| {r['frames']} | {r['precision']} | {r['cap_gib']:g} | {r['plan']} | | | | | | |")
+            continue
+        vs = f"{100 * r['vs_resident']:+.1f} %" if r["vs_resident"] is not None else "—"
+        peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "—"
+        lines.append(
+            f"| {r['frames']} | {r['precision']} | {r['cap_gib']:g} | {r['resident']} / {r['streamed']} "
+            f"| {r['cfg_step_s']:.3f} | {vs} | {peak} ({r['predicted_peak_gib']:.2f}) "
+            f"| {r['streamed_gb_per_step']:.1f} | {r['gb_per_s_to_hide']:.1f} | {r['host_pinned_gib']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     args = parse_args()
+    if args.table:
+        rows = run_table(args, torch.device(args.device))
+        if args.out:
+            args.out.write_text(json.dumps(rows, indent=2) + "\n")
+        return
     distributed_run = "LOCAL_RANK" in os.environ
     if distributed_run:  # torchrun: one GPU per rank, the step split as `pan2 generate --gpus N` splits it
         import torch.distributed as dist
@@ -184,6 +358,10 @@ def main() -> None:
     fp8_variants = [v for v in args.variants if v in FP8_VARIANTS]
     if fp8_variants and args.variants[-len(fp8_variants) :] != fp8_variants:
         raise SystemExit("list the fp8 variants after the bf16 ones: the model is quantised in place")
+    if args.offload and fp8_variants and len(fp8_variants) != len(args.variants):
+        raise SystemExit(
+            "with --offload, run the fp8 variants in a run of their own: a streamed model is not re-quantised"
+        )
     start = time.perf_counter()
     precision = "fp8" if len(fp8_variants) == len(args.variants) else "bf16"
     model = random_transformer(device, precision=precision, **(SMALL if args.small else {}))
@@ -214,6 +392,7 @@ def main() -> None:
     if main_rank:
         print(json.dumps({k: v for k, v in results.items() if k != "runs"}), flush=True)
     dtype = next(model.x_embedder.parameters()).dtype
+    kept_scales: dict = {}  # the fp8 attention's scales by block (`use_variant_precision`)
     # Variants outside, lengths inside: the bf16 variants run every length before the model is quantised.
     for variant, frames in ((v, f) for v in args.variants for f in args.frames):
         height, width = (64, 96) if args.small else (args.height, args.width)
@@ -228,7 +407,7 @@ def main() -> None:
             dtype
         )  # " " through the template
         timestep = torch.tensor([900.0], device=device)
-        use_variant_precision(model, variant, device)
+        use_variant_precision(model, variant, device, kept_scales)
         set_fused_kernels(model, variant != "unfused" and device.type == "cuda")
         backend = {
             "fused-cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -249,9 +428,8 @@ def main() -> None:
 
         else:
 
-            def step():
-                model(hidden, timestep, cond)
-                model(hidden, timestep, uncond)
+            def step():  # both passes; through each block at once where blocks stream (`guidance_passes`)
+                guidance_passes(model, hidden, timestep, cond, uncond)
 
         with (
             torch.inference_mode(),

@@ -280,7 +280,20 @@ def _jobs(
 @click.option(
     "--offload",
     is_flag=True,
-    help="Keep the DiT's blocks in pinned host memory and stream them to the GPU one by one (PAN 2 on an 80 GB GPU); same frames; measured 0.4 % slower on an H200 capped at 80 GB (the copies hide behind the compute). Without it the transformer is read while the text encoder works, where the GPU holds both.",
+    help="Stream every one of the DiT's 44 blocks from page-locked host memory, the next one prefetched, whatever "
+    "fits the GPU; same frames. Without it pan2 plans by itself: every block resident where the GPU holds them "
+    "beside the activations, else only as many streamed as needed (one line on stderr says the plan).",
+)
+@click.option(
+    "--max-gpu-memory",
+    "max_gpu_memory",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="GIB",
+    help="Use at most this much GPU memory (GiB), e.g. on a shared GPU or to run as a smaller card would: the "
+    "memory plan keeps every stage under it (the transformer's blocks and the text encoder's layers streamed from "
+    "host memory as needed, a smaller decoder chunk) and the process is capped there. A plan that fits neither "
+    "the GPU nor the host's memory is an error before anything loads.  [default: the GPU's free memory]",
 )
 @click.option(
     "--dit-fused-kernels/--no-dit-fused-kernels",
@@ -368,6 +381,7 @@ def generate_command(
     skip_existing,
     overwrite,
     offload,
+    max_gpu_memory,
     dit_fused_kernels,
     decode_kernel,
     decode_kernel_parallel,
@@ -400,7 +414,7 @@ def generate_command(
     \b
     Examples:
       pan2 generate "a skater drops into a bowl" --preset pan2-5s -o skater.mp4
-      pan2 generate "the door opens" --image door.png --duration 5 --offload
+      pan2 generate "the door opens" --image door.png --duration 5 --max-gpu-memory 24
       pan2 generate --prompts prompts.json -o videos/ --skip-existing --gpus 8
     """
     height, width = size if size is not None else (None, None)
@@ -410,8 +424,9 @@ def generate_command(
     )  # fmt: skip
     runtime = RuntimeConfig(
         device=device, dtype=dtype, decode_kernel=decode_kernel, decode_kernel_parallel=decode_kernel_parallel,
-        dit_fused_kernels=dit_fused_kernels, offload=offload, generator_device=generator_device,
-        fp8_attention=fp8_attention, **({"precision": precision} if precision is not None else {}),
+        dit_fused_kernels=dit_fused_kernels, offload=offload, max_gpu_memory_gib=max_gpu_memory,
+        generator_device=generator_device, fp8_attention=fp8_attention,
+        **({"precision": precision} if precision is not None else {}),
     )  # fmt: skip
     if generator_device is not None:  # cuda without CUDA is bad input before any process starts
         runtime.torch_generator_device(runtime.torch_device())
@@ -563,6 +578,8 @@ def _option_warnings(options: GenerateOptions, config: RuntimeConfig, device) ->
             "--offload changes nothing on the CPU: it streams the transformer's blocks from host memory to a GPU, "
             "and on the CPU they are in host memory already"
         )
+    if config.max_gpu_memory_gib is not None and device.type == "cpu":
+        lines.append("--max-gpu-memory changes nothing on the CPU: it caps what a run may use of a GPU")
     return lines
 
 

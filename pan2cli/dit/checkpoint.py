@@ -171,6 +171,8 @@ def loaded_bytes(
         elements = math.prod(shape)
         if precision == "fp8" and is_fp8_weight(key):
             total += elements + 4 * shape[0]  # e4m3, and a float32 scale per output channel
+            if key.endswith(".attn.to_q.weight"):
+                total += 4  # the block's fp8 attention scale (`Fp8AttentionScales.qk_descale`, float32)
         elif keep_fp32_modules and keeps_fp32(key) and dtype != torch.float64:
             total += 4 * elements
         else:
@@ -189,6 +191,7 @@ def load_pan2_transformer(
     precision: str = "bf16",
     quantize_device: str | torch.device | None = None,
     on_tensor: Callable[[], None] | None = None,
+    on_block: Callable[[int, torch.nn.Module], None] | None = None,
 ) -> PAN2Transformer3DModel:
     """Build the transformer from a checkpoint (its `config.json` and safetensors), strictly.
 
@@ -203,6 +206,10 @@ def load_pan2_transformer(
             the whole bf16 model is never on the device.
         on_tensor: called after each tensor is on its device (progress; an exception raised there stops
             the load: `pan2cli.pipeline.background`).
+        on_block: called with each block's index and module once it is on `device` (and quantised), before the
+            next one is: a block streamer's `stage`, which moves the blocks that stream to host memory as
+            they come, so that the whole model is never on the device. With it the blocks load one at a time
+            in bf16 too.
 
     Returns:
         The model in eval mode without gradients.
@@ -228,12 +235,12 @@ def load_pan2_transformer(
             return tensors
 
         keys = list(model.state_dict())
-        if precision == "bf16":
+        if precision == "bf16" and on_block is None:
             model.load_state_dict(cast(reader.read(keys, on_tensor)), strict=True, assign=True)
             return model.eval().requires_grad_(False)
         from pan2cli.dit.quantize import quantize_block
 
-        # Block by block, the next block's reads running while this one is quantised.
+        # Block by block, the next block's reads running while this one is quantised (or handed on).
         prefixes = [f"transformer_blocks.{index}." for index in range(len(model.transformer_blocks))]
         groups = [[key for key in keys if key.startswith(prefix)] for prefix in prefixes]
         groups.append([key for key in keys if not key.startswith("transformer_blocks.")])
@@ -247,10 +254,13 @@ def load_pan2_transformer(
                 strict=True,
                 assign=True,
             )
-            quantize_block(block)
+            if precision == "fp8":
+                quantize_block(block)
             block.to(device)
+            if on_block is not None:
+                on_block(index, block)
     model.load_state_dict(rest, strict=False, assign=True)  # the keys were checked whole, above
-    model.precision = "fp8"
+    model.precision = precision
     return model.eval().requires_grad_(False)
 
 

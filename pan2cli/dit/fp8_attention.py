@@ -42,10 +42,10 @@ and one V descale per head. Head dims outside 16-128 or not a power of two are q
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pan2cli.dit.fp8 import (
     E4M3_MAX,
@@ -61,21 +61,29 @@ from pan2cli.dit.fp8_attention_choice import Fp8AttentionRun, fp8_attention_run
 from pan2cli.dit.fusions import compute_dtype, qk_norm_rope, qk_norm_rope_reference
 
 
-@dataclass
-class Fp8AttentionScales:
+class Fp8AttentionScales(nn.Module):
     """How a block quantises Q and K: the transformations before the e4m3 cast, and the fixed scales that
-    bound the transformed values (real value = e4m3 value · descale; `pan2cli.dit.fp8`), their product on
-    the device as the attention kernels take it.
+    bound the transformed values (real value = e4m3 value · descale; `pan2cli.dit.fp8`), their product
+    `qk_descale` (`[1]` float32) as the attention kernels take it.
 
     hadamard: Q and K rotated by H/√D after RoPE (False where `hadamard_rotates(head_dim)` is False).
     smooth_k: K's mean over the joint tokens of its (batch, head) subtracted (K's bound doubled).
+
+    A submodule of the `PAN2Attention` it belongs to, `qk_descale` a buffer (outside the state dict's keys), so
+    that it goes wherever the block's other tensors go, with `.to()` and with the layer streamer
+    (`pan2cli.pipeline.offload`), which moves parameters and buffers only: a plain tensor attribute stays where
+    it was made, and one made from streamed weights is host memory that the kernels would read as a device
+    address (an illegal memory access).
     """
 
-    q_descale: float
-    k_descale: float
-    qk_descale: torch.Tensor  # [1] float32, q_descale · k_descale
-    hadamard: bool
-    smooth_k: bool
+    def __init__(
+        self, q_descale: float, k_descale: float, *, hadamard: bool, smooth_k: bool, device=None
+    ) -> None:
+        super().__init__()
+        self.q_descale, self.k_descale = q_descale, k_descale
+        self.hadamard, self.smooth_k = hadamard, smooth_k
+        product = torch.tensor([q_descale * k_descale], dtype=torch.float32, device=device)
+        self.register_buffer("qk_descale", product, persistent=False)
 
     @classmethod
     def for_norm_weights(
@@ -84,17 +92,23 @@ class Fp8AttentionScales:
         """From the RMSNorm weights of Q (video and text stream) and those of K, each a sequence of `[D]`."""
         q = qk_bound(head_dim, *q_weights) / E4M3_MAX
         k = qk_bound(head_dim, *k_weights, mean_subtracted=smooth_k) / E4M3_MAX
-        qk = torch.tensor([q * k], dtype=torch.float32, device=device)
-        return cls(q, k, qk, hadamard and hadamard_rotates(head_dim), smooth_k)
+        rotates = hadamard and hadamard_rotates(head_dim)
+        return cls(q, k, hadamard=rotates, smooth_k=smooth_k, device=device)
 
     @classmethod
     def for_attention(cls, attn, *, hadamard: bool = True, smooth_k: bool = True) -> "Fp8AttentionScales":
-        """From a `PAN2Attention`'s Q/K RMSNorm weights (both streams)."""
+        """From a `PAN2Attention`'s Q/K RMSNorm weights (both streams), on their device."""
         return cls.for_norm_weights(
             attn.head_dim, (attn.norm_q.weight, attn.norm_added_q.weight),
             (attn.norm_k.weight, attn.norm_added_k.weight),
             hadamard=hadamard, smooth_k=smooth_k, device=attn.norm_q.weight.device,
         )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return (
+            f"q_descale={self.q_descale:.4g}, k_descale={self.k_descale:.4g}, hadamard={self.hadamard}, "
+            f"smooth_k={self.smooth_k}"
+        )
 
 
 def quantize_qk(

@@ -227,9 +227,9 @@ class PAN2Attention(nn.Module):
         )
         self.norm_added_q, self.norm_added_k = PAN2RMSNorm(head_dim, eps), PAN2RMSNorm(head_dim, eps)
         self.to_add_out = nn.Linear(inner, dim)
-        # Set by `pan2cli.dit.quantize` for fp8 attention (`pan2cli.dit.fp8_attention.Fp8AttentionScales`), and
-        # the kernel it runs with the record of its calls (`pan2cli.dit.fp8_attention_choice.use_fp8_attention`).
-        self.fp8_scales = None
+        # Set by `pan2cli.dit.quantize` for fp8 attention: a submodule (`pan2cli.dit.fp8_attention.Fp8AttentionScales`),
+        # and the kernel it runs with the record of its calls (`pan2cli.dit.fp8_attention_choice.use_fp8_attention`).
+        self.fp8_scales: nn.Module | None = None
         self.fp8_attention = None
 
     def forward(
@@ -305,10 +305,27 @@ class PAN2TransformerBlock(nn.Module):
         self.fp8_activations = False  # set by `pan2cli.dit.quantize`: the norms hand the fp8 GEMMs e4m3 rows
 
     def forward(
+        self, x: torch.Tensor | list[torch.Tensor], ctx: torch.Tensor | list[torch.Tensor], temb: torch.Tensor,
+        cos: torch.Tensor, sin: torch.Tensor, sp: SequenceParallel | None = None, video_tokens: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
+        """x `[B, N, D]`, ctx `[B, L, D]`, temb `[B, D]`, cos/sin `[N, head_dim/2]` (with `sp`: this rank's band).
+
+        x and ctx may be lists, one entry per pass (`PAN2Transformer3DModel.forward_passes`): each pass runs as a
+        call of its own would, one after the other, inside one call of the block (the hooks of a block streamer
+        then bring its weights to the device once for all of them); returns lists then. The lists are emptied
+        as the passes go, so that a pass's input is freed once its output exists.
+        """
+        if isinstance(x, list):
+            outputs = []
+            while x:
+                outputs.append(self._one_pass(x.pop(0), ctx.pop(0), temb, cos, sin, sp, video_tokens))
+            return [out[0] for out in outputs], [out[1] for out in outputs]
+        return self._one_pass(x, ctx, temb, cos, sin, sp, video_tokens)
+
+    def _one_pass(
         self, x: torch.Tensor, ctx: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        sp: SequenceParallel | None = None, video_tokens: int | None = None,
+        sp: SequenceParallel | None, video_tokens: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """x `[B, N, D]`, ctx `[B, L, D]`, temb `[B, D]`, cos/sin `[N, head_dim/2]` (with `sp`: this rank's band)."""
         fused = use_fused(self.fused_kernels, x)
         shift1, scale1, gate1, shift2, scale2, gate2 = self.norm1(temb)  # each [B, 1, D]
         batch, dim = x.shape[0], x.shape[-1]
@@ -480,8 +497,29 @@ class PAN2Transformer3DModel(nn.Module):
         Raises:
             InputError: shapes that do not fit the config.
         """
+        (velocity,) = self.forward_passes(hidden_states, timestep, [encoder_hidden_states])
+        return velocity
+
+    def forward_passes(
+        self, hidden_states: torch.Tensor, timestep: torch.Tensor, texts: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """`[forward(hidden_states, timestep, text) for text in texts]`, the same ops on the same tensors, but
+        walking the blocks once: each block runs every pass in one call (classifier-free guidance's prompt and
+        negative prompt), so that a streamed block crosses the bus once per step instead of once per pass
+        (`pan2cli.pipeline.offload`). The patch embedding and the timestep's, which do not depend on the text,
+        are computed once. Holds every pass's hidden states at once: one `[B, N + L, D]` more per extra pass.
+
+        Args:
+            hidden_states, timestep: as `forward`'s.
+            texts: each pass's `encoder_hidden_states` (their lengths may differ: nothing is padded).
+
+        Returns:
+            Each pass's velocity, in the order of `texts`.
+        """
         cfg = self.config
-        timestep = self._check_inputs(hidden_states, timestep, encoder_hidden_states)
+        if not texts:
+            raise ValueError("forward_passes needs at least one text")
+        timestep = [self._check_inputs(hidden_states, timestep, text) for text in texts][0]
         dtype = self.x_embedder.weight.dtype
         batch, _, frames, height, width = hidden_states.shape
         pt, ph, pw = cfg.patch_size
@@ -492,11 +530,13 @@ class PAN2Transformer3DModel(nn.Module):
         # 2. timestep → temb [B, D]
         sinusoid = timestep_embedding(timestep, TIMESTEP_CHANNELS, compute_dtype(x))
         temb = self.time_embedder(sinusoid.to(dtype))
-        # 3. text → [B, L, D]
-        ctx = self.context_embedder(encoder_hidden_states.to(dtype))
-        for block in self.context_refiner:
-            ctx = block(ctx)
-        ctx = ctx + self.context_type_embedding
+        # 3. text → [B, L, D], per pass
+        contexts = []
+        for text in texts:
+            ctx = self.context_embedder(text.to(dtype))
+            for block in self.context_refiner:
+                ctx = block(ctx)
+            contexts.append(ctx + self.context_type_embedding)
         # 4. blocks (under sequence parallelism: this rank's band of the tokens and of the RoPE table)
         cos, sin = self.rope(grid, x.device, compute_dtype(x))
         sp, video_tokens = self.sequence_parallel, x.shape[1]
@@ -506,9 +546,16 @@ class PAN2Transformer3DModel(nn.Module):
             x, cos, sin = x[:, start:stop], cos[start:stop], sin[start:stop]
         else:
             sp = None
+        states, x = [x] * len(texts), None  # the blocks free each input once its output exists
         for block in self.transformer_blocks:
-            x, ctx = block(x, ctx, temb, cos, sin, sp, video_tokens)
+            states, contexts = block(states, contexts, temb, cos, sin, sp, video_tokens)
         # 5. final modulation (scale, shift) + projection, features read as (c, pt, ph, pw)
+        return [self._velocity(x, temb, sp, video_tokens, grid, hidden_states.shape) for x in states]
+
+    def _velocity(self, x, temb, sp, video_tokens: int, grid, shape) -> torch.Tensor:
+        cfg = self.config
+        batch, _, frames, height, width = shape
+        pt, ph, pw = cfg.patch_size
         scale, shift = self.norm_out(temb)
         x = layer_norm_modulate(x, scale, shift, eps=cfg.norm_eps, fused=use_fused(self.fused_kernels, x))
         x = self.proj_out(x)

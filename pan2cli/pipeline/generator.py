@@ -148,6 +148,7 @@ class VideoGenerator:
         self.decode_rows_split = False
         self.ranks_share_jobs = False
         self._shift_notes: set[tuple[float, str]] = set()  # each flow-shift note said once
+        self.memory_plan = None  # the batch's `pan2cli.pipeline.memory_plan.MemoryPlan` (on a GPU)
         # `time_to_first_step` counts from here: the command's start where the CLI sets it, else each batch's.
         self.clock_start: float | None = None
         attention_order()  # a bad PAN2_ATTENTION is bad input before anything loads
@@ -266,6 +267,7 @@ class VideoGenerator:
         # The text encoder's weights are read in the background while the tokenizer loads, and the
         # transformer's during 1 and 2 where the device holds both models (the threads end with the batch's
         # first failure or a Ctrl-C: `BackgroundLoad`).
+        self._plan_memory([r.job.settings for r in results if r.error is None])
         text_tensors = self._start_text_read()
         transformer = self._start_transformer_load(after=text_tensors)
         with text_tensors, transformer if transformer is not None else nullcontext():
@@ -303,7 +305,10 @@ class VideoGenerator:
             yield
         except torch.OutOfMemoryError as exc:
             raise out_of_memory(
-                exc, f"during {stage.replace('_', ' ')}", hint="pass --offload, or a smaller size or duration"
+                exc,
+                f"during {stage.replace('_', ' ')}",
+                hint="pass --max-gpu-memory below what the GPU has (the plan then streams more), --offload, "
+                "or a smaller size or duration",
             ) from exc
         finally:
             self._sync()
@@ -337,11 +342,40 @@ class VideoGenerator:
         from pan2cli.pipeline.text import read_text_tensors
 
         folder = self.components.folder("text_encoder")
+        where = self._text_device()
         return BackgroundLoad(
-            lambda tick: read_text_tensors(folder, self.device, on_tensor=tick),
+            lambda tick: read_text_tensors(folder, where, on_tensor=tick),
             self.device,
             name="pan2-text-encoder-read",
         )
+
+    def _text_device(self) -> torch.device:
+        """Where the text model is read: the device, or host memory when the plan streams some of its layers."""
+        plan = self.memory_plan
+        return torch.device("cpu") if plan is not None and plan.text_encoder.streamed else self.device
+
+    def _plan_memory(self, settings: list[GenerationSettings]) -> None:
+        """The batch's memory plan (`pan2cli.pipeline.memory_plan`), before anything loads: said in one line, the
+        cap applied; on the CPU none.
+
+        Raises:
+            InputError: no plan fits the GPU (or the cap), or the host lacks the memory it page-locks.
+        """
+        from pan2cli.dit.checkpoint import resolve_pan2_checkpoint
+        from pan2cli.pipeline.planning import apply_cap, make_plan
+
+        shapes = self._transformer_shapes = resolve_pan2_checkpoint(
+            self.components.folder("transformer")
+        ).shapes
+        self._transformer_tensors = len(shapes)  # the load's progress bar counts them
+        apply_cap(self.device, self.config.max_gpu_memory_gib)
+        self.memory_plan = make_plan(
+            self.config, self.device, settings, transformer_shapes=shapes,
+            text_folder=self.components.folder("text_encoder"), dit_config=self.dit_config, dtype=self.dtype,
+            vae_dtype=self.vae_dtype,
+        )  # fmt: skip
+        if self.memory_plan is not None:
+            self.info(self.memory_plan.line())
 
     def _encode_texts(
         self,
@@ -352,15 +386,21 @@ class VideoGenerator:
         from pan2cli.pipeline.text import PAN2TextEncoder, load_text_model, load_tokenizer
 
         tokenizer = load_tokenizer(self.components.folder("tokenizer"))  # while the text read runs
-        encoder = PAN2TextEncoder(
-            tokenizer,
-            load_text_model(
-                self.components.folder("text_encoder"),
-                dtype=self.dtype,
-                device=self.device,
-                tensors=text_tensors.result(),
-            ),
+        text_model = load_text_model(
+            self.components.folder("text_encoder"),
+            dtype=self.dtype,
+            device=self._text_device(),
+            tensors=text_tensors.result(),
         )
+        plan = self.memory_plan
+        if plan is not None and plan.text_encoder.streamed:  # some layers stream from host memory
+            from pan2cli.pipeline.offload import LayerStreamer, stream_layers
+
+            stream_layers(
+                text_model, "layers", self.device, LayerStreamer(self.device, plan.text_encoder.streamed)
+            )
+        encoder = PAN2TextEncoder(tokenizer, text_model)
+        text_model = None
         seconds = time.perf_counter() - text_tensors.started  # from the read's start: one stage
         self._load_seconds(results, "load_text_encoder", seconds)
         todo = [r for r in results if r.error is None]
@@ -418,12 +458,17 @@ class VideoGenerator:
         """The transformer's load started in the background (`BackgroundLoad`) where the device has room for it
         beside the text encoder, its reads from the end of `after`'s (the text encoder's); else None (it loads
         after the text encoder is freed), said in one line."""
-        from pan2cli.dit.checkpoint import loaded_bytes, resolve_pan2_checkpoint
+        from pan2cli.dit.checkpoint import loaded_bytes
 
-        shapes = resolve_pan2_checkpoint(self.components.folder("transformer")).shapes
-        self._transformer_tensors = len(shapes)  # the load's progress bar counts them
+        shapes = self._transformer_shapes  # read by `_plan_memory`
         if self.config.offload:
             self.info("Loading the transformer after the text encoder (--offload: one model at a time).")
+            return None
+        plan = self.memory_plan
+        if plan is not None and (plan.transformer.streamed or plan.text_encoder.streamed):
+            self.info(
+                "Loading the transformer after the text encoder (the memory plan streams: one model at a time)."
+            )
             return None
         dit_bytes = loaded_bytes(shapes, self.dtype, precision=self.config.precision)
         text_bytes = sum(
@@ -431,6 +476,8 @@ class VideoGenerator:
         )
         need = dit_bytes + text_bytes + OVERLAP_MARGIN_BYTES
         free, where = free_memory(self.device)
+        if plan is not None and plan.cap_bytes is not None and free is not None and plan.cap_bytes < free:
+            free, where = plan.cap_bytes, "--max-gpu-memory"
         if free is None or need > free:
             have = f"{free / 2**30:.1f} GiB free" if free is not None else "free memory unknown"
             self.info(
@@ -440,19 +487,27 @@ class VideoGenerator:
         return BackgroundLoad(self._read_dit, self.device, name="pan2-transformer-load", after=after)
 
     def _read_dit(self, on_tensor: Callable[[], None] | None = None):
-        """The transformer from its checkpoint, on the device (or, with `offload`, its blocks in host memory)."""
+        """The transformer from its checkpoint, on the device but for the blocks the memory plan (or, on the CPU,
+        `offload`) streams from host memory."""
         from pan2cli.dit.checkpoint import load_pan2_transformer
-        from pan2cli.pipeline.offload import enable_block_offload
+        from pan2cli.pipeline.offload import LayerStreamer, enable_block_offload
 
         cfg = self.config
         folder = self.components.folder("transformer")
-        # fp8: each block quantised on the GPU as it is read (the bf16 model is never whole there).
-        options = dict(precision=cfg.precision, quantize_device=self.device, on_tensor=on_tensor)
-        if cfg.offload:
-            model = load_pan2_transformer(folder, dtype=self.dtype, device="cpu", **options)
-            enable_block_offload(model, self.device)
-        else:
-            model = load_pan2_transformer(folder, dtype=self.dtype, device=self.device, **options)
+        layers = self.dit_config.get("num_layers", 44)
+        if self.memory_plan is not None:
+            streamed = self.memory_plan.transformer.streamed
+        else:  # the CPU: the blocks are in host memory already; --offload streams them to the CPU all the same
+            streamed = range(layers) if cfg.offload else ()
+        # fp8: each block quantised on the GPU as it is read (the bf16 model is never whole there); a block that
+        # streams goes to host memory as soon as it is read (`LayerStreamer.stage`).
+        streamer = LayerStreamer(self.device, streamed) if streamed else None
+        model = load_pan2_transformer(
+            folder, dtype=self.dtype, device=self.device, precision=cfg.precision, on_tensor=on_tensor,
+            on_block=streamer.stage if streamer is not None else None,
+        )  # fmt: skip
+        if streamer is not None:
+            enable_block_offload(model, self.device, streamer=streamer)
         return model
 
     def _prepare_dit(self, model):
@@ -678,7 +733,7 @@ class VideoGenerator:
                     result.latents,
                     sink if writes else None,
                     normalized=True,
-                    chunk_latent_frames=self.config.chunk_latent_frames,
+                    chunk_latent_frames=self._chunk_latent_frames(),
                     split_rows=parallel,
                     on_chunk=advance,
                 )
@@ -687,6 +742,11 @@ class VideoGenerator:
                     writer.commit()
         result.frames = sink.frames()
         result.output = job.output if writes else None
+
+    def _chunk_latent_frames(self) -> int:
+        """The decoder's chunk: the configured one, or the memory plan's where that is smaller."""
+        plan = self.memory_plan
+        return plan.chunk_latent_frames if plan is not None else self.config.chunk_latent_frames
 
     def _write_latents(self, result: GenerationResult) -> None:
         job, settings = result.job, result.job.settings
@@ -731,6 +791,8 @@ class VideoGenerator:
             "config": asdict(self.config),
             "generator_device": self.generator_device.type,  # where the initial noise was drawn
             "attention": self.attention,  # the SDPA backend of the denoising (pan2cli.dit.attention)
+            # what stayed on the GPU and what streamed from host memory (pan2cli.pipeline.memory_plan); null on the CPU
+            "memory_plan": self.memory_plan.record() if self.memory_plan is not None else None,
             "ran": {
                 "dit_fused_kernels": self.dit_fused_kernels,
                 "decoder": self.decoder_path,

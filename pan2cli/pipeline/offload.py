@@ -1,90 +1,207 @@
-"""Stream the DiT's blocks from (pinned) host memory to the device one at a time, with the next one prefetched.
+"""Stream some layers of a model (the DiT's blocks, the text encoder's layers) from page-locked host memory to the
+device, one at a time, the next one prefetched; the others stay resident on the device.
 
-Everything but `model.transformer_blocks` (28 of the 29.2 B parameters) lives on the device; each block's tensors stay in host memory and are
-copied in by a forward pre-hook (on a side stream on CUDA, the next block's copy overlapping the current
-block's compute) and dropped by a forward hook. At most two blocks occupy the device, so PAN 2's 29B
-parameters (58 GB in bf16) run on an 80 GB GPU. The output is the same: the same weights, the same ops.
+`LayerStreamer(device, streamed)` keeps the layers of `streamed` (indices into an `nn.ModuleList`) each in a
+host arena (`pan2cli.pipeline.pinned.HostArena`: one page-locked buffer per layer), and the rest on the device.
+A forward pre-hook on a streamed layer waits for its copy (one asynchronous copy of the whole arena, on a side
+stream on CUDA) and points its tensors at it, then starts the copy of the next streamed layer, which overlaps
+this layer's compute and that of the resident layers in between; a forward hook points them back at the host.
+At most two streamed layers occupy the device. The output is the same: the same weights, the same ops.
+
+Which layers stream is the memory plan's choice (`pan2cli.pipeline.memory_plan`): spread evenly over the model
+(`memory_plan.spread`), so that each copy has the compute of several layers to hide behind.
+
+The streamer moves parameters and buffers (what `.to()` moves); a streamed layer holding any other tensor
+(`stray_tensors`) is refused, since that tensor would stay behind.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
+from typing import Iterable
 
 import torch
 from torch import nn
 
+from pan2cli.pipeline.pinned import HostArena
 
-class BlockStreamer:
-    """Installed on a model by `enable_block_offload`; `remove()` takes the hooks off."""
 
-    def __init__(self, model: nn.Module, device: torch.device):
-        self.device = device
-        self.blocks = list(model.transformer_blocks)
-        cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if cuda else None
-        # (parameter, host copy) per block; pinned memory makes each copy one full-speed DMA.
-        self.host: list[list[tuple[nn.Parameter, torch.Tensor]]] = []
-        for block in self.blocks:
-            pairs = []
-            for tensor in (*block.parameters(), *block.buffers()):
-                host = tensor.data.to("cpu")
-                pairs.append((tensor, host.pin_memory() if cuda else host))
-                tensor.data = pairs[-1][1]
-            self.host.append(pairs)
-        self._ready: dict[int, tuple[list[torch.Tensor], torch.cuda.Event | None]] = {}
-        self._handles = []
-        for index, block in enumerate(self.blocks):
-            self._handles.append(block.register_forward_pre_hook(lambda module, args, i=index: self._load(i)))
+def stray_tensors(module: nn.Module) -> list[str]:
+    """Names of the tensors `module` (or a submodule) holds outside its parameters and buffers, which neither
+    `.to()` nor a streamer moves (attributes, and tensors in a dataclass, list, tuple or dict held by one)."""
+    found: list[str] = []
+
+    def visit(value, name: str, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            found.append(name)
+        elif depth >= 3 or isinstance(value, nn.Module):
+            return  # submodules are walked by `named_modules`
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for field in dataclasses.fields(value):
+                visit(getattr(value, field.name), f"{name}.{field.name}", depth + 1)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                visit(item, f"{name}[{i}]", depth + 1)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                visit(item, f"{name}[{key!r}]", depth + 1)
+
+    for prefix, sub in module.named_modules():
+        for attr, value in vars(sub).items():
+            if attr not in ("_parameters", "_buffers", "_modules"):
+                visit(value, f"{prefix}.{attr}" if prefix else attr, 0)
+    return found
+
+
+class LayerStreamer:
+    """Layers of a `nn.ModuleList` on `device`, those of `streamed` in host memory and streamed in (module docstring).
+
+    Build it, `stage` layers as they load (optional: a streamed layer then goes to host memory as soon as it
+    exists, so that the whole model is never on the device), then `attach` it to the layers.
+
+    Args:
+        device: where the forward runs.
+        streamed: indices of the layers kept in host memory.
+    """
+
+    def __init__(self, device: torch.device | str, streamed: Iterable[int]):
+        self.device = torch.device(device)
+        self.streamed = sorted(set(streamed))
+        self.cuda = self.device.type == "cuda"
+        self.arenas: dict[int, HostArena] = {}
+        self.layers: nn.ModuleList | None = None
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._ready: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self._handles: list = []
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory the streamed layers take (page-locked on CUDA)."""
+        return sum(arena.nbytes for arena in self.arenas.values())
+
+    def stage(self, index: int, layer: nn.Module) -> None:
+        """Put layer `index` where it runs from: a host arena if it streams, else the device."""
+        if index in self.streamed:
+            if index not in self.arenas:
+                stray = stray_tensors(layer)
+                if stray:
+                    raise ValueError(
+                        f"layer {index} holds tensors outside its parameters and buffers ({', '.join(stray)}); "
+                        "a streamer cannot move them: register them as buffers"
+                    )
+                self.arenas[index] = HostArena(layer, pin=self.cuda)
+        else:
+            for tensor in (*layer.parameters(), *layer.buffers()):
+                if tensor.device != self.device:
+                    tensor.data = tensor.data.to(self.device)
+
+    def attach(self, layers: nn.ModuleList) -> "LayerStreamer":
+        """Stage every layer not staged yet and install the hooks; returns self."""
+        self.layers = layers
+        for index, layer in enumerate(layers):
+            self.stage(index, layer)
+        for index in self.streamed:
+            layer = layers[index]
+            self._handles.append(layer.register_forward_pre_hook(lambda module, args, i=index: self._load(i)))
             self._handles.append(
-                block.register_forward_hook(lambda module, args, out, i=index: self._unload(i))
+                layer.register_forward_hook(lambda module, args, out, i=index: self._unload(i))
             )
+        return self
 
     def _fetch(self, index: int) -> None:
-        """Start copying block `index` to the device (no-op if already under way)."""
+        """Start copying layer `index` to the device (no-op if already under way)."""
         if index in self._ready:
             return
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            tensors = [host.to(self.device, non_blocking=True, copy=True) for _, host in self.host[index]]
+            flat = self.arenas[index].to_device(self.device)
             event = torch.cuda.Event() if self.stream is not None else None
             if event is not None:
                 event.record(self.stream)
-        self._ready[index] = (tensors, event)
+        self._ready[index] = (flat, event)
 
     def _load(self, index: int) -> None:
         self._fetch(index)
-        tensors, event = self._ready.pop(index)
+        flat, event = self._ready.pop(index)
         if event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)
-            for tensor in tensors:
-                # allocated on the side stream, used on this one: keep the memory until this stream is done
-                tensor.record_stream(current)
-        for (param, _), tensor in zip(self.host[index], tensors):
-            param.data = tensor
-        self._fetch((index + 1) % len(self.blocks))  # the next block (or the first, for the next step)
+            # allocated on the side stream, used on this one: keep the memory until this stream is done with it
+            flat.record_stream(current)
+        self.arenas[index].point_to(flat)
+        following = self.streamed[(self.streamed.index(index) + 1) % len(self.streamed)]
+        self._fetch(following)  # the next streamed layer (or the first, for the next forward)
 
     def _unload(self, index: int) -> None:
-        for param, host in self.host[index]:
-            param.data = host
+        arena = self.arenas[index]
+        arena.point_to(arena.buffer)
 
     def remove(self) -> None:
+        """Take the hooks off; the streamed layers stay in host memory (pointed back there, should a forward have
+        stopped halfway through one)."""
         for handle in self._handles:
             handle.remove()
+        self._handles.clear()
         self._ready.clear()
+        for arena in self.arenas.values():
+            arena.point_to(arena.buffer)
+
+    def replan(self, streamed: Iterable[int]) -> "LayerStreamer":
+        """A streamer of the same layers with another set streamed (this one's hooks removed): the layers that
+        start streaming go to host memory first (freeing device memory), then those that stop come back to the
+        device; the others keep their arenas."""
+        if self.layers is None:
+            raise RuntimeError("replan() needs an attached streamer")
+        self.remove()
+        successor = LayerStreamer(self.device, streamed)
+        successor.arenas = {i: arena for i, arena in self.arenas.items() if i in successor.streamed}
+        for index in successor.streamed:
+            successor.stage(index, self.layers[index])
+        for index, arena in self.arenas.items():
+            if index not in successor.streamed:
+                arena.release_to(self.device)
+        self.arenas = {}
+        return successor.attach(self.layers)
 
 
-def enable_block_offload(model: nn.Module, device: torch.device) -> BlockStreamer:
-    """Put everything but `model.transformer_blocks` on `device` and stream the blocks in during forward.
+def streams_blocks(model: nn.Module) -> bool:
+    """Whether some of `model`'s transformer blocks are streamed (`enable_block_offload`)."""
+    streamer = getattr(model, "block_streamer", None)
+    return streamer is not None and bool(streamer.streamed)
+
+
+def stream_layers(
+    model: nn.Module, name: str, device: torch.device | str, streamer: LayerStreamer
+) -> LayerStreamer:
+    """Put everything of `model` but its `name` ModuleList on `device`, and `streamer` on that list's layers
+    (the text encoder's `layers`; `enable_block_offload` for the DiT's blocks)."""
+    layers = getattr(model, name)
+    setattr(model, name, nn.ModuleList())
+    model.to(device)
+    setattr(model, name, layers)
+    return streamer.attach(layers)
+
+
+def enable_block_offload(
+    model: nn.Module,
+    device: torch.device | str,
+    streamed: Iterable[int] | None = None,
+    streamer: LayerStreamer | None = None,
+) -> LayerStreamer:
+    """Put everything but `model.transformer_blocks` on `device` and stream the blocks of `streamed` (default: all)
+    in during forward; the others go to `device` too.
 
     Args:
         model: a `PAN2Transformer3DModel` (anything with a `transformer_blocks` ModuleList), on any device.
         device: where the forward runs.
+        streamed: block indices kept in host memory (default: every block).
+        streamer: a streamer whose blocks were staged while the model loaded (then `streamed` is its own).
 
     Returns:
-        The streamer (its hooks stay until `remove()`).
+        The streamer (its hooks stay until `remove()`), also kept as `model.block_streamer`.
     """
-    blocks = model.transformer_blocks
-    model.transformer_blocks = nn.ModuleList()
-    model.to(device)
-    model.transformer_blocks = blocks
-    return BlockStreamer(model, device)
+    if streamer is None:
+        count = len(model.transformer_blocks)
+        streamer = LayerStreamer(device, range(count) if streamed is None else streamed)
+    model.block_streamer = stream_layers(model, "transformer_blocks", device, streamer)
+    return streamer

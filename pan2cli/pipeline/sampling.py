@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from pan2cli import distributed
 from pan2cli.dit.parallel import SequenceParallel
+from pan2cli.pipeline.offload import streams_blocks
 from pan2cli.pipeline.scheduler import euler_step, guided, uses_guidance
 
 
@@ -94,6 +95,18 @@ def _split_model(model, groups: list[list[int]], heads: int) -> Iterator[int]:
         model.sequence_parallel = previous
 
 
+def guidance_passes(
+    model, x: torch.Tensor, timestep: torch.Tensor, cond: torch.Tensor, uncond: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The conditional and unconditional velocities of one step (the second None without `uncond`). Where the
+    model streams blocks from host memory, both passes run through each block while it is on the device
+    (`forward_passes`): each streamed block crosses the bus once per step, not once per pass."""
+    if uncond is not None and streams_blocks(model):
+        v_cond, v_uncond = model.forward_passes(x, timestep, [cond, uncond])
+        return v_cond, v_uncond
+    return model(x, timestep, cond), model(x, timestep, uncond) if uncond is not None else None
+
+
 def denoise(
     model,
     latents: torch.Tensor,
@@ -141,8 +154,7 @@ def denoise(
                 predictions = distributed.gather_equal(model(x, timestep, cond if mine == 0 else uncond))
                 v_cond, v_uncond = predictions[groups[0][0]], predictions[groups[1][0]]
             else:
-                v_cond = model(x, timestep, cond)
-                v_uncond = model(x, timestep, uncond) if use_uncond else None
+                v_cond, v_uncond = guidance_passes(model, x, timestep, cond, uncond if use_uncond else None)
             latents = euler_step(latents, guided(v_cond, v_uncond, guidance), sigma, sigma_next)
             if on_step is not None:
                 on_step(1)

@@ -187,11 +187,13 @@ def test_runtime_config_defaults_and_checks():
         config.decode_kernel_parallel,
         config.dit_fused_kernels,
         config.offload,
+        config.max_gpu_memory_gib,
     ) == (
         "auto",
         True,
         True,
         False,
+        None,
     )
     for changes, problem in [
         ({"dtype": "fp16"}, "invalid 'dtype' = 'fp16': must be one of: bf16, fp32"),
@@ -200,6 +202,8 @@ def test_runtime_config_defaults_and_checks():
         ({"chunk_latent_frames": 0}, "invalid 'chunk_latent_frames' = 0: must be >= 1"),
         ({"chunk_latent_frames": None}, "'chunk_latent_frames' must be an integer"),
         ({"offload": 1}, "'offload' must be True or False"),
+        ({"max_gpu_memory_gib": 0}, "invalid 'max_gpu_memory_gib' = 0: must be a finite number > 0"),
+        ({"max_gpu_memory_gib": "24"}, "'max_gpu_memory_gib' must be a number of GiB"),
         ({"device": 0}, "'device' must be a device name"),
     ]:
         with pytest.raises(InputError) as info:
