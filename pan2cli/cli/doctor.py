@@ -82,13 +82,10 @@ def _fp8(device) -> str:
     attention = f"{DESCRIPTIONS[choice.kernel]}: {choice.reason}"
     if choice.kernel == "cuda":
         gpu = torch.cuda.get_device_name(device)
-        picks = ", ".join(
-            f"{cuda.choose_instantiation(gpu, tokens).name} at {frames} frames"
-            for frames, tokens in (
-                (121, 26_598 + 300),
-                (481, 103_818 + 300),
-            )  # 704x1248, a prompt's ~300 tokens
-        )
+        by_pick: dict[str, list[str]] = {}
+        for frames, tokens in ((121, 26_598 + 300), (481, 103_818 + 300)):  # 704x1248, a prompt's ~300 tokens
+            by_pick.setdefault(cuda.choose_instantiation(gpu, tokens).name, []).append(str(frames))
+        picks = ", ".join(f"{name} at {' and '.join(frames)} frames" for name, frames in by_pick.items())
         built = "built" if cuda.extension_spec().library.exists() else "built on first use"
         attention += f"; {built}; {picks} (the {cuda.table_gpu(gpu)} rows of its table)"
     return f"yes (--precision fp8: e4m3 linears, {attention}; --fp8-attention picks another)"

@@ -73,15 +73,13 @@ INSTANTIATIONS = tuple(Instantiation(s, p, t) for t in PRODUCERS for s in STAGES
 
 # The instantiation that runs, per GPU (a substring of its name) and joint token count (video + text): rows of
 # (up to this many tokens, or None for any), first match wins, from `scripts/bench_kernels.py fp8-attention`.
-# H100 80GB HBM3, 2026-12-06, tree e918a66, 32 heads of 128: at 121 frames (26,898 tokens) s3 ping-pong TMA
-# 13.28 ms (the fastest of the twelve; cuDNN fp8 14.01), at 481 frames (104,118) s4 free TMA 206.8 ms (cuDNN
-# fp8 216.7); the boundary between them (about 64k tokens) is not measured yet. Other sm_90 GPUs (H200, H800,
-# GH200) take the H100's rows until they are measured.
+# H100 80GB HBM3, 32 heads of 128, two runs on two machines: 2026-12-06 at 5b9e390, s4 free TMA the fastest
+# of the twelve at 481 frames (104,118 tokens: 206.1 ms; the next 207.7) and at 121 (26,898: 13.65 ms; s3
+# ping-pong TMA 13.73, s3 free TMA 13.89; cuDNN fp8 13.46 there); the same day at e918a66, s4 free TMA again
+# the fastest at 481 (206.8) and within 1 % of the fastest at 121 (s3 ping-pong TMA, 13.28). One instantiation
+# for every length, then. Other sm_90 GPUs (H200, H800, GH200) take the H100's rows until they are measured.
 CHOICE_TABLE: dict[str, tuple[tuple[int | None, Instantiation], ...]] = {
-    "H100": (
-        (65536, Instantiation(3, True, "tma")),
-        (None, Instantiation(4, False, "tma")),
-    ),
+    "H100": ((None, Instantiation(4, False, "tma")),),
 }
 DEFAULT_GPU = "H100"  # the rows a GPU without its own takes
 

@@ -43,11 +43,10 @@ import triton.language as tl
 
 from pan2cli.triton_support import triton_interpreting
 
-# The rotating kernel's launch (tiles of 16 rows a program, warps): the ±1 matrix is built once for 4 tiles,
-# and at 8 warps the program fits in 248 registers a thread without spills for head_dim 128 on sm_90a (4
-# warps spill 480 bytes; ptxas -v on Triton's PTX), 8 warps an SM like the plain kernel's 2 programs of 4.
-# Not yet timed on a GPU.
-HADAMARD_LAUNCH = (4, 8)
+# The rotating kernel's launch (rows a tile, tiles a program, warps): the ±1 matrix is built once for the
+# program's tiles, and at 16 rows and 8 warps the program fits in 248 registers a thread without spills for
+# head_dim 128 on sm_90a (4 warps spill 480 bytes; ptxas -v on Triton's PTX).
+HADAMARD_LAUNCH = (16, 4, 8)
 
 
 @triton.jit
@@ -313,9 +312,9 @@ def qk_norm_rope(
     # 16 rows of 128 at 4 warps: 0.427 ms = 1.02x the HBM floor on an H200 (32 rows: 0.481; the dit-fusions benchmark's sweep)
     if hadamard:
         block_rows, tiles, num_warps = (
-            block_rows or 16,
-            tiles or HADAMARD_LAUNCH[0],
-            num_warps or HADAMARD_LAUNCH[1],
+            block_rows or HADAMARD_LAUNCH[0],
+            tiles or HADAMARD_LAUNCH[1],
+            num_warps or HADAMARD_LAUNCH[2],
         )
     block_rows = block_rows or max(1, min(64, 2048 // head_dim))
     tiles = tiles or 1

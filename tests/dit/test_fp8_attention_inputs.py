@@ -178,8 +178,8 @@ main = ptr | {{n: "*fp32" for n in ("Q_WEIGHT", "K_WEIGHT", "COS", "SIN", "K_MEA
 main |= {{n: "i32" for n in ("n_rows", "n_heads", "n_tokens", "out_token_offset", "stride_q_batch",
         "stride_q_token", "stride_k_batch", "stride_k_token", "stride_out_batch", "stride_out_token")}}
 main |= {{n: "fp32" for n in ("eps", "q_out_mult", "k_out_mult")}}
-tiles, warps = m.HADAMARD_LAUNCH
-constants = dict(HALF=64, BLOCK_ROWS=16, ROTATE=True, INTERLEAVED=True, SMOOTH_K=True, HADAMARD=True, TILES=tiles)
+rows, tiles, warps = m.HADAMARD_LAUNCH
+constants = dict(HALF=64, BLOCK_ROWS=rows, ROTATE=True, INTERLEAVED=True, SMOOTH_K=True, HADAMARD=True, TILES=tiles)
 kernel = triton.compile(ASTSource(fn=m._qk_norm_rope_kernel, signature=main | dict.fromkeys(constants,
     "constexpr"), constexprs=constants), target=GPUTarget("cuda", ARCH, 32), options={{"num_warps": warps}})
 sums = {{"K": "*bf16"}} | {{n: "*fp32" for n in ("K_WEIGHT", "COS", "SIN", "PARTIAL")}}
