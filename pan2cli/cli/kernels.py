@@ -107,7 +107,7 @@ def status_command(as_json):
 
 @kernels_group.command("clean")
 def clean_command():
-    """Remove every cached build of the decode kernel; prints the folder emptied.
+    """Remove every cached build of the decode kernel; prints the folder removed (on stderr, that there was none).
 
     \b
     Examples:
@@ -116,4 +116,8 @@ def clean_command():
     """
     from pan2cli.vae.kernel.build import clean_kernel_cache
 
-    result(str(clean_kernel_cache()))
+    folder, removed = clean_kernel_cache()
+    if removed:
+        result(str(folder))
+    else:
+        info(f"Nothing to clean: {folder} does not exist.")
