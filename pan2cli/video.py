@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
 import queue
@@ -198,11 +199,9 @@ class VideoWriter:
         # The same command imageio_ffmpeg.write_frames builds, but run here so that we can
         # check ffmpeg's exit status at commit, keep its stderr for the error message (not
         # the user's terminal), and kill it on abort.
-        import imageio_ffmpeg
-
         fps = Fraction(self.fps).limit_denominator(100000)
         cmd = [
-            imageio_ffmpeg.get_ffmpeg_exe(),
+            check_mp4_encoder(),
             "-y",
             "-f", "rawvideo", "-vcodec", "rawvideo",
             "-s", f"{w}x{h}", "-pix_fmt", "rgb24", "-r", str(fps),
@@ -309,6 +308,41 @@ class _PipeFeeder:
                 self._pipe.flush()
             except (BrokenPipeError, ValueError, OSError):
                 self._broken.set()
+
+
+_FFMPEG_HINT = (
+    "pip install imageio-ffmpeg (it brings its own ffmpeg), or set IMAGEIO_FFMPEG_EXE to an ffmpeg binary"
+)
+
+
+@functools.cache
+def check_mp4_encoder() -> str:
+    """The ffmpeg that writes MP4s (imageio-ffmpeg's, or `IMAGEIO_FFMPEG_EXE`), found and run once (`-version`):
+    checked before any work, so that a missing one is said in seconds rather than after a generation.
+
+    Returns:
+        The ffmpeg executable.
+
+    Raises:
+        Pan2Error: imageio-ffmpeg cannot be imported, it finds no ffmpeg, or that ffmpeg does not run.
+    """
+    try:
+        import imageio_ffmpeg
+
+        exe = imageio_ffmpeg.get_ffmpeg_exe()
+    except ImportError as exc:
+        raise Pan2Error(
+            f"writing MP4 needs imageio-ffmpeg, which cannot be imported: {exc}", hint=_FFMPEG_HINT
+        ) from exc
+    except RuntimeError as exc:  # imageio-ffmpeg found no binary
+        raise Pan2Error(f"writing MP4 needs ffmpeg: {exc}", hint=_FFMPEG_HINT) from exc
+    try:
+        subprocess.run([exe, "-version"], capture_output=True, check=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise Pan2Error(
+            f"writing MP4 needs ffmpeg, and {exe} does not run: {exc}", hint=_FFMPEG_HINT
+        ) from exc
+    return exe
 
 
 def open_video_writer(

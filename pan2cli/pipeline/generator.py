@@ -34,7 +34,7 @@ from pan2cli.config import GenerationSettings, RuntimeConfig, settings_with
 from pan2cli.constants import video_frames
 from pan2cli.dit.attention import attention_backend, attention_backends, attention_order
 from pan2cli.errors import InputError, Pan2Error, out_of_memory
-from pan2cli.outputs import check_output_path
+from pan2cli.outputs import DEFAULT_X264_PRESET, check_output_path
 from pan2cli.pipeline.background import BackgroundLoad
 from pan2cli.pipeline.components import PAN2Components, resolve_components
 from pan2cli.pipeline.conditioning import condition_latents
@@ -364,12 +364,12 @@ class VideoGenerator:
         check = transformer.check if transformer is not None else (lambda: None)
         check()  # a transformer that cannot be read stops the batch now, not after every prompt is encoded
 
-        def encode(prompt: str) -> torch.Tensor:
+        def encode(prompt: str, what: str = "the prompt") -> torch.Tensor:
             features, cut = encoder.encode(prompt)
             if cut:  # the release keeps at most 1536 tokens after the chat template's user header
                 short = prompt if len(prompt) <= 40 else prompt[:40] + "…"
                 self.warn(
-                    f"the prompt {short!r} is {cut} tokens over the text encoder's limit of {encoder.max_length}; its last {cut} tokens were cut."
+                    f"{what} {short!r} is {cut} tokens over the text encoder's limit of {encoder.max_length}; its last {cut} tokens were cut."
                 )
             return features
 
@@ -379,7 +379,11 @@ class VideoGenerator:
 
                 def work(result=result, settings=settings):
                     cond = encode(settings.prompt)
-                    uncond = encode(settings.negative_prompt) if uses_guidance(settings.guidance) else None
+                    uncond = (
+                        encode(settings.negative_prompt, "the negative prompt")
+                        if uses_guidance(settings.guidance)
+                        else None
+                    )
                     result._text = (cond, uncond)
 
                 self._run_job(result, "text_encoding", work)
@@ -716,6 +720,8 @@ class VideoGenerator:
         return {
             **settings,
             "flow_shift_source": shift_source,
+            "crf": result.job.crf,  # the MP4's H.264 quality and x264's speed preset
+            "x264_preset": DEFAULT_X264_PRESET,
             **result.job.metadata,
             "model": self.components.model_id,
             "revision": self.components.revision,
@@ -728,7 +734,7 @@ class VideoGenerator:
             "ran": {
                 "dit_fused_kernels": self.dit_fused_kernels,
                 "decoder": self.decoder_path,
-                "precision": self.config.precision,
+                "precision": self._ran_precision(),
                 "fp8_attention": self.fp8_attention,
             },  # fmt: skip
             "processes": self._processes(result.job.settings),
@@ -741,6 +747,14 @@ class VideoGenerator:
             else None,
             "time_to_first_step_from": "batch start" if self.clock_start is None else "command start",
         }
+
+    def _ran_precision(self) -> str:
+        """The DiT's arithmetic as it ran: "fp8", else its dtype ("bf16"; "float32" on the CPU, where
+        `--precision bf16` runs the float32 model)."""
+        if self.config.precision == "fp8":
+            return "fp8"
+        name = str(self.dtype).removeprefix("torch.")
+        return "bf16" if name == "bfloat16" else name
 
     def _processes(self, settings: GenerationSettings) -> dict:
         """How many processes made the batch (`--gpus N`, torchrun) and how they split this video's work."""

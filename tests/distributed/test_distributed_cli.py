@@ -202,7 +202,7 @@ def test_gpus_on_cpu_writes_the_frames_of_one_process(tiny_vae, latents, tmp_pat
     assert two.returncode == 0, two.stderr
     assert two.stdout.strip() == "two.pt"  # rank 0 alone prints the path and the summary
     assert list(tmp.iterdir()) == []  # issue 27: no torchelastic_* (torchrun's run folder) or pan2-ranks-*
-    assert two.stderr.count("9 frames, 48x80") == 1
+    assert two.stderr.count("9 frames, 80x48") == 1
     a = torch.load(tmp_path / "one.pt", weights_only=True)
     b = torch.load(tmp_path / "two.pt", weights_only=True)
     assert a.shape == b.shape == (9, 80, 48, 3)
