@@ -17,6 +17,7 @@ from typing import IO
 
 import torch
 
+from pan2cli.atomic import save_torch, write_failure
 from pan2cli.errors import InputError, Pan2Error
 
 # Where outputs go lives in pan2cli.outputs (no torch: the CLI imports it for --help).
@@ -57,6 +58,7 @@ class VideoWriter:
         self._proc: subprocess.Popen[bytes] | None = None  # mp4 only
         self._stderr: IO[bytes] | None = None
         self._feeder: _PipeFeeder | None = None  # mp4 only: hands chunks to ffmpeg beside the decode
+        self._finished = False  # the temporary file is complete (`finish`)
         self._closed = False
 
     @property
@@ -107,19 +109,18 @@ class VideoWriter:
             raise Pan2Error(f"writing {self.path} failed: {err}") from err
         self._frames_written += f
 
-    def commit(self) -> Path:
-        """Finish the file and move it into place.
-
-        Returns:
-            The final output path.
+    def finish(self) -> None:
+        """Complete the temporary file (an MP4's last frames encoded, a .pt saved) without moving it into place:
+        what goes beside the video (its sidecar) can be written before the video appears. `commit` finishes too.
 
         Raises:
-            Pan2Error: no frames were written, ffmpeg failed, or the rename failed (the
-                temporary output is removed first).
-            InputError: the target appeared meanwhile and `overwrite` is False.
+            Pan2Error: no frames were written, ffmpeg failed, or the disk is full (the temporary output is
+                removed first).
         """
         if self._closed:
             raise ValueError(f"writer for {self.path} is already closed")
+        if self._finished:
+            return
         try:
             if self._frames_written == 0:
                 raise Pan2Error(f"no frames were written to {self.path}")
@@ -128,18 +129,42 @@ class VideoWriter:
             elif self.fmt == "pt":
                 video = self._chunks[0] if len(self._chunks) == 1 else torch.cat(self._chunks)
                 self._chunks = []
-                torch.save(video, self.tmp_path)
+                save_torch(video, self.tmp_path)
+        except BaseException as err:
+            self.abort()
+            if isinstance(err, OSError):
+                raise write_failure(self.path, err) from err
+            raise
+        self._finished = True
+
+    def target_exists(self) -> bool:
+        """Whether something is at the output path (another process may have written it while we decoded)."""
+        return self.path.exists() or self.path.is_symlink()
+
+    def commit(self) -> Path:
+        """Finish the file (`finish`) and move it into place.
+
+        Returns:
+            The final output path.
+
+        Raises:
+            Pan2Error: no frames were written, ffmpeg failed, the disk is full, or the rename failed (the
+                temporary output is removed first).
+            InputError: the target appeared meanwhile and `overwrite` is False.
+        """
+        self.finish()
+        try:
             # Re-check: another process may have created the target while we decoded.
-            if (self.path.exists() or self.path.is_symlink()) and not self.overwrite:
+            if self.target_exists() and not self.overwrite:
                 raise InputError(f"output {self.path} already exists", hint="pass --overwrite to replace it")
-            if self.fmt == "png" and (self.path.exists() or self.path.is_symlink()):
+            if self.fmt == "png" and self.target_exists():
                 # os.replace cannot put a folder over an existing one (or over a file).
                 _remove(self.path)
             os.replace(self.tmp_path, self.path)
         except BaseException as err:
             self.abort()
             if isinstance(err, OSError):
-                raise Pan2Error(f"could not finish {self.path}: {err}") from err
+                raise write_failure(self.path, err) from err
             raise
         self._closed = True
         return self.path
@@ -176,7 +201,7 @@ class VideoWriter:
         if exc_type is None:
             if not self._closed:
                 self.commit()
-        else:
+        elif not self._closed:
             self.abort()
 
     def _start(self, h: int, w: int) -> None:

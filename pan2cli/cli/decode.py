@@ -354,6 +354,7 @@ def _decode(options: DecodeOptions):
     from pan2cli import distributed, launch
     from pan2cli.latents import load_latents
     from pan2cli.vae.decoder import decode_latents, open_decoder
+    from pan2cli.vae.identity import check_latents_vae, vae_identity
     from pan2cli.vae.kernel.choice import check_decode_kernel_mode
     from pan2cli.vae.kernel.decoder import WanKernelDecoder
     from pan2cli.video import check_mp4_encoder, open_video_writer
@@ -376,6 +377,11 @@ def _decode(options: DecodeOptions):
         check_decode_kernel_mode(options.runtime.decode_kernel, device, torch_dtype)
         if fmt == "mp4":
             check_mp4_encoder()
+        made_for = [source for source in sources if source.vae is not None]
+        if made_for:  # latents that say which VAE they belong to: that VAE, or an error naming both
+            vae = vae_identity(options.vae, options.revision)
+            for source in made_for:
+                check_latents_vae(source.path, source.vae, vae, options.vae or DEFAULT_VAE_REPO)
         if world > 1:
             _check_row_split(sources, world)
     except Pan2Error as exc:

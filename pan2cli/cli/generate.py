@@ -445,6 +445,10 @@ def _generate(options: GenerateOptions) -> int:
     failed: list[BaseException] = []
 
     def on_result(res) -> None:
+        if res.skipped:  # another process wrote it since the batch began
+            skipped.append(res.job.output)
+            info(f"Skipping {res.job.output}: it appeared while this batch ran (--skip-existing).", quiet)
+            return
         if res.error is None:
             if res.output is not None:
                 result(str(res.output))
@@ -509,7 +513,7 @@ def _batch_summary(batch: bool, quiet: bool, results: list, n_failed: int, n_ski
         return 0
     distributed.wait_for_all("generate-done")
     n_failed = distributed.sum_all(n_failed)
-    n_done = distributed.sum_all(sum(r.error is None for r in results))
+    n_done = distributed.sum_all(sum(r.error is None and not r.skipped for r in results))
     n_skipped = distributed.sum_all(n_skipped)
     main = distributed.is_main()
     if main and not quiet:

@@ -72,6 +72,9 @@ class GenerationResult:
     output: Path | None = None
     sidecar: Path | None = None
     latents_path: Path | None = None
+    # where the latents were written beside the output while (or because) the video could not be written yet
+    kept_latents: Path | None = None
+    skipped: bool = False  # another process wrote the output meanwhile (`GenerationJob.skip_existing`)
     error: BaseException | None = None
 
     @property
