@@ -78,11 +78,24 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+def _well_formed(record: Any) -> bool:
+    """Whether `record` has the fields of `vae_identity`'s records (a damaged or foreign one does not)."""
+    return (
+        isinstance(record, Mapping)
+        and isinstance(record.get("architecture"), Mapping)
+        and set(_ARCHITECTURE) <= set(record["architecture"])
+        and isinstance(record.get("latent_statistics"), str)
+        and isinstance(record.get("signature"), list)
+    )
+
+
 def identity_mismatch(made_for: Mapping[str, Any], other: Mapping[str, Any]) -> str | None:
     """How the VAE `other` differs from the one latents were `made_for` (both `vae_identity` records), or None.
 
     A record that is not a mapping of the expected fields (another tool's, a damaged one) compares as no record.
     """
+    if not (_well_formed(made_for) and _well_formed(other)):
+        return None
     try:
         theirs, ours = made_for["architecture"], other["architecture"]
         for field in _ARCHITECTURE:
