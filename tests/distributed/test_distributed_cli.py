@@ -249,6 +249,19 @@ def test_bad_input_under_gpus_exits_2_with_one_error_line(tiny_vae, tmp_path, ki
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pt"]
 
 
+def test_an_error_every_rank_hits_after_the_launch_is_printed_once(tiny_vae, latents, tmp_path):
+    """The launcher checks the inputs it can (`--gpus`, the row split); an output that exists is found by the ranks
+    themselves, each the same error: rank 0 prints it, once (no rank printing it left exit 2 and not a word)."""
+    (tmp_path / "out.pt").write_bytes(b"mine")
+    proc = _python(
+        *_decode_args(latents, tiny_vae, "--gpus", "2", "-o", "out.pt"), env=_env(tmp_path), cwd=tmp_path
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert _error_lines(proc.stderr) == ["Error: output out.pt already exists"], proc.stderr
+    assert "Hint: pass --overwrite to replace it" in proc.stderr and proc.stdout == ""
+    assert (tmp_path / "out.pt").read_bytes() == b"mine"
+
+
 @pytest.mark.parametrize("failing_rank", ["0", "1"])
 def test_one_rank_failing_stops_all_with_its_code(tiny_vae, latents, tmp_path, failing_rank):
     """One rank's error stops every rank at once, with that rank's code and error line.

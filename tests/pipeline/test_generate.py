@@ -512,6 +512,9 @@ def test_prompt_file_formats(tmp_path):
         ("A cat, jumping!", "a-cat-jumping.mp4"),  # Latin slugs as before
         ("日本語の猫", "日本語の猫.mp4"),  # letters of every script are kept
         ("Café au lait", "café-au-lait.mp4"),
+        # macOS types the accent decomposed (e + U+0301): the same name, so that --skip-existing finds the video
+        ("Cafe\u0301 au lait", "café-au-lait.mp4"),
+        ("ｆｕｌｌ　ｗｉｄｔｈ", "full-width.mp4"),  # NFKC: the compatibility forms too
     ],
 )
 def test_default_names_keep_the_words_of_the_prompt(prompt, name, tmp_path, monkeypatch):
