@@ -49,6 +49,31 @@ def _spy_samples(monkeypatch, on_sample):
     monkeypatch.setattr(VideoGenerator, "sample", sample)
 
 
+def _spy_resident_transformer(monkeypatch) -> list[bool]:
+    """Whether the transformer is still alive (anywhere: the generator, its background load) at each decode."""
+    import gc
+    import weakref
+
+    models = []
+    real_prepare = VideoGenerator._prepare_dit
+
+    def prepare(self, model):
+        models.append(weakref.ref(model))
+        return real_prepare(self, model)
+
+    resident = []
+    real_decode = VideoGenerator._decode_one
+
+    def decode_one(self, decoder, result, writes):
+        gc.collect()
+        resident.append(models[-1]() is not None)
+        return real_decode(self, decoder, result, writes)
+
+    monkeypatch.setattr(VideoGenerator, "_prepare_dit", prepare)
+    monkeypatch.setattr(VideoGenerator, "_decode_one", decode_one)
+    return resident
+
+
 def test_each_video_is_written_and_printed_as_soon_as_it_is_denoised(tiny_pan2, run_cli, three, monkeypatch):
     """The batch ran stage by stage: nothing was written (or printed) until every prompt had been denoised."""
     prompts, out = three
@@ -80,20 +105,12 @@ def test_the_decoder_loads_once_beside_the_transformer_which_goes_before_the_las
     tiny_pan2, run_cli, three, monkeypatch
 ):
     prompts, out = three
-    import pan2cli.pipeline.generator as generator_module
+    import pan2cli.pipeline.streaming as streaming
 
-    opened, resident = [], []
-    real_open = generator_module.open_decoder
-    monkeypatch.setattr(
-        generator_module, "open_decoder", lambda *a, **k: opened.append(1) or real_open(*a, **k)
-    )
-    real_decode = VideoGenerator._decode_one
-
-    def decode_one(self, decoder, result, writes):
-        resident.append(self._dit is not None)  # the transformer still loaded during this decode
-        return real_decode(self, decoder, result, writes)
-
-    monkeypatch.setattr(VideoGenerator, "_decode_one", decode_one)
+    opened = []
+    real_open = streaming.open_decoder
+    monkeypatch.setattr(streaming, "open_decoder", lambda *a, **k: opened.append(1) or real_open(*a, **k))
+    resident = _spy_resident_transformer(monkeypatch)
     res = run_cli("generate", "--prompts", prompts, "--model", tiny_pan2, *CLI_SMALL, "-o", out)
     assert res.exit_code == 0, res.stderr
     assert len(opened) == 1 and resident == [True, True, False]
@@ -101,13 +118,7 @@ def test_the_decoder_loads_once_beside_the_transformer_which_goes_before_the_las
 
 
 def test_one_prompt_releases_the_transformer_before_its_decode(tiny_pan2, run_cli, tmp_path, monkeypatch):
-    resident = []
-    real_decode = VideoGenerator._decode_one
-    monkeypatch.setattr(
-        VideoGenerator,
-        "_decode_one",
-        lambda self, *a: resident.append(self._dit is not None) or real_decode(self, *a),
-    )
+    resident = _spy_resident_transformer(monkeypatch)
     res = run_cli("generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "-o", tmp_path / "cat.mp4")
     assert res.exit_code == 0, res.stderr
     assert resident == [False]  # one video's peak memory: the decode never shares the device with the DiT

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import pan2cli.atomic as atomic
-import pan2cli.pipeline.generator as generator_module
+import pan2cli.pipeline.streaming as streaming
 from pan2cli.errors import Pan2Error
 from pan2cli.video import VideoWriter
 
@@ -124,7 +124,7 @@ def test_a_full_disk_at_the_sidecar_leaves_no_video_and_keeps_the_latents(
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     with monkeypatch.context() as patch:
-        patch.setattr(generator_module, "write_text", full_at_the_sidecar)
+        patch.setattr(streaming, "write_text", full_at_the_sidecar)
         res = _generate(run_cli, tiny_pan2, out)
     assert res.exit_code == 1, res.stderr
     assert _errors(res.stderr) == [f"Error: could not write {tmp_path / 's.json'}: no space left on device"]
