@@ -197,6 +197,8 @@ class VideoGenerator(BatchStream):
         self.components.scheduler.sigmas(job.settings.steps, self.flow_shift(job.settings)[0])
         if job.settings.image is not None:
             load_start_image(job.settings.image, "--image" if job.origin is None else "'image'")
+        if job.skip_existing and job.output is not None and job.output.exists():
+            return  # written by another process since the batch was planned: skipped when its turn comes
         if job.output is not None:
             check_output_path(job.output, job.overwrite)
         # The sidecar and latents beside an MP4 that does not exist are left from a run that did not finish

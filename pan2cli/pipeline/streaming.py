@@ -242,6 +242,13 @@ class BatchStream:
         job, settings = result.job, result.job.settings
         writer = None
         if writes and job.output is not None:
+            if (
+                not self.ranks_share_jobs
+                and job.skip_existing
+                and (job.output.exists() or job.output.is_symlink())
+            ):
+                result.skipped = True  # another batch wrote it while this one denoised it
+                return
             writer = open_video_writer(job.output, "mp4", settings.fps, crf=job.crf, overwrite=job.overwrite)
         written: list[Path] = []  # beside the video in this attempt: removed if the video is not committed
         try:

@@ -203,13 +203,16 @@ def test_outputs_another_batch_writes_meanwhile_are_skipped_not_failed(
     tiny_pan2, run_cli, three, monkeypatch
 ):
     """Two batches on one folder with --skip-existing: the second failed every record with "already exists" at
-    write time. A record whose output appears before its denoising is not made; one that appears while it is
-    written is not replaced, and neither is its sidecar; both are counted as skipped."""
+    write time. An output that appears before its video's denoising is not made; one that appears while its video
+    is denoised, or while it is written, is not replaced (nor its sidecar); each is counted as skipped."""
     prompts, out = three
+    denoised = []
 
     def other_batch_writes(generator, prompt):
+        denoised.append(prompt)
         if prompt == "p one":
-            (out / "001_p-two.mp4").write_bytes(b"theirs")  # before p two is denoised
+            (out / "000_p-one.mp4").write_bytes(b"theirs, while ours is denoised")
+            (out / "001_p-two.mp4").write_bytes(b"theirs, before ours is denoised")
 
     _spy_samples(monkeypatch, other_batch_writes)
     real_finish = VideoWriter.finish
@@ -217,7 +220,7 @@ def test_outputs_another_batch_writes_meanwhile_are_skipped_not_failed(
     def finish(self):
         real_finish(self)
         if self.path.name == "002_p-three.mp4":  # while p three is written
-            self.path.write_bytes(b"theirs too")
+            self.path.write_bytes(b"theirs, while ours is written")
             (out / "002_p-three.json").write_text("{}")
 
     monkeypatch.setattr(VideoWriter, "finish", finish)
@@ -225,20 +228,40 @@ def test_outputs_another_batch_writes_meanwhile_are_skipped_not_failed(
         "generate", "--prompts", prompts, "--model", tiny_pan2, *CLI_SMALL, "-o", out, "--skip-existing"
     )
     assert res.exit_code == 0, res.stderr
-    assert "Error" not in res.stderr
-    assert (
-        f"Skipping {out / '001_p-two.mp4'}: it appeared while this batch ran (--skip-existing)." in res.stderr
-    )
-    assert (
-        f"Skipping {out / '002_p-three.mp4'}: it appeared while this batch ran (--skip-existing)."
-        in res.stderr
-    )
-    assert "1 video(s) written, 2 skipped, 0 failed." in res.stderr
-    assert res.stdout.split() == [str(out / "000_p-one.mp4")]
-    assert (out / "001_p-two.mp4").read_bytes() == b"theirs" and not (out / "001_p-two.json").exists()
-    assert (out / "002_p-three.mp4").read_bytes() == b"theirs too"
+    assert "Error" not in res.stderr and res.stdout == ""
+    assert denoised == ["p one", "p three"]
+    for name in NAMES:
+        line = f"Skipping {out / name}.mp4: it appeared while this batch ran (--skip-existing)."
+        assert line in res.stderr
+    assert "0 video(s) written, 3 skipped, 0 failed." in res.stderr
+    assert (out / "000_p-one.mp4").read_bytes() == b"theirs, while ours is denoised"
+    assert (out / "001_p-two.mp4").read_bytes() == b"theirs, before ours is denoised"
+    assert (out / "002_p-three.mp4").read_bytes() == b"theirs, while ours is written"
     assert (out / "002_p-three.json").read_text() == "{}"
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary file left
+    assert _files(out) == ["000_p-one.mp4", "001_p-two.mp4", "002_p-three.json", "002_p-three.mp4"]
+
+
+def test_an_output_that_appears_before_the_jobs_are_checked_is_skipped(
+    tiny_pan2, run_cli, three, monkeypatch
+):
+    """Between planning the jobs and checking them against the checkpoint (the model is located meanwhile), another
+    batch writes an output and its sidecar: skipped, not "already exists"."""
+    prompts, out = three
+    real = VideoGenerator.from_pretrained.__func__
+
+    def from_pretrained(cls, *args, **kwargs):
+        generator = real(cls, *args, **kwargs)
+        (out / "001_p-two.mp4").write_bytes(b"theirs")
+        (out / "001_p-two.json").write_text("{}")
+        return generator
+
+    monkeypatch.setattr(VideoGenerator, "from_pretrained", classmethod(from_pretrained))
+    res = run_cli(
+        "generate", "--prompts", prompts, "--model", tiny_pan2, *CLI_SMALL, "-o", out, "--skip-existing"
+    )
+    assert res.exit_code == 0, res.stderr
+    assert "2 video(s) written, 1 skipped, 0 failed." in res.stderr
+    assert (out / "001_p-two.json").read_text() == "{}"
 
 
 # Loaded by the `pan2 generate` process through PYTHONPATH: the third prompt's denoising says so in a file and waits
