@@ -83,8 +83,9 @@ class BatchStream:
                         self.warn(f"the latents of {result.job.output} are kept in memory only: {why}")
                     waiting.append(result)
                     continue
+                left = [*waiting, result, *todo[i + 1 :]]  # the videos the decoder is loaded for
                 for ready in [*waiting, result]:
-                    decoder = decoder or self._open_decoder([ready, *todo[i + 1 :]], shared)
+                    decoder = decoder or self._open_decoder(left, shared)
                     self._decode_and_write(decoder, ready, shared)
                     on_result(ready)
                 waiting = []

@@ -124,11 +124,13 @@ def test_one_prompt_releases_the_transformer_before_its_decode(tiny_pan2, run_cl
     assert resident == [False]  # one video's peak memory: the decode never shares the device with the DiT
 
 
+@pytest.mark.parametrize("save_latents", [False, True])
 def test_without_room_for_the_decoder_the_latents_are_kept_until_the_transformer_is_gone(
-    tiny_pan2, run_cli, three, monkeypatch
+    tiny_pan2, run_cli, three, monkeypatch, save_latents
 ):
     """The fallback: one line, every video denoised first with its latents written at once (nothing lost if the
-    batch stops), then decoded; the latents files go once their videos are written."""
+    batch stops), then decoded; the latents files go once their videos are written (they stay with
+    `--save-latents`: they are its files)."""
     prompts, out = three
     monkeypatch.setattr(memory, "free_memory", lambda device: (2**20, "the GPU"))
     at_first_decode = []
@@ -141,14 +143,17 @@ def test_without_room_for_the_decoder_the_latents_are_kept_until_the_transformer
         return real_decode(self, decoder, result, writes)
 
     monkeypatch.setattr(VideoGenerator, "_decode_one", decode_one)
-    res = run_cli("generate", "--prompts", prompts, "--model", tiny_pan2, *CLI_SMALL, "-o", out)
+    extra = ["--save-latents"] if save_latents else []
+    res = run_cli("generate", "--prompts", prompts, "--model", tiny_pan2, *CLI_SMALL, *extra, "-o", out)
     assert res.exit_code == 0, res.stderr
-    (line,) = [
-        line for line in res.stderr.splitlines() if "Decoding after the last video is denoised" in line
-    ]
-    assert "the GPU has 0.0 GiB free" in line and "<name>.latents.pt" in line
+    lines = [line for line in res.stderr.splitlines() if "Decoding after the last video is denoised" in line]
+    assert len(lines) == 1 and "the GPU has 0.0 GiB free" in lines[0] and "<name>.latents.pt" in lines[0]
     assert at_first_decode == ["000_p-one.latents.pt", "001_p-two.latents.pt"]  # the last is decoded at once
-    assert _files(out) == sorted(f"{name}.{ext}" for name in NAMES for ext in ("json", "mp4"))
+    kept = ("json", "mp4", "latents.pt") if save_latents else ("json", "mp4")
+    assert _files(out) == sorted(f"{name}.{ext}" for name in NAMES for ext in kept)
+    side = json.loads((out / "000_p-one.json").read_text())
+    assert side["shared_loads"]["load_vae_decoder"]["videos"] == 3
+    assert set(side["seconds"]) == {"text_encoding", "denoising", "decode", "write"}
 
 
 def test_an_interrupted_fallback_batch_keeps_the_latents_and_says_how_to_finish(
