@@ -226,7 +226,7 @@ class VideoWriter:
         # the user's terminal), and kill it on abort.
         fps = Fraction(self.fps).limit_denominator(100000)
         cmd = [
-            check_mp4_encoder(),
+            mp4_encoder(),
             "-y",
             "-f", "rawvideo", "-vcodec", "rawvideo",
             "-s", f"{w}x{h}", "-pix_fmt", "rgb24", "-r", str(fps),
@@ -340,34 +340,44 @@ _FFMPEG_HINT = (
 )
 
 
-@functools.cache
-def check_mp4_encoder() -> str:
-    """The ffmpeg that writes MP4s (imageio-ffmpeg's, or `IMAGEIO_FFMPEG_EXE`), found and run once (`-version`):
-    checked before any work, so that a missing one is said in seconds rather than after a generation.
-
-    Returns:
-        The ffmpeg executable.
+def mp4_encoder() -> str:
+    """The ffmpeg that writes MP4s: imageio-ffmpeg's (or `IMAGEIO_FFMPEG_EXE`).
 
     Raises:
-        Pan2Error: imageio-ffmpeg cannot be imported, it finds no ffmpeg, or that ffmpeg does not run.
+        Pan2Error: imageio-ffmpeg cannot be imported, or it finds no ffmpeg.
     """
     try:
         import imageio_ffmpeg
 
-        exe = imageio_ffmpeg.get_ffmpeg_exe()
+        return imageio_ffmpeg.get_ffmpeg_exe()
     except ImportError as exc:
         raise Pan2Error(
             f"writing MP4 needs imageio-ffmpeg, which cannot be imported: {exc}", hint=_FFMPEG_HINT
         ) from exc
     except RuntimeError as exc:  # imageio-ffmpeg found no binary
         raise Pan2Error(f"writing MP4 needs ffmpeg: {exc}", hint=_FFMPEG_HINT) from exc
+
+
+def check_mp4_encoder() -> str:
+    """`mp4_encoder`, found and run (`-version`, once per executable): checked before any work, so that a missing
+    or broken ffmpeg is said in seconds rather than after a generation.
+
+    Raises:
+        Pan2Error: no ffmpeg (`mp4_encoder`), or one that does not run.
+    """
+    exe = mp4_encoder()
+    _check_runs(exe)
+    return exe
+
+
+@functools.cache
+def _check_runs(exe: str) -> None:
     try:
         subprocess.run([exe, "-version"], capture_output=True, check=True, timeout=30)
     except (OSError, subprocess.SubprocessError) as exc:
         raise Pan2Error(
             f"writing MP4 needs ffmpeg, and {exe} does not run: {exc}", hint=_FFMPEG_HINT
         ) from exc
-    return exe
 
 
 def open_video_writer(

@@ -117,18 +117,27 @@ def test_skip_existing_and_overwrite_together_are_refused(nothing_loads, run_cli
 def test_a_missing_mp4_encoder_is_said_before_any_work(nothing_loads, run_cli, tmp_path, monkeypatch):
     """On a host where imageio_ffmpeg was not importable, a full-size generation ran 163 s and then died with a
     ModuleNotFoundError traceback in the writer. Now: exit 1 before anything loads, with the way to install it."""
-    from pan2cli.video import check_mp4_encoder
-
-    check_mp4_encoder.cache_clear()
     monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # `import imageio_ffmpeg` raises ImportError
-    try:
-        res = run_cli("generate", "x", "--model", tmp_path, *CLI_SMALL, "-o", tmp_path / "x.mp4")
-    finally:
-        check_mp4_encoder.cache_clear()
+    res = run_cli("generate", "x", "--model", tmp_path, *CLI_SMALL, "-o", tmp_path / "x.mp4")
     assert res.exit_code == 1, res.stderr
     (error,) = _errors(res.stderr)
     assert error.startswith("Error: writing MP4 needs imageio-ffmpeg, which cannot be imported")
     assert "Hint: pip install imageio-ffmpeg" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_an_ffmpeg_that_does_not_run_is_said_before_any_work(tmp_path, monkeypatch):
+    import imageio_ffmpeg
+
+    from pan2cli.errors import Pan2Error
+    from pan2cli.video import check_mp4_encoder
+
+    broken = tmp_path / "ffmpeg"
+    broken.write_text("#!/bin/sh\nexit 127\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(imageio_ffmpeg, "get_ffmpeg_exe", lambda: str(broken))
+    with pytest.raises(Pan2Error, match=f"writing MP4 needs ffmpeg, and {broken} does not run") as caught:
+        check_mp4_encoder()
+    assert "pip install imageio-ffmpeg" in caught.value.hint
 
 
 def test_a_prompt_file_with_o_naming_a_file_says_a_folder_is_needed(nothing_loads, run_cli, tmp_path):
