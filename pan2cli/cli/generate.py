@@ -288,8 +288,8 @@ def generate_command(
 
     The PAN 2 pipeline: the text encoder, flow-matching Euler sampling with the MMDiT and classifier-free
     guidance, the Wan2.2 VAE decode. Settings come from the preset; options override them. Each video
-    is written as an MP4 with a JSON sidecar (settings, model, seconds per stage); the paths are
-    printed on stdout. With --prompts, a failing prompt is reported and the batch goes on (exit 1 at
+    is written as an MP4 with a JSON sidecar (settings, model, seconds per stage) as soon as it is denoised; the
+    paths are printed on stdout. With --prompts, a failing prompt is reported and the batch goes on (exit 1 at
     the end if any failed). On one H200 a denoising step takes about 4.3 s for 5 s of video, 12 s for
     10 s and 37 s for 20 s (50 steps: about 4, 10 and 31 minutes); with --precision fp8 2.7, 7.9 and 24 s.
 
