@@ -226,6 +226,8 @@ class BatchStream:
         elif result.error is None and result.kept_latents not in (None, result.job.latents_path):
             remove_quietly(result.kept_latents)  # the video is written: its latents were kept for nothing
             result.kept_latents = None
+        if self._dit is not None:
+            self._release()  # the decode's cached blocks go back before the next denoising needs the room
 
     def _keep_after_failure(self, result: GenerationResult, error: BaseException) -> None:
         """`result` fails with `error`, its latents kept (`_keep_latents`) and the way to finish it in the hint."""
