@@ -260,6 +260,12 @@ def settings_with(base: GenerationSettings, *layers: Mapping[str, Any]) -> Gener
         ):
             raise InputError(f"--duration {duration} must be a positive number of seconds")
         if value_problem("fps", values["fps"]) is None:  # otherwise the check below names the fps
+            if not math.isfinite(duration * values["fps"]):  # 1e308 s: no frame count (and no OverflowError)
+                raise InputError(
+                    f"a duration of {duration:g} s at {values['fps']:g} fps is more frames than any number can hold",
+                    hint=f"the duration is in seconds: 5 gives {frames_for_duration(5, values['fps'])} frames at "
+                    f"{values['fps']:g} fps",
+                )
             values["frames"] = frames_for_duration(duration, values["fps"])
     return GenerationSettings(**values)
 
@@ -339,21 +345,22 @@ class RuntimeConfig:
         if self.precision is None:
             raise InputError("'precision' must be one of: " + ", ".join(PRECISIONS))
 
-    def check_precision(self, device: torch.device) -> None:
+    def check_precision(self, device: torch.device, given_by: str = "--precision fp8") -> None:
         """Raise `InputError` when `precision` cannot run on `device` (fp8 on the CPU, or a GPU without fp8
-        tensor cores) or the fp8 attention asked for cannot (`fp8_attention`), before anything loads."""
+        tensor cores) or the fp8 attention asked for cannot (`fp8_attention`), before anything loads; the message
+        starts with `given_by`, what asked for fp8 (the flag, or `preset NAME sets precision = "fp8"`)."""
         if self.precision != "fp8":
             return
         if not self.dit_fused_kernels:
             raise InputError(
-                "--precision fp8 runs with the fused DiT kernels (they write its e4m3 activations)",
+                f"{given_by}: fp8 runs with the fused DiT kernels (they write its e4m3 activations)",
                 hint="drop --no-dit-fused-kernels, or run with --precision bf16",
             )
         from pan2cli.devices import compute_capability, fp8_unsupported_reason
 
         reason = fp8_unsupported_reason(device)
         if reason is not None:
-            raise InputError(f"--precision fp8: {reason}", hint="run with --precision bf16 (the default)")
+            raise InputError(f"{given_by}: {reason}", hint="run with --precision bf16 (the default)")
         if self.fp8_attention == "cuda" and compute_capability(device) != (9, 0):
             major, minor = compute_capability(device)
             raise InputError(

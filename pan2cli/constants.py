@@ -11,6 +11,10 @@ VAE_SPATIAL_FACTOR = 16
 LATENT_CHANNELS = 48
 # The DiT patchifies the 16x-downsampled latent by 2, so pixel sizes must be multiples of 32.
 SIZE_MULTIPLE = 32
+# The longest video a run accepts unless told otherwise (`pan2 generate --max-frames`, `GenerationJob.max_frames`):
+# twice the longest shipped preset (pan2-20s, 481 frames), 40 s at 24 fps. A slip such as `--frames 400001` or
+# `--duration 1e6` is refused before anything loads instead of running (and allocating) for hours.
+MAX_FRAMES = 961
 # torch.manual_seed accepts seeds up to 2**64 - 1.
 MAX_SEED = 2**64 - 1
 

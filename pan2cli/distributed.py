@@ -21,13 +21,13 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from pan2cli import launch
-from pan2cli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, InputError, Pan2Error
+from pan2cli.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_TERMINATED, InputError, Pan2Error
 
 _device: torch.device | None = None  # this rank's device once the process group is up
 _joined = False  # the process group was joined (errors from then on are each rank's own)
@@ -131,15 +131,19 @@ def process_group(device: str | None) -> Iterator[torch.device]:
 
 
 class _ExitIfStuck:
-    """After Ctrl-C or SIGTERM, end this rank `launch.UNWIND_S` seconds later unless it has left the group by then.
+    """After Ctrl-C or SIGTERM, end this rank (or single process) `launch.UNWIND_S` seconds later unless it has left
+    the group (the command) by then.
 
     Python runs signal handlers in the main thread between bytecodes, so a rank waiting inside NCCL
-    for a peer that died never sees torchrun's SIGTERM, and torchrun waits 30 s before its SIGKILL.
-    This thread learns of the signal through the wakeup fd at once, removes the temporary outputs
-    (`partial_output`), records the interrupted exit and ends the process.
+    for a peer that died never sees torchrun's SIGTERM, and torchrun waits 30 s before its SIGKILL; a
+    single process inside one long torch op on the CPU (minutes of attention over a long video) does not
+    see Ctrl-C until the op ends. This thread learns of the signal through the wakeup fd at once, removes
+    the temporary outputs (`partial_output`), records the exit (`exit_for(signal)`: code, line) and ends
+    the process.
     """
 
-    def __init__(self):
+    def __init__(self, exit_for: Callable[[int], tuple[int, str | None]] | None = None):
+        self._exit_for = exit_for or (lambda signum: interrupted_exit())
         self._left = threading.Event()
         self._previous = None
         if threading.current_thread() is not threading.main_thread():
@@ -156,10 +160,11 @@ class _ExitIfStuck:
                 if not received:  # closed: the rank left the group
                     return
                 if signal.SIGINT in received or signal.SIGTERM in received:
+                    signum = signal.SIGINT if signal.SIGINT in received else signal.SIGTERM
                     break
         if self._left.wait(launch.UNWIND_S):
             return
-        code, line = interrupted_exit()
+        code, line = self._exit_for(signum)
         if line:
             launch._echo_err(line)
         launch.end_rank_now(code)
@@ -170,6 +175,24 @@ class _ExitIfStuck:
             signal.set_wakeup_fd(self._previous)
             os.close(self._write_fd)
             self._previous = None
+
+
+def _single_process_exit(signum: int) -> tuple[int, str | None]:
+    """`(exit code, line)` of a command stopped by Ctrl-C (130) or SIGTERM (143), as its main thread would say it."""
+    return (
+        (EXIT_TERMINATED, "Terminated.") if signum == signal.SIGTERM else (EXIT_INTERRUPTED, "Interrupted.")
+    )
+
+
+@contextmanager
+def stop_promptly() -> Iterator[None]:
+    """A single process's command: after Ctrl-C or SIGTERM it ends within `launch.UNWIND_S` seconds, its temporary
+    outputs removed, even when its main thread is inside one long torch op (`_ExitIfStuck`)."""
+    watch = _ExitIfStuck(_single_process_exit)
+    try:
+        yield
+    finally:
+        watch.close()
 
 
 def _leave_together() -> None:

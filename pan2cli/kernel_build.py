@@ -29,7 +29,7 @@ from types import ModuleType
 
 import torch
 
-from pan2cli.errors import KernelBuildError
+from pan2cli.errors import InputError, KernelBuildError
 from pan2cli.paths import cache_dir
 from pan2cli.version import __version__
 
@@ -229,9 +229,25 @@ def load_extension(spec: ExtensionSpec) -> ModuleType:
     return module
 
 
-def clean_kernel_cache() -> Path:
-    """Remove every cached build of every extension and version; returns the folder emptied."""
+def clean_kernel_cache() -> tuple[Path, bool]:
+    """Remove every cached build of every extension and version.
+
+    Returns:
+        `(folder, removed)`: the cache's kernel folder, and whether it was there to remove.
+
+    Raises:
+        InputError: the folder, or one above it (`PAN2_CACHE_DIR=/etc/passwd`), is a file.
+    """
     folder = cache_dir() / "kernels"
-    if folder.exists():
-        shutil.rmtree(folder)
-    return folder
+    for path in (folder, *folder.parents):
+        if path.exists() or path.is_symlink():
+            if not path.is_dir():
+                raise InputError(
+                    f"the kernel cache {folder} cannot be there: {path} is a file, not a folder",
+                    hint="set PAN2_CACHE_DIR to a folder (default ~/.cache/pan2)",
+                )
+            break
+    if not folder.exists():
+        return folder, False
+    shutil.rmtree(folder)
+    return folder, True

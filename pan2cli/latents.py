@@ -33,11 +33,13 @@ class LatentInput:
         path: the file they came from.
         latents: float32 contiguous CPU tensor, [B, C, T, H, W].
         fps: frame rate stored with the latents, or None when the file has none.
+        vae: the identity of the VAE they were made for (`pan2cli.vae.identity`), or None when the file has none.
     """
 
     path: Path
     latents: torch.Tensor
     fps: float | None
+    vae: dict | None = None
 
 
 def load_latents(path: str | os.PathLike[str], channels: int = LATENT_CHANNELS) -> LatentInput:
@@ -69,11 +71,12 @@ def load_latents(path: str | os.PathLike[str], channels: int = LATENT_CHANNELS) 
     if not os.access(path, os.R_OK):
         raise InputError(f"latents file {path} is not readable (permission denied)")
 
+    vae = None
     if path.suffix.lower() == ".safetensors":
         raw, fps = _read_safetensors(path)
     else:
-        raw, fps = _read_torch(path)
-    return LatentInput(path=path, latents=_check_latents(path, raw, channels), fps=fps)
+        raw, fps, vae = _read_torch(path)
+    return LatentInput(path=path, latents=_check_latents(path, raw, channels), fps=fps, vae=vae)
 
 
 def unnormalize(
@@ -141,8 +144,8 @@ def _channel_stats(
     return out[0], out[1]
 
 
-def _read_torch(path: Path) -> tuple[object, float | None]:
-    """torch.load a file and pull out (latents candidate, fps)."""
+def _read_torch(path: Path) -> tuple[object, float | None, dict | None]:
+    """torch.load a file and pull out (latents candidate, fps, the VAE's identity)."""
     obj = read_pickle(path, _READ_ERRORS)
     if isinstance(obj, dict):
         if "latents" not in obj:
@@ -151,8 +154,9 @@ def _read_torch(path: Path) -> tuple[object, float | None]:
                 f"latents file {path} holds a dict without a 'latents' key (keys: {keys})",
                 hint="save {'latents': tensor} or the tensor itself",
             )
-        return obj["latents"], _check_fps(path, obj.get("fps"))
-    return obj, None
+        vae = obj.get("vae")
+        return obj["latents"], _check_fps(path, obj.get("fps")), vae if isinstance(vae, dict) else None
+    return obj, None, None
 
 
 def _read_safetensors(path: Path) -> tuple[object, float | None]:

@@ -177,16 +177,16 @@ def record_exit(code: int) -> int:
 def partial_output(path: str | os.PathLike | None) -> Iterator[None]:
     """Note a temporary output (for `_ExitIfStuck` and pan2's launcher) while it is being written.
 
-    A rank stuck in a CUDA wait cannot run its signal handlers, so its writer cannot remove the
-    temporary file: its `_ExitIfStuck` thread removes what is noted here before it ends
-    the rank, and pan2's launcher does if the rank was killed outright.
+    A rank stuck in a CUDA wait (a single process in one long torch op) cannot run its signal handlers,
+    so its writer cannot remove the temporary file: its `_ExitIfStuck` thread removes what is noted here
+    before it ends the process, and pan2's launcher does if a rank was killed outright.
     """
-    if path is None or not under_torchrun():
+    if path is None:
         yield
         return
     path = os.path.abspath(path)
-    _partials.append(path)
-    folder = os.environ.get(ENV_EXIT_DIR)
+    _partials.append(path)  # a single process's `stop_promptly` removes it too
+    folder = os.environ.get(ENV_EXIT_DIR) if under_torchrun() else None
     note = os.path.join(folder, f"partial-{env_rank()}-{os.getpid()}") if folder else None
     if note:
         try:

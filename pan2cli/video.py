@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
 import queue
@@ -16,6 +17,7 @@ from typing import IO
 
 import torch
 
+from pan2cli.atomic import save_torch, write_failure
 from pan2cli.errors import InputError, Pan2Error
 
 # Where outputs go lives in pan2cli.outputs (no torch: the CLI imports it for --help).
@@ -56,6 +58,7 @@ class VideoWriter:
         self._proc: subprocess.Popen[bytes] | None = None  # mp4 only
         self._stderr: IO[bytes] | None = None
         self._feeder: _PipeFeeder | None = None  # mp4 only: hands chunks to ffmpeg beside the decode
+        self._finished = False  # the temporary file is complete (`finish`)
         self._closed = False
 
     @property
@@ -106,19 +109,18 @@ class VideoWriter:
             raise Pan2Error(f"writing {self.path} failed: {err}") from err
         self._frames_written += f
 
-    def commit(self) -> Path:
-        """Finish the file and move it into place.
-
-        Returns:
-            The final output path.
+    def finish(self) -> None:
+        """Complete the temporary file (an MP4's last frames encoded, a .pt saved) without moving it into place:
+        what goes beside the video (its sidecar) can be written before the video appears. `commit` finishes too.
 
         Raises:
-            Pan2Error: no frames were written, ffmpeg failed, or the rename failed (the
-                temporary output is removed first).
-            InputError: the target appeared meanwhile and `overwrite` is False.
+            Pan2Error: no frames were written, ffmpeg failed, or the disk is full (the temporary output is
+                removed first).
         """
         if self._closed:
             raise ValueError(f"writer for {self.path} is already closed")
+        if self._finished:
+            return
         try:
             if self._frames_written == 0:
                 raise Pan2Error(f"no frames were written to {self.path}")
@@ -127,18 +129,42 @@ class VideoWriter:
             elif self.fmt == "pt":
                 video = self._chunks[0] if len(self._chunks) == 1 else torch.cat(self._chunks)
                 self._chunks = []
-                torch.save(video, self.tmp_path)
+                save_torch(video, self.tmp_path)
+        except BaseException as err:
+            self.abort()
+            if isinstance(err, OSError):
+                raise write_failure(self.path, err) from err
+            raise
+        self._finished = True
+
+    def target_exists(self) -> bool:
+        """Whether something is at the output path (another process may have written it while we decoded)."""
+        return self.path.exists() or self.path.is_symlink()
+
+    def commit(self) -> Path:
+        """Finish the file (`finish`) and move it into place.
+
+        Returns:
+            The final output path.
+
+        Raises:
+            Pan2Error: no frames were written, ffmpeg failed, the disk is full, or the rename failed (the
+                temporary output is removed first).
+            InputError: the target appeared meanwhile and `overwrite` is False.
+        """
+        self.finish()
+        try:
             # Re-check: another process may have created the target while we decoded.
-            if (self.path.exists() or self.path.is_symlink()) and not self.overwrite:
+            if self.target_exists() and not self.overwrite:
                 raise InputError(f"output {self.path} already exists", hint="pass --overwrite to replace it")
-            if self.fmt == "png" and (self.path.exists() or self.path.is_symlink()):
+            if self.fmt == "png" and self.target_exists():
                 # os.replace cannot put a folder over an existing one (or over a file).
                 _remove(self.path)
             os.replace(self.tmp_path, self.path)
         except BaseException as err:
             self.abort()
             if isinstance(err, OSError):
-                raise Pan2Error(f"could not finish {self.path}: {err}") from err
+                raise write_failure(self.path, err) from err
             raise
         self._closed = True
         return self.path
@@ -175,7 +201,7 @@ class VideoWriter:
         if exc_type is None:
             if not self._closed:
                 self.commit()
-        else:
+        elif not self._closed:
             self.abort()
 
     def _start(self, h: int, w: int) -> None:
@@ -198,11 +224,9 @@ class VideoWriter:
         # The same command imageio_ffmpeg.write_frames builds, but run here so that we can
         # check ffmpeg's exit status at commit, keep its stderr for the error message (not
         # the user's terminal), and kill it on abort.
-        import imageio_ffmpeg
-
         fps = Fraction(self.fps).limit_denominator(100000)
         cmd = [
-            imageio_ffmpeg.get_ffmpeg_exe(),
+            mp4_encoder(),
             "-y",
             "-f", "rawvideo", "-vcodec", "rawvideo",
             "-s", f"{w}x{h}", "-pix_fmt", "rgb24", "-r", str(fps),
@@ -309,6 +333,51 @@ class _PipeFeeder:
                 self._pipe.flush()
             except (BrokenPipeError, ValueError, OSError):
                 self._broken.set()
+
+
+_FFMPEG_HINT = (
+    "pip install imageio-ffmpeg (it brings its own ffmpeg), or set IMAGEIO_FFMPEG_EXE to an ffmpeg binary"
+)
+
+
+def mp4_encoder() -> str:
+    """The ffmpeg that writes MP4s: imageio-ffmpeg's (or `IMAGEIO_FFMPEG_EXE`).
+
+    Raises:
+        Pan2Error: imageio-ffmpeg cannot be imported, or it finds no ffmpeg.
+    """
+    try:
+        import imageio_ffmpeg
+
+        return imageio_ffmpeg.get_ffmpeg_exe()
+    except ImportError as exc:
+        raise Pan2Error(
+            f"writing MP4 needs imageio-ffmpeg, which cannot be imported: {exc}", hint=_FFMPEG_HINT
+        ) from exc
+    except RuntimeError as exc:  # imageio-ffmpeg found no binary
+        raise Pan2Error(f"writing MP4 needs ffmpeg: {exc}", hint=_FFMPEG_HINT) from exc
+
+
+def check_mp4_encoder() -> str:
+    """`mp4_encoder`, found and run (`-version`, once per executable): checked before any work, so that a missing
+    or broken ffmpeg is said in seconds rather than after a generation.
+
+    Raises:
+        Pan2Error: no ffmpeg (`mp4_encoder`), or one that does not run.
+    """
+    exe = mp4_encoder()
+    _check_runs(exe)
+    return exe
+
+
+@functools.cache
+def _check_runs(exe: str) -> None:
+    try:
+        subprocess.run([exe, "-version"], capture_output=True, check=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise Pan2Error(
+            f"writing MP4 needs ffmpeg, and {exe} does not run: {exc}", hint=_FFMPEG_HINT
+        ) from exc
 
 
 def open_video_writer(

@@ -44,7 +44,10 @@ def run_on_ranks(
         argv = root.obj["argv"] if isinstance(root.obj, dict) and "argv" in root.obj else sys.argv[1:]
         ctx.exit(launch.launch(gpus, launch.strip_option(argv, "--gpus")))
     if not launch.under_torchrun():
-        return work(device)
+        with (
+            distributed.stop_promptly()
+        ):  # Ctrl-C and SIGTERM act within seconds, even inside a long torch op
+            return work(device)
     launch.end_with_parent()
     if gpus is not None and gpus != launch.env_world_size():
         raise InputError(

@@ -80,12 +80,16 @@ def _columns(unit: str, first: bool, width: int) -> list[ProgressColumn]:
 def progress_bar(
     description: str, total: int, unit: str, quiet: bool = False, first: str | None = None
 ) -> Iterator:
-    """A rich progress bar on stderr with the rate in `unit`/s; off under --quiet or when stderr is not a terminal.
+    """A rich progress bar on stderr with the rate in `unit`/s; off under --quiet. When stderr is not a terminal (a
+    log file, a pipe, a job scheduler's output) one line says the work started instead: a long step is not silence.
 
     Yields a callable `advance(n)`. With `first` (say "first frame"), the bar also shows how long the
     first item took to arrive ("first frame after 0.31 s") on a terminal of 100 columns or more.
     """
     if quiet or not sys.stderr.isatty():
+        if not quiet:
+            amount = f"{total} {unit}"
+            info(f"{description}…" if amount in description else f"{description}: {amount}…")
         yield lambda n=1: None
         return
     columns = _columns(unit, first is not None, stderr.width)

@@ -31,7 +31,7 @@ from pan2cli.cli._options import (
 )
 from pan2cli.cli._output import gib, info, progress_bar, result, status, warn
 from pan2cli.config import DECODE_KERNEL_MODES, DEFAULT_CHUNK_LATENT_FRAMES, RuntimeConfig
-from pan2cli.errors import InputError
+from pan2cli.errors import InputError, Pan2Error
 from pan2cli.outputs import (
     DEFAULT_CRF,
     DEFAULT_X264_PRESET,
@@ -354,8 +354,10 @@ def _decode(options: DecodeOptions):
     from pan2cli import distributed, launch
     from pan2cli.latents import load_latents
     from pan2cli.vae.decoder import decode_latents, open_decoder
+    from pan2cli.vae.identity import check_latents_vae, vae_identity
+    from pan2cli.vae.kernel.choice import check_decode_kernel_mode
     from pan2cli.vae.kernel.decoder import WanKernelDecoder
-    from pan2cli.video import open_video_writer
+    from pan2cli.video import check_mp4_encoder, open_video_writer
 
     main = distributed.is_main()
     quiet = options.quiet or not main  # progress and summaries come from rank 0
@@ -372,17 +374,27 @@ def _decode(options: DecodeOptions):
             _frame_rate(options.fps, job.source)
         device = options.runtime.torch_device()
         torch_dtype = options.runtime.torch_dtype(device)
+        check_decode_kernel_mode(options.runtime.decode_kernel, device, torch_dtype)
+        if fmt == "mp4":
+            check_mp4_encoder()
+        made_for = [source for source in sources if source.vae is not None]
+        if made_for:  # latents that say which VAE they belong to: that VAE, or an error naming both
+            vae = vae_identity(options.vae, options.revision)
+            for source in made_for:
+                check_latents_vae(source.path, source.vae, vae, options.vae or DEFAULT_VAE_REPO)
         if world > 1:
             _check_row_split(sources, world)
-    except InputError as exc:
+    except Pan2Error as exc:
         error = exc
     distributed.raise_if_any_failed(error)
     if main and (line := ignored_revision(options.revision, options.vae, "--vae")):
         warn(line)
     if main and device.type == "cpu" and torch_dtype == torch.bfloat16:
-        # Issue 12: a decode took 40 s in bf16 and 1 s in fp32 on a 2-core x86 CPU (PyTorch's CPU convs are slow in bf16).
+        # PyTorch's bf16 convolutions are much slower than fp32's on CPUs without AVX512-BF16 and close to them on
+        # CPUs with it: no factor is promised.
         warn(
-            "--dtype bf16 on the CPU is about 40x slower than fp32 (PyTorch has no fast bf16 convolutions there); use --dtype fp32"
+            "--dtype bf16 on the CPU is much slower than fp32 on most CPUs (PyTorch has fast bf16 convolutions only on "
+            "some); use --dtype fp32"
         )
 
     # 2. Load the decoder once; no rank goes on to the decode's collectives if one failed here.
@@ -445,7 +457,7 @@ def _decode(options: DecodeOptions):
         result(str(job.output))
         path_name = "compiled kernel" if isinstance(decoder, WanKernelDecoder) else "reference decoder"
         summary = (
-            f"{job.output}: {stats.frames} frames, {stats.width}x{stats.height}, {frame_rate:g} fps; "
+            f"{job.output}: {stats.frames} frames, {stats.height}x{stats.width}, {frame_rate:g} fps; "
             f"decode {stats.seconds:.2f} s ({path_name}, {stats.frames / stats.seconds:.1f} frames/s, "
             f"first frame after {stats.first_frame_seconds:.2f} s), total {total_seconds:.2f} s"
         )

@@ -14,7 +14,6 @@ by the ranks together (rows split), rank 0 writing.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,12 +36,11 @@ from pan2cli.config import (
     GENERATOR_DEVICES,
     PRECISIONS,
     RuntimeConfig,
-    given_settings,
     settings_with,
 )
-from pan2cli.constants import MAX_SEED
-from pan2cli.errors import InputError
-from pan2cli.outputs import DEFAULT_CRF, MAX_FPS, MIN_FPS, check_not_stdout
+from pan2cli.constants import MAX_FRAMES, MAX_SEED
+from pan2cli.errors import InputError, Pan2Error
+from pan2cli.outputs import DEFAULT_CRF, MAX_FPS, MIN_FPS
 from pan2cli.pipeline.components import DEFAULT_MODEL_REPO
 from pan2cli.presets import DEFAULT_PRESET, load_preset, preset_label
 
@@ -71,6 +69,7 @@ class GenerateOptions:
     chunk_latent_frames: int | None
     quiet: bool
     precision_given: bool = False
+    max_frames: int = MAX_FRAMES
 
 
 def _parse_size(ctx, param, value):
@@ -81,99 +80,6 @@ def _parse_size(ctx, param, value):
     except ValueError:
         raise click.BadParameter(f"{value!r} is not HEIGHTxWIDTH, e.g. 704x1248") from None
     return height, width
-
-
-def _latents_path(output: Path) -> Path:
-    return output.with_name(f"{output.stem}.latents.pt")
-
-
-# The flag that gives each setting, for the sidecar's `overrides` (`--size` gives two; the others are `--NAME`).
-_FLAGS = {
-    "height": "--size",
-    "width": "--size",
-    "flow_shift": "--flow-shift",
-    "negative_prompt": "--negative-prompt",
-}
-
-
-def _overrides(flags: dict, record) -> dict:
-    """The settings given over the preset as `settings_with` applies them, each with where it came from (its
-    flag, or the prompt-file record): `{"seed": {"value": 7, "from": "record"}, "steps": {"value": 2, "from":
-    "--steps"}}`; paths absolute."""
-    layers = (flags, record.settings() if record is not None else {})
-    return {
-        name: {
-            "value": os.path.abspath(value) if isinstance(value, Path) else value,
-            "from": _FLAGS.get(name, f"--{name}") if layer == 0 else "record",
-        }
-        for name, (layer, value) in given_settings(*layers).items()
-        if name != "prompt"
-    }
-
-
-def _jobs(
-    prompt, prompts_file, output, preset, flags, save_latents, overwrite, skip_existing, crf, world, rank
-):
-    """(jobs of this rank, failed records of this rank, skipped outputs, warnings, is_batch); everything checked,
-    nothing loaded. A prompt-file record that cannot run is a failure of its own (an InputError naming the file
-    and the record), reported while the others run; a bad flag or file is the command's error."""
-    from pan2cli.pipeline.jobs import GenerationJob
-    from pan2cli.pipeline.prompts import read_prompt_file, shard, slugify
-
-    warnings: list[str] = []
-    check_not_stdout(output)
-    if prompts_file is not None:
-        if prompt is not None:
-            raise InputError("give a PROMPT or --prompts FILE, not both")
-        records, warnings = read_prompt_file(prompts_file)
-        folder = Path(output) if output is not None else Path.cwd()
-        if not folder.is_dir():
-            raise InputError(f"-o {folder}: with --prompts, -o is an existing folder", hint="create it first")
-        settings_with(preset, flags)  # the flags alone: a bad one is every record's, the command's error
-        entries = [(r, folder / f"{r.stem}.mp4") for r in shard(records, rank, world)]
-    else:
-        if prompt is None:
-            raise InputError(
-                "no prompt",
-                hint='pass the text, e.g. pan2 generate "a red fox in the snow", or --prompts FILE',
-            )
-        if output is not None and (output.endswith(("/", os.sep)) or Path(output).is_dir()):
-            if not Path(output).is_dir():  # a trailing slash names a folder, never a file
-                raise InputError(
-                    f"-o {output}: the folder does not exist", hint=f"create it first (mkdir -p {output})"
-                )
-            output = Path(output) / f"{slugify(prompt)}.mp4"
-        entries = [(None, Path(output) if output is not None else Path.cwd() / f"{slugify(prompt)}.mp4")]
-    label = preset_label(preset)
-    jobs, failures, skipped = [], [], []
-    for record, out in entries:
-        if record is not None and record.problem is not None:
-            failures.append(record.problem)
-            continue
-        if out.suffix.lower() != ".mp4":
-            raise InputError(f"-o {out}: pan2 generate writes MP4 files (.mp4)")
-        if skip_existing and out.exists():
-            skipped.append(out)
-            continue
-        metadata = {"preset": label, "overrides": _overrides(flags, record)}
-        origin = None
-        if record is not None:
-            origin = f"{prompts_file}: prompt {record.index} ({record.stem})"
-            metadata.update(prompts_file=os.path.abspath(prompts_file), index=record.index, name=record.name)
-        try:
-            settings = settings_with(preset, {**flags, "prompt": prompt}, record.settings() if record else {})
-            job = GenerationJob(
-                settings, output=out, latents_path=_latents_path(out) if save_latents else None, overwrite=overwrite,
-                crf=crf, return_frames=False, metadata=metadata, redo_leftovers=skip_existing, origin=origin,
-                flow_shift_source="--flow-shift" if "flow_shift" in flags else f"preset {label}",
-            )  # fmt: skip
-        except InputError as exc:
-            if record is None:
-                raise
-            failures.append(InputError(f"{origin}: {exc}", hint=exc.hint))
-            continue
-        jobs.append(job)
-    return jobs, failures, skipped, warnings, prompts_file is not None
 
 
 @click.command("generate")
@@ -216,7 +122,7 @@ def _jobs(
     "--guidance",
     type=click.FloatRange(min=0, min_open=True),
     default=None,
-    help="Classifier-free guidance scale; 1 skips the negative prompt.  [default: the preset's, 2.5]",
+    help="Classifier-free guidance scale; ≤ 1 skips the negative prompt (no guidance).  [default: the preset's, 2.5]",
 )
 @click.option(
     "--flow-shift",
@@ -237,13 +143,21 @@ def _jobs(
     "--frames",
     type=int,
     default=None,
-    help="Video frames, 1 + 4·k (121 = 5 s at 24 fps).  [default: the preset's]",
+    help="Video frames, 1 + 4·k (121 = 5 s at 24 fps), at most --max-frames.  [default: the preset's]",
 )
 @click.option(
     "--duration",
     type=float,
     default=None,
-    help="Video length in seconds: frames = 4·round(duration·fps/4) + 1.",
+    help="Video length in seconds: frames = 4·round(duration·fps/4) + 1, at most --max-frames.",
+)
+@click.option(
+    "--max-frames",
+    type=click.IntRange(min=1),
+    default=MAX_FRAMES,
+    show_default=True,
+    help="The longest video accepted, in frames (961: 40 s at 24 fps, twice the longest preset); a longer --frames, "
+    "--duration or record is refused before anything loads. Memory and time grow with the length.",
 )
 @click.option(
     "--size",
@@ -275,7 +189,12 @@ def _jobs(
     is_flag=True,
     help="Also write <output>.latents.pt (normalised latents and fps), readable by `pan2 decode`.",
 )
-@click.option("--skip-existing", is_flag=True, help="Skip prompts whose output MP4 exists (resume a batch).")
+@click.option(
+    "--skip-existing",
+    is_flag=True,
+    help="Skip prompts whose output MP4 exists, or appears while the batch runs (resume a batch, or share a folder "
+    "with another batch). Not with --overwrite.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace existing outputs (otherwise they are an error).")
 @click.option(
     "--offload",
@@ -373,6 +292,7 @@ def generate_command(
     seed,
     frames,
     duration,
+    max_frames,
     size,
     fps,
     negative_prompt,
@@ -399,8 +319,8 @@ def generate_command(
 
     The PAN 2 pipeline: the text encoder, flow-matching Euler sampling with the MMDiT and classifier-free
     guidance, the Wan2.2 VAE decode. Settings come from the preset; options override them. Each video
-    is written as an MP4 with a JSON sidecar (settings, model, seconds per stage); the paths are
-    printed on stdout. With --prompts, a failing prompt is reported and the batch goes on (exit 1 at
+    is written as an MP4 with a JSON sidecar (settings, model, seconds per stage) as soon as it is denoised; the
+    paths are printed on stdout. With --prompts, a failing prompt is reported and the batch goes on (exit 1 at
     the end if any failed). On one H200 a denoising step takes about 4.3 s for 5 s of video, 12 s for
     10 s and 37 s for 20 s (50 steps: about 4, 10 and 31 minutes); with --precision fp8 2.7, 7.9 and 24 s.
 
@@ -434,7 +354,7 @@ def generate_command(
         prompt=prompt, prompts_file=prompts_file, output=output, model=model, revision=revision, preset=preset,
         flags={k: v for k, v in flags.items() if v is not None}, save_latents=save_latents, skip_existing=skip_existing,
         overwrite=overwrite, crf=crf, runtime=runtime, chunk_latent_frames=chunk_latent_frames, quiet=quiet,
-        precision_given=precision is not None,
+        precision_given=precision is not None, max_frames=max_frames,
     )  # fmt: skip
 
     def on_rank(rank_device) -> int:
@@ -481,7 +401,9 @@ def _generate(options: GenerateOptions) -> int:
     """The command's work in this process (the only one, or one rank of several)."""
     from pan2cli import distributed, launch  # here, like the pipeline: `pan2 --help` does not load torch
     from pan2cli.pipeline import VideoGenerator
+    from pan2cli.pipeline.batch_plan import plan_jobs
     from pan2cli.pipeline.generator import seconds_since_process_start
+    from pan2cli.pipeline.run_checks import check_run_options
 
     world, rank = distributed.world_size(), distributed.rank()
     main = distributed.is_main()
@@ -489,22 +411,30 @@ def _generate(options: GenerateOptions) -> int:
     error = None
     try:
         preset = load_preset(options.preset)
-        jobs, failures, skipped, warnings, batch = _jobs(
-            options.prompt, options.prompts_file, options.output, preset, options.flags, options.save_latents, options.overwrite, options.skip_existing,
-            options.crf, world if options.prompts_file else 1, rank if options.prompts_file else 0,
+        # Runtime options a preset names too: the flag's value (recorded as an override), else the preset's.
+        runtime_flags = {"precision": options.runtime.precision} if options.precision_given else {}
+        if options.chunk_latent_frames is not None:
+            runtime_flags["chunk_latent_frames"] = options.chunk_latent_frames
+        jobs, failures, skipped, warnings, batch = plan_jobs(
+            options.prompt, options.prompts_file, options.output, preset, options.flags,
+            save_latents=options.save_latents, overwrite=options.overwrite, skip_existing=options.skip_existing,
+            crf=options.crf, max_frames=options.max_frames, runtime_flags=runtime_flags,
+            world=world if options.prompts_file else 1, rank=rank if options.prompts_file else 0,
         )  # fmt: skip
-        chunk = (
-            options.chunk_latent_frames or preset.chunk_latent_frames
-        )  # a runtime option the preset names too
-        # Runtime options a preset names too: the flag's value, else the preset's.
-        precision = options.runtime.precision if options.precision_given else (preset.precision or "bf16")
-        config = dataclasses.replace(options.runtime, chunk_latent_frames=chunk, precision=precision)
-        device = config.torch_device()
-        config.torch_generator_device(device)
-        config.check_precision(device)
+        config = dataclasses.replace(
+            options.runtime,
+            chunk_latent_frames=options.chunk_latent_frames or preset.chunk_latent_frames,
+            precision=options.runtime.precision if options.precision_given else (preset.precision or "bf16"),
+        )
+        precision_from = (
+            "--precision fp8"
+            if options.precision_given
+            else f'preset {preset_label(preset)} sets precision = "fp8"'
+        )
+        device = check_run_options(config, precision_from=precision_from)
         if world > 1 and launch.env_local_world_size(world) == world:  # the generator's rule for a row split
             _check_decode_split(options, world)
-    except InputError as exc:
+    except Pan2Error as exc:
         error = exc
     distributed.raise_if_any_failed(error)
     quiet = options.quiet
@@ -547,12 +477,16 @@ def _generate(options: GenerateOptions) -> int:
     failed: list[BaseException] = []
 
     def on_result(res) -> None:
+        if res.skipped:  # another process wrote it since the batch began
+            skipped.append(res.job.output)
+            info(f"Skipping {res.job.output}: it appeared while this batch ran (--skip-existing).", quiet)
+            return
         if res.error is None:
             if res.output is not None:
                 result(str(res.output))
                 seconds = ", ".join(f"{k} {v:.1f} s" for k, v in res.seconds.items())
                 info(
-                    f"{res.output}: {res.job.settings.frames} frames, {res.job.settings.width}x{res.job.settings.height}; {seconds}",
+                    f"{res.output}: {res.job.settings.frames} frames, {res.job.settings.height}x{res.job.settings.width}; {seconds}",
                     quiet_here,
                 )
             return
@@ -613,7 +547,7 @@ def _batch_summary(batch: bool, quiet: bool, results: list, n_failed: int, n_ski
         return 0
     distributed.wait_for_all("generate-done")
     n_failed = distributed.sum_all(n_failed)
-    n_done = distributed.sum_all(sum(r.error is None for r in results))
+    n_done = distributed.sum_all(sum(r.error is None and not r.skipped for r in results))
     n_skipped = distributed.sum_all(n_skipped)
     main = distributed.is_main()
     if main and not quiet:

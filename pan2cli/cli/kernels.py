@@ -127,7 +127,8 @@ def status_command(as_json):
 
 @kernels_group.command("clean")
 def clean_command():
-    """Remove every cached build of the kernels (both extensions, every version); prints the folder emptied.
+    """Remove every cached build of the kernels (both extensions, every version); prints the folder removed (on
+    stderr, that there was none).
 
     \b
     Examples:
@@ -136,4 +137,8 @@ def clean_command():
     """
     from pan2cli.kernel_build import clean_kernel_cache
 
-    result(str(clean_kernel_cache()))
+    folder, removed = clean_kernel_cache()
+    if removed:
+        result(str(folder))
+    else:
+        info(f"Nothing to clean: {folder} does not exist.")

@@ -43,10 +43,11 @@ import triton.language as tl
 
 from pan2cli.triton_support import triton_interpreting
 
-# The rotating kernel's launch (rows a tile, tiles a program, warps): the ±1 matrix is built once for the
-# program's tiles, and at 16 rows and 8 warps the program fits in 248 registers a thread without spills for
-# head_dim 128 on sm_90a (4 warps spill 480 bytes; ptxas -v on Triton's PTX).
-HADAMARD_LAUNCH = (16, 4, 8)
+# The rotating kernel's launch (rows a tile, tiles a program, warps), swept on an H100 80GB at 121 frames (26,898
+# tokens, 32 heads, e4m3 out, K smoothed; every shape of 16-64 rows x 1-4 tiles x 4-8 warps): 64 rows, one
+# tile, 4 warps 0.792 ms a call for norm, RoPE, K's mean and the rotation of Q and K, against 1.2 ms for 16 x 4 x
+# 8 and 0.323 ms without the mean and the rotation (the tensor cores' 64-row tiles amortise the ±1 matrix).
+HADAMARD_LAUNCH = (64, 1, 4)
 
 
 @triton.jit

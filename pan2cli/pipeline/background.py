@@ -111,6 +111,12 @@ class BackgroundLoad(Generic[T]):
             raise self._error
         return self._result
 
+    def take(self) -> T:
+        """`result()`, handed over: this load keeps no reference to it, so that the caller's release frees it."""
+        model = self.result()
+        self._result = None
+        return model
+
     def cancel(self) -> None:
         """Stop the load (within one tensor), wait for its thread, and drop what it read."""
         self._cancelled.set()

@@ -1,12 +1,14 @@
-"""`VideoGenerator`: prompt (and start image) → video, stage by stage, each model loaded once per batch.
+"""`VideoGenerator`: prompt (and start image) → video, each model loaded once per batch, each video written as soon as
+its denoising ends.
 
-Stages (numbered as in `generate_batch`): 1. text encoding (the text encoder is released after it; the
-transformer is read in a background thread meanwhile where the device holds both, `BackgroundLoad`);
-2. start images through the VAE encoder (image-to-video only); 3. flow-matching Euler sampling with the
-MMDiT on `[latents ; condition latents ; mask]` (97 channels: `pan2cli.pipeline.conditioning`),
-released before the decode (`offload` streams its blocks from host memory); 4. VAE decode
-chunk by chunk into uint8 host frames (one device-to-host copy per chunk) and, optionally, an MP4,
-its JSON sidecar and a `latents.pt`.
+Stages (numbered as in `generate_batch`): 1. text encoding of every prompt (the text encoder is released after it;
+the transformer is read in a background thread meanwhile where the device holds both, `BackgroundLoad`);
+2. start images through the VAE encoder (image-to-video only); 3. the MMDiT loaded (`offload` streams its blocks
+from host memory); 4. video by video: flow-matching Euler sampling on `[latents ; condition latents ; mask]`
+(97 channels: `pan2cli.pipeline.conditioning`), the VAE decode chunk by chunk into uint8 host frames (one
+device-to-host copy per chunk) and an MP4, and its JSON sidecar and `latents.pt`. The decoder stays beside the
+transformer while videos are left to denoise (`pan2cli.pipeline.memory`); the transformer is released before the
+last decode. A video that cannot be written keeps its latents (`pan2cli.pipeline.job_outputs`).
 
 Several processes (torchrun): with `ranks_share_jobs` (one prompt, every rank given the same jobs)
 every rank samples the same latents (rank 0's are broadcast) and the ranks of one machine split the
@@ -17,7 +19,6 @@ rank generates and writes its own jobs alone.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import time
 import warnings
@@ -28,25 +29,23 @@ from typing import Callable, Iterator
 
 import torch
 
-from pan2cli import distributed, launch
-from pan2cli.atomic import replace_into
+from pan2cli import distributed
 from pan2cli.config import GenerationSettings, RuntimeConfig, settings_with
-from pan2cli.constants import video_frames
 from pan2cli.dit.attention import attention_backend, attention_backends, attention_order
 from pan2cli.dit.fp8_attention_choice import fp8_attention_ran, reset_fp8_attention_record
 from pan2cli.errors import InputError, Pan2Error, out_of_memory
-from pan2cli.outputs import check_output_path
+from pan2cli.outputs import DEFAULT_X264_PRESET, check_output_path
 from pan2cli.pipeline.background import BackgroundLoad
 from pan2cli.pipeline.components import PAN2Components, resolve_components
 from pan2cli.pipeline.conditioning import condition_latents
 from pan2cli.pipeline.image import encode_image, fit_image, load_start_image
 from pan2cli.pipeline.jobs import GenerationJob, GenerationResult, sidecar_path
+from pan2cli.pipeline.memory import free_memory
 from pan2cli.pipeline.sampling import denoise, initial_noise, split_ranks
 from pan2cli.pipeline.scheduler import uses_guidance
+from pan2cli.pipeline.streaming import BatchStream
 from pan2cli.presets import DEFAULT_PRESET, Preset, load_preset, preset_label
-from pan2cli.vae.decoder import decode_latents, open_decoder
 from pan2cli.version import __version__
-from pan2cli.video import open_video_writer
 
 # Progress hook: (description, total, unit) → context manager yielding `advance(n)`.
 ProgressFactory = Callable[[str, int, str], "contextmanager"]
@@ -59,21 +58,6 @@ def _no_progress(description: str, total: int, unit: str) -> Iterator[Callable[[
 
 # Room left beside the text encoder and the transformer for the text encoder's activations and the allocator.
 OVERLAP_MARGIN_BYTES = 4 * 2**30
-
-
-def free_memory(device: torch.device) -> tuple[int | None, str]:
-    """(bytes free for new tensors on `device`, how to name it): the GPU's free memory, or the host's
-    `MemAvailable` (None where it cannot be read)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0], "the GPU"
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "the host"
-    except OSError:
-        pass
-    return None, "the host"
 
 
 def seconds_since_process_start() -> float | None:
@@ -91,23 +75,7 @@ def _rounded(entry: dict) -> dict:
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in entry.items()}
 
 
-class _FrameSink:
-    """Collects the decoder's host chunks (and passes them on to a file writer)."""
-
-    def __init__(self, keep: bool, writer=None):
-        self.keep, self.writer, self.chunks = keep, writer, []
-
-    def write(self, frames: torch.Tensor) -> None:
-        if self.keep:
-            self.chunks.append(frames)
-        if self.writer is not None:
-            self.writer.write(frames)
-
-    def frames(self) -> torch.Tensor | None:
-        return torch.cat(self.chunks) if self.keep and self.chunks else None
-
-
-class VideoGenerator:
+class VideoGenerator(BatchStream):
     """The PAN 2 pipeline. Build with `from_pretrained`, then call `generate` (or `generate_batch`).
 
     Args:
@@ -151,6 +119,9 @@ class VideoGenerator:
         self.memory_plan = None  # the batch's `pan2cli.pipeline.memory_plan.MemoryPlan` (on a GPU)
         # `time_to_first_step` counts from here: the command's start where the CLI sets it, else each batch's.
         self.clock_start: float | None = None
+        self._dit = None  # the transformer while a batch denoises
+        self._parallel_decode = False  # the decode of a shared job split by rows (`_open_decoder`)
+        self._vae_identity: dict | None = None  # for latents files (`_vae_record`)
         attention_order()  # a bad PAN2_ATTENTION is bad input before anything loads
 
     @classmethod
@@ -230,6 +201,8 @@ class VideoGenerator:
         self.components.scheduler.sigmas(job.settings.steps, self.flow_shift(job.settings)[0])
         if job.settings.image is not None:
             load_start_image(job.settings.image, "--image" if job.origin is None else "'image'")
+        if job.skip_existing and job.output is not None and job.output.exists():
+            return  # written by another process since the batch was planned: skipped when its turn comes
         if job.output is not None:
             check_output_path(job.output, job.overwrite)
         # The sidecar and latents beside an MP4 that does not exist are left from a run that did not finish
@@ -249,13 +222,24 @@ class VideoGenerator:
         ranks_share_jobs: bool = True,
         on_result: Callable[[GenerationResult], None] | None = None,
     ) -> list[GenerationResult]:
-        """Run every job, loading each model once; a job that fails is recorded in its result and the others go on.
+        """Run every job, loading each model once; each video is written, and `on_result` called with it, as soon
+        as its denoising ends; a job that fails is recorded in its result and the others go on.
+
+        The prompts are encoded first (then the text encoder is freed), then the start images; the transformer is
+        read meanwhile where the device holds both. Then job by job: denoise, decode, write (MP4, latents file,
+        sidecar), `on_result`. The VAE decoder loads at the first decode and stays beside the transformer while
+        videos are left to denoise; the transformer is released before the last video's decode (one video's
+        peak memory is the same as a batch's). Where the decoder does not fit beside the transformer
+        (`decoder_fits_beside_transformer`, said in one line), every video is denoised first, each one's latents
+        written to `<name>.latents.pt` at once, and decoded after the transformer is released. A batch that is
+        interrupted keeps every video written; a video denoised but not written keeps its latents (`job_outputs`).
 
         Args:
             jobs: the videos to make (checked with `check_job` beforehand).
             ranks_share_jobs: under torchrun, whether every rank was given the same jobs (they then
-                cooperate: same latents, decode split by rows, rank 0 writes); False for a sharded batch.
-            on_result: called with each result when its video is done (or has failed).
+                cooperate: same latents, decode split by rows, rank 0 writes); False for a sharded batch, whose
+                ranks each stream their own jobs.
+            on_result: called with each result when its video is written (or has failed, or was skipped).
 
         Raises:
             Pan2Error: a model failed to load (not a per-job failure).
@@ -275,10 +259,14 @@ class VideoGenerator:
             self._encode_texts(results, transformer, text_tensors)
             # 2. Start images (image-to-video)
             self._encode_images(results, transformer)
-            # 3. Sampling
-            self._sample(results, shared, transformer)
-        # 4. Decode and write
-        self._decode(results, shared, on_result)
+            # 3. The transformer
+            self._dit = self._load_dit(results, transformer)
+        # 4. Each video: denoised, decoded, written, handed over
+        try:
+            self._make_videos(results, shared, on_result or (lambda result: None))
+        finally:
+            self._dit = None
+            self._release()
         return results
 
     # -- stages -----------------------------------------------------------------------------------------
@@ -407,12 +395,12 @@ class VideoGenerator:
         check = transformer.check if transformer is not None else (lambda: None)
         check()  # a transformer that cannot be read stops the batch now, not after every prompt is encoded
 
-        def encode(prompt: str) -> torch.Tensor:
+        def encode(prompt: str, what: str = "the prompt") -> torch.Tensor:
             features, cut = encoder.encode(prompt)
             if cut:  # the release keeps at most 1536 tokens after the chat template's user header
                 short = prompt if len(prompt) <= 40 else prompt[:40] + "…"
                 self.warn(
-                    f"the prompt {short!r} is {cut} tokens over the text encoder's limit of {encoder.max_length}; its last {cut} tokens were cut."
+                    f"{what} {short!r} is {cut} tokens over the text encoder's limit of {encoder.max_length}; its last {cut} tokens were cut."
                 )
             return features
 
@@ -422,7 +410,11 @@ class VideoGenerator:
 
                 def work(result=result, settings=settings):
                     cond = encode(settings.prompt)
-                    uncond = encode(settings.negative_prompt) if uses_guidance(settings.guidance) else None
+                    uncond = (
+                        encode(settings.negative_prompt, "the negative prompt")
+                        if uses_guidance(settings.guidance)
+                        else None
+                    )
                     result._text = (cond, uncond)
 
                 self._run_job(result, "text_encoding", work)
@@ -541,19 +533,19 @@ class VideoGenerator:
         self.dit_fused_kernels = fused  # what ran, for the sidecar
         return model
 
-    def _sample(
-        self, results: list[GenerationResult], shared: bool, transformer: BackgroundLoad | None
-    ) -> None:
+    def _load_dit(self, results: list[GenerationResult], transformer: BackgroundLoad | None):
+        """The transformer, ready to sample (None, and its background read cancelled, when no job is left)."""
         todo = [r for r in results if r.error is None]
         if not todo:
             if transformer is not None:
                 transformer.cancel()  # nothing left to sample
-            return
+            return None
         start = time.perf_counter()
         with self.progress("Loading the transformer", self._transformer_tensors, "tensors") as advance:
             if transformer is not None:  # read in the background since the batch began
                 transformer.wait(on_tick=advance)
-                model = transformer.result()
+                # taken: the load keeps no reference, so the model goes when the batch releases it
+                model = transformer.take()
                 overlapped = ["load_text_encoder", "text_encoding"]
                 if any(r.job.settings.image is not None for r in results):
                     overlapped += ["load_vae_encoder", "image_encoding"]
@@ -564,32 +556,7 @@ class VideoGenerator:
             else:
                 model = self._read_dit(on_tensor=lambda: advance(1))
                 self._load_seconds(todo, "load_transformer", time.perf_counter() - start)
-        model = self._prepare_dit(model)
-        for result in todo:
-            settings = result.job.settings
-            self._note_flow_shift(result.job)
-
-            def work(result=result, settings=settings):
-                result.time_to_first_step = time.perf_counter() - self._batch_start
-                with self.progress(f"Denoising ({settings.steps} steps)", settings.steps, "steps") as advance:
-                    result.latents = self.sample(
-                        model,
-                        settings,
-                        *result._text,
-                        getattr(result, "_image_latent", None),
-                        on_step=advance,
-                        split=shared,
-                    )
-
-            self._run_job(result, "denoising", work)
-            result._text = None
-        model = None  # frees the transformer (the closure above shares this variable, so no `del`)
-        self._release()  # the DiT's memory goes back before the decode
-        if shared:
-            # Every rank sampled the same latents; rank 0's are the ones everyone decodes (bit-identical decodes).
-            for result in results:
-                if result.latents is not None:
-                    result.latents = distributed.broadcast_from_main(result.latents)
+        return self._prepare_dit(model)
 
     def flow_shift(self, settings: GenerationSettings, given_by: str | None = None) -> tuple[float, str]:
         """The flow shift a sample of `settings` runs and where it comes from: the settings' (a preset's or a
@@ -671,101 +638,10 @@ class VideoGenerator:
             video_tokens + cond.shape[1],
         )
 
-    def _load_decoder(self, shared: bool):
-        cfg = self.config
-        world = distributed.world_size()
-        # Ranks split a decode by rows only when they share the job and sit on one machine.
-        parallel = cfg.decode_kernel_parallel and shared and launch.env_local_world_size(world) == world
-        decoder, note = open_decoder(
-            self.components.folder("vae"),
-            dtype=self.vae_dtype,
-            device=self.device,
-            decode_kernel=cfg.decode_kernel,
-            ranks_together=shared,
-            say=self.info,
-        )
-        if note:
-            self.info(note)
-        from pan2cli.vae.kernel.decoder import WanKernelDecoder
-
-        self.decoder_path = "compiled kernel" if isinstance(decoder, WanKernelDecoder) else "reference"
-        self.decode_rows_split = parallel
-        return decoder, parallel
-
-    def _decode(self, results: list[GenerationResult], shared: bool, on_result) -> None:
-        todo = [r for r in results if r.error is None]
-        if todo:
-            start = time.perf_counter()
-            decoder, parallel = self._load_decoder(shared)
-            self._load_seconds(todo, "load_vae_decoder", time.perf_counter() - start)
-            # Shared jobs: rank 0 writes; the others decode their rows (parallel) or nothing.
-            writes = not shared or distributed.is_main()
-            decodes = writes or parallel
-            for result in todo:
-                if decodes:  # timed inside: the decode, then the end of the MP4's encode ("write")
-                    self._run_job(
-                        result,
-                        None,
-                        lambda result=result: self._decode_one(decoder, result, writes, parallel),
-                    )
-                if writes:
-                    self._run_job(result, "write", lambda result=result: self._write_latents(result))
-                    self._run_job(result, None, lambda result=result: self._write_sidecar(result))
-            del decoder
-            self._release()
-        for result in results:
-            if on_result is not None:
-                on_result(result)
-
-    def _decode_one(self, decoder, result: GenerationResult, writes: bool, parallel: bool) -> None:
-        job, settings = result.job, result.job.settings
-        writing = (
-            open_video_writer(job.output, "mp4", settings.fps, crf=job.crf, overwrite=job.overwrite)
-            if writes and job.output is not None
-            else nullcontext()
-        )
-        with writing as writer, launch.partial_output(writer.tmp_path if writer is not None else None):
-            sink = _FrameSink(job.return_frames and writes, writer)
-            total = video_frames(result.latents.shape[2])
-            with self._timed(result, "decode"), self.progress("Decoding", total, "frames") as advance:
-                decode_latents(
-                    decoder,
-                    result.latents,
-                    sink if writes else None,
-                    normalized=True,
-                    chunk_latent_frames=self._chunk_latent_frames(),
-                    split_rows=parallel,
-                    on_chunk=advance,
-                )
-            if writer is not None:  # ffmpeg encodes beside the decode: its last frames, then the rename
-                with self._timed(result, "write"):
-                    writer.commit()
-        result.frames = sink.frames()
-        result.output = job.output if writes else None
-
     def _chunk_latent_frames(self) -> int:
         """The decoder's chunk: the configured one, or the memory plan's where that is smaller."""
         plan = self.memory_plan
         return plan.chunk_latent_frames if plan is not None else self.config.chunk_latent_frames
-
-    def _write_latents(self, result: GenerationResult) -> None:
-        job, settings = result.job, result.job.settings
-        if job.latents_path is not None:
-            data = {
-                "latents": result.latents[0].contiguous(), "fps": float(settings.fps), "height": settings.height,
-                "width": settings.width, "frames": settings.frames, "seed": settings.seed, "prompt": settings.prompt,
-            }  # fmt: skip
-            replace_into(job.latents_path, lambda p: torch.save(data, p))
-            result.latents_path = job.latents_path
-
-    def _write_sidecar(self, result: GenerationResult) -> None:
-        """The sidecar last, when every stage of the video has its seconds."""
-        job = result.job
-        if job.output is not None and job.sidecar:
-            path = sidecar_path(job.output)
-            text = json.dumps(self.sidecar(result), indent=2) + "\n"
-            replace_into(path, lambda p: p.write_text(text))
-            result.sidecar = path
 
     def sidecar(self, result: GenerationResult) -> dict:
         """The JSON record of one video: settings (the start image by its absolute path), the job's metadata
@@ -782,6 +658,8 @@ class VideoGenerator:
         return {
             **settings,
             "flow_shift_source": shift_source,
+            "crf": result.job.crf,  # the MP4's H.264 quality and x264's speed preset
+            "x264_preset": DEFAULT_X264_PRESET,
             **result.job.metadata,
             "model": self.components.model_id,
             "revision": self.components.revision,
@@ -796,7 +674,7 @@ class VideoGenerator:
             "ran": {
                 "dit_fused_kernels": self.dit_fused_kernels,
                 "decoder": self.decoder_path,
-                "precision": self.config.precision,
+                "precision": self._ran_precision(),
                 "fp8_attention": self.fp8_attention,
             },  # fmt: skip
             "processes": self._processes(result.job.settings),
@@ -809,6 +687,14 @@ class VideoGenerator:
             else None,
             "time_to_first_step_from": "batch start" if self.clock_start is None else "command start",
         }
+
+    def _ran_precision(self) -> str:
+        """The DiT's arithmetic as it ran: "fp8", else its dtype ("bf16"; "float32" on the CPU, where
+        `--precision bf16` runs the float32 model)."""
+        if self.config.precision == "fp8":
+            return "fp8"
+        name = str(self.dtype).removeprefix("torch.")
+        return "bf16" if name == "bfloat16" else name
 
     def _processes(self, settings: GenerationSettings) -> dict:
         """How many processes made the batch (`--gpus N`, torchrun) and how they split this video's work."""

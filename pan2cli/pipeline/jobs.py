@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from pan2cli.config import GenerationSettings
+from pan2cli.constants import MAX_FRAMES
 from pan2cli.errors import InputError
 from pan2cli.outputs import DEFAULT_CRF
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -25,11 +28,14 @@ class GenerationJob:
     return_frames: bool = True
     metadata: dict = field(default_factory=dict)  # extra sidecar entries (preset, overrides, name)
     redo_leftovers: bool = False  # replace a sidecar / latents file whose MP4 is missing (`--skip-existing`)
+    skip_existing: bool = False  # an output that another process writes meanwhile is skipped, not an error
     origin: str | None = (
         None  # where the job came from, starting its errors: "prompts.json: prompt 3 (003_a-cat)"
     )
     # who set `settings.flow_shift` ("--flow-shift", "preset NAME"), for the flow-shift note and the sidecar
     flow_shift_source: str | None = None
+    # the longest video accepted (`--max-frames`); None: no bound
+    max_frames: int | None = MAX_FRAMES
 
     def __post_init__(self) -> None:
         # A preset's settings have no prompt; a job's must (bad input before any model loads). Whitespace alone
@@ -38,6 +44,14 @@ class GenerationJob:
             raise InputError(
                 "the prompt is empty",
                 hint='pass the text to generate from, e.g. pan2 generate "a cat on a skateboard"',
+            )
+        settings = self.settings
+        if self.max_frames is not None and settings.frames > self.max_frames:
+            raise InputError(
+                f"a video of {settings.frames} frames ({settings.duration_s:.4g} s at {settings.fps:g} fps) is longer "
+                f"than the limit of {self.max_frames} frames ({self.max_frames / settings.fps:.4g} s)",
+                hint="pass --max-frames N (max_frames in the Python API) to allow longer videos; their memory and "
+                "time grow with the length (the longest preset, pan2-20s, has 481 frames)",
             )
 
 
@@ -58,6 +72,9 @@ class GenerationResult:
     output: Path | None = None
     sidecar: Path | None = None
     latents_path: Path | None = None
+    # where the latents were written beside the output while (or because) the video could not be written yet
+    kept_latents: Path | None = None
+    skipped: bool = False  # another process wrote the output meanwhile (`GenerationJob.skip_existing`)
     error: BaseException | None = None
 
     @property
@@ -68,3 +85,9 @@ class GenerationResult:
 def sidecar_path(output: Path) -> Path:
     """`video.mp4` → `video.json`."""
     return output.with_suffix(".json")
+
+
+def latents_path_for(output: Path) -> Path:
+    """`video.mp4` → `video.latents.pt` (`--save-latents`, and where a video's latents are kept when it cannot be
+    written)."""
+    return output.with_name(f"{output.stem}.latents.pt")

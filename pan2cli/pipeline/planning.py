@@ -119,6 +119,8 @@ def make_plan(
         vae_element_bytes=torch.empty(0, dtype=vae_dtype).element_size(),
         stream_all=config.offload,
         alternatives=alternatives,
+        # A batch keeps the decoder beside the transformer while videos are left to denoise (`BatchStream`).
+        decoder_beside_transformer=len(settings) > 1,
     )
 
 

@@ -8,6 +8,7 @@ The format: a `.jsonl` (or `.ndjson`) file is JSON Lines; a `.json` file, or one
   object rendered to text), `duration` (seconds), `image` (a start image; relative paths are relative to the
   prompt file), `seed` and `name`. Unknown fields are reported (warnings) and ignored.
 - Plain text: one prompt per line; blank lines and lines starting with `#` are skipped.
+The text is UTF-8, or what a byte-order mark says (UTF-8, UTF-16, UTF-32: Windows tools write one), the mark dropped.
 Records are numbered from 0 in file order, the number starting their output names (`003_a-cat.mp4`). A
 record that cannot be used (not valid JSON on its line, another type, no prompt, a bad value) comes back with
 its `problem`, so that the batch reports it with the file and record number and makes the others.
@@ -15,6 +16,7 @@ its `problem`, so that the batch reports it with the file and record number and 
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import math
@@ -160,10 +162,7 @@ def read_prompt_file(path: str | Path) -> tuple[list[PromptRecord], list[str]]:
         InputError: unreadable file, JSON that is none (or not a list of records), or no prompts.
     """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"--prompts {path} could not be read: {exc}") from exc
+    text = read_prompt_text(path)
     warnings: list[str] = []
     if _is_json_lines(path, text):
         raws = [_checked_record(item, where, path, warnings) for where, item in _json_lines(path, text)]
@@ -190,6 +189,50 @@ def read_prompt_file(path: str | Path) -> tuple[list[PromptRecord], list[str]]:
                 )
             )
     return records, warnings
+
+
+# Byte-order marks that Windows tools write, longest first (UTF-32 LE's starts with UTF-16 LE's), and the codec
+# that reads the text after them.
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32-le"),
+    (codecs.BOM_UTF32_BE, "utf-32-be"),
+    (codecs.BOM_UTF8, "utf-8"),
+    (codecs.BOM_UTF16_LE, "utf-16-le"),
+    (codecs.BOM_UTF16_BE, "utf-16-be"),
+)
+_SAVE_AS_UTF8 = "save it as UTF-8 text (one prompt per line, JSON or JSON Lines)"
+
+
+def read_prompt_text(path: Path) -> str:
+    """A prompt file's text: UTF-8, or UTF-8, UTF-16 or UTF-32 after a byte-order mark (the mark itself dropped, so
+    that it is neither a JSON error nor the first prompt's first character).
+
+    Raises:
+        InputError: the file cannot be read, holds a NUL byte without a UTF-16/32 mark (a binary file), or is not
+            text in its encoding; the message names the byte offset and the hint says to save it as UTF-8.
+    """
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"--prompts {path} could not be read: {exc.strerror or exc}") from exc
+    encoding, start = "utf-8", 0
+    for bom, codec in _BOMS:
+        if data.startswith(bom):
+            encoding, start = codec, len(bom)
+            break
+    if encoding == "utf-8" and (nul := data.find(b"\0")) >= 0:
+        raise InputError(
+            f"--prompts {path} is not a text file: it holds a NUL byte at offset {nul}", hint=_SAVE_AS_UTF8
+        )
+    try:
+        return data[start:].decode(encoding)
+    except UnicodeDecodeError as exc:
+        marked = " (as its byte-order mark says)" if start else ""
+        raise InputError(
+            f"--prompts {path} is not {encoding.upper()} text{marked}: byte 0x{data[start + exc.start]:02x} at "
+            f"offset {start + exc.start} cannot be decoded",
+            hint=_SAVE_AS_UTF8,
+        ) from None
 
 
 def _is_json_lines(path: Path, text: str) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -311,6 +311,29 @@ def load_decoder_weights(
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     check_decoder_keys({ours: tensors.shapes[orig] for ours, orig in renamed.items()}, expected, source)
     return _load_into(model, tensors, renamed, dtype=dtype, device=device, source=source)
+
+
+@dataclass(frozen=True)
+class DecoderTensors:
+    """A located checkpoint's decoder, not loaded: its architecture (read from the tensors for a single file), the
+    shapes of its decoder tensors by our (diffusers) names, and a reader of any tensor by our name (in the file's
+    dtype, on the CPU)."""
+
+    config: WanVAEConfig
+    shapes: Mapping[str, tuple[int, ...]]
+    load: Callable[[str], torch.Tensor]
+
+
+def read_decoder_tensors(checkpoint: VAECheckpoint) -> DecoderTensors:
+    """`DecoderTensors` of a located checkpoint: its header (and a config file) read, no tensor yet."""
+    tensors = read_tensor_file(Path(checkpoint.weights), _READ_ERRORS)
+    renamed = _our_names(tensors, checkpoint.config)
+    shapes = {ours: tensors.shapes[orig] for ours, orig in renamed.items()}
+    config = checkpoint.config or _single_file_config(shapes)
+    decoder = {
+        key: shape for key, shape in shapes.items() if key.startswith(("decoder.", "post_quant_conv."))
+    }
+    return DecoderTensors(config, decoder, lambda key: tensors.load(renamed[key]))
 
 
 def _our_names(tensors: TensorFile, config: WanVAEConfig | None) -> dict[str, str]:

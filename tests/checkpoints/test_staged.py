@@ -143,6 +143,10 @@ def test_a_span_is_where_the_header_says():
         (b"\x10", "could not be read"),
         ((40).to_bytes(8, "little") + b"{not json", "could not be read"),
         ((2).to_bytes(8, "little") + b"[]", "could not be read"),
+        # a header length beyond the file: a short, valid header after it must not be read as the header, and a
+        # huge length must not be read at all (a MemoryError or OverflowError traceback)
+        ((100).to_bytes(8, "little") + b"{}", "could not be read"),
+        ((2**62).to_bytes(8, "little") + b"{}", "could not be read"),
         (
             (70).to_bytes(8, "little")
             + b'{"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}'.ljust(70)

@@ -50,7 +50,7 @@ def test_mp4_has_the_right_frames_size_and_fps(run_cli, tiny_vae, latents_file, 
     result = run_cli("decode", latents, "-o", out, "--vae", tiny_vae)
     assert result.exit_code == 0, result.stderr
     assert result.stdout.strip() == str(out)
-    assert "9 frames, 48x32, 12 fps" in result.stderr
+    assert "9 frames, 32x48, 12 fps" in result.stderr  # height x width, the order of --size
     # the decode's own seconds, its rate and first frame, and the total with the encode (issue 14)
     figures = re.search(
         r"decode (\d+\.\d+) s \(.*, (\d+\.\d) frames/s, first frame after (\d+\.\d+) s\), total (\d+\.\d+) s",
@@ -501,6 +501,8 @@ def test_bf16_on_the_cpu_warns_and_runs(run_cli, tiny_vae, latents_file, tmp_pat
     assert result.exit_code == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("Warning:")]
     assert len(warnings) == 1 and "slower" in warnings[0] and "--dtype fp32" in warnings[0]
+    # no factor: "about 40x" was false on a CPU with AVX512-BF16 (20.1 s against fp32's 23.6 s)
+    assert "much slower than fp32 on most CPUs" in warnings[0] and "40x" not in warnings[0]
     assert (tmp_path / "bf16.mp4").is_file()
     result = run_cli("decode", path, "--vae", tiny_vae, "--device", "cpu", "-o", tmp_path / "fp32.mp4")
     assert result.exit_code == 0 and "Warning:" not in result.stderr

@@ -233,6 +233,24 @@ def test_kernels_status_and_clean(tmp_path):
     assert not (tmp_path / "cache" / "kernels").exists()
 
 
+def test_kernels_clean_of_a_cache_that_is_a_file_or_missing(run_cli, tmp_path, monkeypatch):
+    """`PAN2_CACHE_DIR=/etc/passwd pan2 kernels clean` printed `/etc/passwd/kernels` with exit 0, and a cache that
+    does not exist was printed as the folder emptied."""
+    not_a_folder = tmp_path / "passwd"
+    not_a_folder.write_text("root:x:0:0\n")
+    monkeypatch.setenv("PAN2_CACHE_DIR", str(not_a_folder))
+    result = run_cli("kernels", "clean")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.splitlines()[0] == (
+        f"Error: the kernel cache {not_a_folder / 'kernels'} cannot be there: {not_a_folder} is a file, not a folder"
+    )
+    assert not_a_folder.read_text() == "root:x:0:0\n"
+    monkeypatch.setenv("PAN2_CACHE_DIR", str(tmp_path / "none"))
+    result = run_cli("kernels", "clean")
+    assert result.exit_code == 0 and result.stdout == ""
+    assert result.stderr.strip() == f"Nothing to clean: {tmp_path / 'none' / 'kernels'} does not exist."
+
+
 def test_kernels_status_without_a_gpu_says_so_plainly(run_cli, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a GPU host
     result = run_cli("kernels", "status")

@@ -232,8 +232,8 @@ def test_a_job_needs_a_prompt():
 
 
 def test_pan2_generate_takes_preset_then_flags_then_record(tmp_path):
-    """`_jobs`: a record's negative prompt, seed, image and duration beat the flags, which beat the preset."""
-    from pan2cli.cli.generate import _jobs
+    """`plan_jobs`: a record's negative prompt, seed, image and duration beat the flags, which beat the preset."""
+    from pan2cli.pipeline.batch_plan import plan_jobs
 
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([
@@ -241,9 +241,7 @@ def test_pan2_generate_takes_preset_then_flags_then_record(tmp_path):
         {"prompt": "a dog"},
     ]))  # fmt: skip
     flags = {"negative_prompt": "blurry", "seed": 1, "frames": 9, "fps": 12.0, "steps": 2, "flow_shift": 3.0}
-    jobs, failures, skipped, warnings, batch = _jobs(
-        None, prompts, str(tmp_path), PRESET, flags, False, False, False, 17, 1, 0
-    )
+    jobs, failures, skipped, warnings, batch = plan_jobs(None, prompts, str(tmp_path), PRESET, flags)
     assert batch and not failures and not skipped and not warnings
     record, plain = (job.settings for job in jobs)
     assert plain == settings_with(PRESET, {**flags, "prompt": "a dog"})
@@ -267,26 +265,24 @@ def test_pan2_generate_takes_preset_then_flags_then_record(tmp_path):
     assert jobs[1].metadata["overrides"] == flag
     assert jobs[0].metadata["prompts_file"] == str(prompts) and jobs[0].metadata["index"] == 0
 
-    (single,), *_ = _jobs(
-        "a fox", None, str(tmp_path / "fox.mp4"), PRESET, flags, False, False, False, 17, 1, 0
-    )
+    (single,), *_ = plan_jobs("a fox", None, str(tmp_path / "fox.mp4"), PRESET, flags)
     assert single.settings == settings_with(PRESET, {**flags, "prompt": "a fox"})
 
 
 def test_a_bad_record_is_its_own_failure_a_bad_flag_the_commands(tmp_path):
     """Issue 27: a record that cannot run is a failure of its own, naming the file and the record, and the other
     records are still jobs; a bad flag is every record's problem: the command's error, naming the flag's value."""
-    from pan2cli.cli.generate import _jobs
+    from pan2cli.pipeline.batch_plan import plan_jobs
 
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([{"prompt": "a cat", "seed": -1}, {"prompt": "a dog", "duration": 1}]))
-    jobs, failures, *_ = _jobs(None, prompts, str(tmp_path), PRESET, {}, False, False, False, 17, 1, 0)
+    jobs, failures, *_ = plan_jobs(None, prompts, str(tmp_path), PRESET, {})
     assert [job.settings.prompt for job in jobs] == ["a dog"]
     assert jobs[0].origin == f"{prompts}: prompt 1 (001_a-dog)"
     (failure,) = failures
     assert str(failure).startswith(f"{prompts}: prompt 0: 'seed' must be a whole number")
     with pytest.raises(InputError, match=r"^invalid 'height' = 60"):
-        _jobs(None, prompts, str(tmp_path), PRESET, {"height": 60}, False, False, False, 17, 1, 0)
+        plan_jobs(None, prompts, str(tmp_path), PRESET, {"height": 60})
 
 
 def test_video_generator_takes_preset_then_arguments(monkeypatch):

@@ -61,7 +61,12 @@ def test_the_flag_wins_over_the_preset_and_the_sidecar_records_what_ran(tiny_pan
     res = run_cli(
         "generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "--preset", preset, "-o", tmp_path / "a.mp4"
     )
-    assert res.exit_code == 2 and "--precision fp8" in res.stderr  # the preset's fp8, refused on the CPU
+    # the preset's fp8, refused on the CPU naming the preset, not a flag the user did not give
+    assert res.exit_code == 2
+    assert res.stderr.splitlines()[0].startswith(
+        f'Error: preset {preset} sets precision = "fp8": fp8 needs a CUDA GPU'
+    )
+    assert "--precision fp8" not in res.stderr
     out = tmp_path / "b.mp4"
     res = run_cli(
         "generate",
@@ -81,7 +86,9 @@ def test_the_flag_wins_over_the_preset_and_the_sidecar_records_what_ran(tiny_pan
 
     sidecar = json.loads(out.with_suffix(".json").read_text())
     assert sidecar["config"]["precision"] == "bf16"
-    assert sidecar["ran"]["precision"] == "bf16" and sidecar["ran"]["fp8_attention"] is None
+    # what ran on the CPU: the DiT in float32, not bf16; the flag that overrode the preset is an override
+    assert sidecar["ran"]["precision"] == "float32" and sidecar["ran"]["fp8_attention"] is None
+    assert sidecar["overrides"]["precision"] == {"value": "bf16", "from": "--precision"}
 
 
 def test_an_fp8_load_quantises_every_block_and_keeps_the_rest(tiny_pan2):

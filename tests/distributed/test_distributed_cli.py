@@ -202,7 +202,7 @@ def test_gpus_on_cpu_writes_the_frames_of_one_process(tiny_vae, latents, tmp_pat
     assert two.returncode == 0, two.stderr
     assert two.stdout.strip() == "two.pt"  # rank 0 alone prints the path and the summary
     assert list(tmp.iterdir()) == []  # issue 27: no torchelastic_* (torchrun's run folder) or pan2-ranks-*
-    assert two.stderr.count("9 frames, 48x80") == 1
+    assert two.stderr.count("9 frames, 80x48") == 1
     a = torch.load(tmp_path / "one.pt", weights_only=True)
     b = torch.load(tmp_path / "two.pt", weights_only=True)
     assert a.shape == b.shape == (9, 80, 48, 3)
@@ -247,6 +247,19 @@ def test_bad_input_under_gpus_exits_2_with_one_error_line(tiny_vae, tmp_path, ki
     assert "Traceback" not in proc.stderr
     assert proc.stdout == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pt"]
+
+
+def test_an_error_every_rank_hits_after_the_launch_is_printed_once(tiny_vae, latents, tmp_path):
+    """The launcher checks the inputs it can (`--gpus`, the row split); an output that exists is found by the ranks
+    themselves, each the same error: rank 0 prints it, once (no rank printing it left exit 2 and not a word)."""
+    (tmp_path / "out.pt").write_bytes(b"mine")
+    proc = _python(
+        *_decode_args(latents, tiny_vae, "--gpus", "2", "-o", "out.pt"), env=_env(tmp_path), cwd=tmp_path
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert _error_lines(proc.stderr) == ["Error: output out.pt already exists"], proc.stderr
+    assert "Hint: pass --overwrite to replace it" in proc.stderr and proc.stdout == ""
+    assert (tmp_path / "out.pt").read_bytes() == b"mine"
 
 
 @pytest.mark.parametrize("failing_rank", ["0", "1"])

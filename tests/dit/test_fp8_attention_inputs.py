@@ -208,7 +208,7 @@ def test_the_rotating_kernels_compile_for_hopper_and_blackwell(arch):
         cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() in (["mma.sync", "True", "True"], ["tcgen05", "True", "True"]), result.stdout
+    assert result.stdout.split() in (["wgmma", "True", "True"], ["tcgen05", "True", "True"]), result.stdout
 
 
 # -- the scales, each from its own norms ---------------------------------------------------------------

@@ -512,14 +512,17 @@ def test_prompt_file_formats(tmp_path):
         ("A cat, jumping!", "a-cat-jumping.mp4"),  # Latin slugs as before
         ("日本語の猫", "日本語の猫.mp4"),  # letters of every script are kept
         ("Café au lait", "café-au-lait.mp4"),
+        # macOS types the accent decomposed (e + U+0301): the same name, so that --skip-existing finds the video
+        ("Cafe\u0301 au lait", "café-au-lait.mp4"),
+        ("ｆｕｌｌ　ｗｉｄｔｈ", "full-width.mp4"),  # NFKC: the compatibility forms too
     ],
 )
 def test_default_names_keep_the_words_of_the_prompt(prompt, name, tmp_path, monkeypatch):
-    from pan2cli.cli.generate import _jobs
+    from pan2cli.pipeline.batch_plan import plan_jobs
     from pan2cli.presets import load_preset
 
     monkeypatch.chdir(tmp_path)
-    (job,), *_ = _jobs(prompt, None, None, load_preset("pan2-5s"), {}, False, False, False, 17, 1, 0)
+    (job,), *_ = plan_jobs(prompt, None, None, load_preset("pan2-5s"), {})
     assert job.output == tmp_path / name
 
 
@@ -528,15 +531,14 @@ def test_default_names_stay_distinct_for_any_prompt(tmp_path, monkeypatch):
     exists". A slug that is empty, or cut at 48 characters, ends in 8 hex digits of the prompt's SHA-256."""
     import re
 
-    from pan2cli.cli.generate import _jobs
+    from pan2cli.pipeline.batch_plan import plan_jobs
     from pan2cli.presets import load_preset
 
     monkeypatch.chdir(tmp_path)
     long = "a cat walks along the old harbour wall at dawn while the gulls "
     prompts = ["日本語の猫", "日本語の犬", "!!!", "???", "🐱", long + "circle", long + "scream"]
     names = [
-        _jobs(prompt, None, None, load_preset("pan2-5s"), {}, False, False, False, 17, 1, 0)[0][0].output.name
-        for prompt in prompts
+        plan_jobs(prompt, None, None, load_preset("pan2-5s"), {})[0][0].output.name for prompt in prompts
     ]
     assert len(set(names)) == len(prompts), names
     assert all(re.fullmatch(r"video-[0-9a-f]{8}\.mp4", name) for name in names[2:5]), names
@@ -588,9 +590,10 @@ def test_sidecars_tell_what_ran(tiny_pan2, start_image, run_cli, tmp_path, monke
     assert door["ran"] == {
         "dit_fused_kernels": False,
         "decoder": "reference",
-        "precision": "bf16",
+        "precision": "float32",  # the CPU runs the DiT in float32
         "fp8_attention": None,
     }
+    assert (door["crf"], door["x264_preset"]) == (17, "faster")
     assert set(door["seconds"]) == {"text_encoding", "image_encoding", "denoising", "decode", "write"}
     assert set(cat["seconds"]) == {"text_encoding", "denoising", "decode", "write"}
     assert door["shared_loads"] == {

@@ -96,6 +96,13 @@ def test_prompt_file_sharded_over_two_nodes(tiny_pan2, tmp_path, rendezvous_port
     ]
     assert len(list(out.glob("*.mp4"))) == 4 and len(list(out.glob("*.json"))) == 4
     assert sum("4 video(s) written, 0 skipped, 0 failed." in stderr for _, stderr in outputs) == 1
+    # each rank streams its own share: its first video is written before its second is denoised
+    for stdout, stderr in outputs:
+        first = stdout.split()[0]
+        lines = stderr.splitlines()
+        written_at = next(i for i, line in enumerate(lines) if line.startswith(f"{first}: "))
+        denoising = [i for i, line in enumerate(lines) if line.startswith("Denoising")]
+        assert len(denoising) == 2 and denoising[0] < written_at < denoising[1], stderr
 
 
 def test_one_prompt_on_two_processes_matches_one(tiny_pan2, tmp_path):

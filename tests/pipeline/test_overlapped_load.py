@@ -175,6 +175,47 @@ def test_the_transformer_is_read_while_the_prompts_are_encoded(tiny_pan2, run_cl
     assert not _loader_threads()
 
 
+def test_the_transformer_read_starts_after_the_text_encoders(tiny_pan2, run_cli, tmp_path, monkeypatch):
+    """The text encoder's read is the one the first step waits for, and two reads at once share the host's
+    bandwidth: the transformer's background read starts when the text encoder's has ended (`after=`), never at
+    once. The text encoder's reads are slowed here so that a transformer read started at once would come first."""
+    order = []
+    real = StagedReader._read_chunk
+
+    def read_chunk(self, chunk, targets):
+        component = chunk.path.parent.name
+        if component == "text_encoder":
+            time.sleep(0.3)  # the transformer's loader, if it ran beside, reads meanwhile
+        order.append(component)
+        return real(self, chunk, targets)
+
+    monkeypatch.setattr(StagedReader, "_read_chunk", read_chunk)
+    out = tmp_path / "cat.mp4"
+    res = run_cli("generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "-o", out)
+    assert res.exit_code == 0, res.stderr
+    assert "text_encoder" in order and "transformer" in order
+    last_text = max(i for i, component in enumerate(order) if component == "text_encoder")
+    assert order.index("transformer") > last_text, order
+    load = json.loads(out.with_suffix(".json").read_text())["shared_loads"]["load_transformer"]
+    assert load["overlapped_with"] == ["load_text_encoder", "text_encoding"]  # still in the background
+
+
+def test_time_to_first_step_counts_from_the_commands_start(tiny_pan2, tmp_path):
+    """The CLI sets `clock_start` to the process's start: the first step is measured from there, not from the
+    batch's start (which comes after the imports and the checks). A command that started 100 s before its batch
+    shows more than 100 s."""
+    from pan2cli.config import RuntimeConfig
+    from pan2cli.pipeline import VideoGenerator
+
+    generator = VideoGenerator.from_pretrained(tiny_pan2, config=RuntimeConfig(device="cpu"))
+    generator.clock_start = time.perf_counter() - 100.0
+    out = tmp_path / "cat.mp4"
+    generator.generate("a cat", preset="pan2-5s", steps=1, frames=5, height=64, width=64, output=out)
+    side = json.loads(out.with_suffix(".json").read_text())
+    assert side["time_to_first_step_from"] == "command start"
+    assert 100.0 < side["time_to_first_step"] < 100.0 + 120
+
+
 @pytest.mark.parametrize("why", ["no room", "offload"])
 def test_without_room_or_with_offload_the_loads_run_one_after_the_other_said_in_one_line(
     why, tiny_pan2, run_cli, tmp_path, monkeypatch

@@ -212,6 +212,29 @@ def test_a_cpu_run_draws_its_noise_on_the_cpu():
         assert torch.equal(_sample_noise(config, 5), _cpu_randn((1, 48, 2, 2, 2), 5))
 
 
+def test_the_noise_is_drawn_where_generator_device_says_not_where_the_model_runs(monkeypatch):
+    """`--generator-device cpu` for a model on another device (a GPU; the meta device stands for it on any host):
+    the generator is made and draws on the CPU, the CPU draw of the seed, which then moves to the model's device. A
+    generator made on the model's device would draw other numbers (and the seed would not give the reference video)."""
+    generators, draws = [], []
+    real_generator, real_randn = torch.Generator, torch.randn
+
+    def generator(device="cpu"):
+        generators.append(torch.device(device))
+        return real_generator(device=device)
+
+    def randn(*args, **kwargs):
+        draws.append(real_randn(*args, **kwargs))
+        return draws[-1]
+
+    monkeypatch.setattr(torch, "Generator", generator)
+    monkeypatch.setattr(torch, "randn", randn)
+    noise = initial_noise((1, 48, 2, 2, 2), 5, CPU, torch.device("meta"))
+    assert generators == [CPU] and noise.device.type == "meta"
+    (drawn,) = draws
+    assert drawn.device == CPU and torch.equal(drawn, _cpu_randn((1, 48, 2, 2, 2), 5))
+
+
 def test_generator_device_rules(monkeypatch):
     cuda = torch.device("cuda", 0)
     assert resolve_generator_device(None, CPU) == CPU and resolve_generator_device(None, cuda) == cuda

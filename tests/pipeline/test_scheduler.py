@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -298,6 +299,18 @@ def test_an_option_pan2_does_not_run_is_refused_by_name(tiny_pan2, tmp_path, key
     ) as err:
         resolve_components(repo)
     assert err.value.exit_code == 2 and "shift_terminal" in err.value.hint
+
+
+@pytest.mark.parametrize("value", [1, 2.5, "yes", [0]], ids=["1", "2.5", "a string", "a list"])
+def test_any_true_value_of_an_option_is_on_as_diffusers_reads_it(value):
+    """diffusers tests its switches by truth (`if self.config.stochastic_sampling:`): `stochastic_sampling: 1` would
+    draw fresh noise there, so it is refused here like `true`, not taken as off because it is not `true` itself."""
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"sets what pan2 does not run: stochastic_sampling = {value!r}")
+    ):
+        scheduler_config_from({**SCHEDULER_CONFIG, "stochastic_sampling": value}, "s.json")
+    for off in (0, 0.0, "", [], None, False):
+        scheduler_config_from({**SCHEDULER_CONFIG, "stochastic_sampling": off}, "s.json")
 
 
 def test_the_checkpoint_options_reach_the_components(tiny_pan2, tmp_path):

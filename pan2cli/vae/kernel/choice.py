@@ -105,6 +105,17 @@ def compile_convolutions(device: torch.device | None = None) -> None:
     select_decode_path(reference, "require")
 
 
+def check_decode_kernel_mode(mode: str, device: torch.device, dtype: torch.dtype) -> None:
+    """`--decode-kernel require` where the kernel cannot apply (the CPU, fp32, another GPU), refused from the options
+    alone: before anything loads (`pan2 decode` and `pan2 generate` alike), and again by `select_decode_path`.
+
+    Raises:
+        InputError: `mode` is "require" and the kernel cannot run on `device` in `dtype`.
+    """
+    if mode == "require" and (reason := why_not_applicable(device, dtype)) is not None:
+        raise InputError(f"--decode-kernel require: {reason}", hint="use --decode-kernel auto or off")
+
+
 def select_decode_path(decoder: WanVAEDecoder, mode: str = "auto") -> tuple[Decoder, str | None]:
     """The decoder to run: the compiled kernel path where it applies, else the reference one.
 
@@ -138,8 +149,8 @@ def select_decode_path(decoder: WanVAEDecoder, mode: str = "auto") -> tuple[Deco
             if _has_release_layers(decoder.config):  # a smaller test VAE compiles other layer shapes
                 mark_convs_compiled(current_arch(decoder.device))
             return kernel_decoder, None
-    elif mode == "require":
-        raise InputError(f"--decode-kernel require: {reason}", hint="use --decode-kernel auto or off")
+    else:
+        check_decode_kernel_mode(mode, decoder.device, decoder.dtype)
     if decoder.device.type == "cpu":
         return decoder, None  # the reference decoder is the CPU path: nothing to explain
     return decoder, f"Using the reference decoder: {reason}."

@@ -1,0 +1,165 @@
+"""`plan_jobs`: what `pan2 generate` was asked for (a prompt or a prompt file, the flags, the outputs) → the checked
+`GenerationJob`s of this process, and the records that cannot run, before any model loads.
+
+torch-free: the CLI plans the jobs before it imports torch-bound modules.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping, NamedTuple
+
+from pan2cli.config import given_settings, settings_with
+from pan2cli.constants import MAX_FRAMES
+from pan2cli.errors import InputError
+from pan2cli.outputs import DEFAULT_CRF, check_not_stdout
+from pan2cli.pipeline.jobs import GenerationJob, latents_path_for
+from pan2cli.pipeline.prompts import read_prompt_file, shard, slugify
+from pan2cli.presets import Preset, preset_label
+
+# The flag that gives each setting, for the sidecar's `overrides` (`--size` gives two; the others are `--NAME`).
+_FLAGS = {
+    "height": "--size",
+    "width": "--size",
+    "flow_shift": "--flow-shift",
+    "negative_prompt": "--negative-prompt",
+    "chunk_latent_frames": "--chunk-latent-frames",
+}
+
+
+class JobPlan(NamedTuple):
+    """This process's share of the command: the jobs to make, the records that cannot run (each an InputError
+    naming the file and the record), the outputs skipped as existing, warnings, and whether it is a batch."""
+
+    jobs: list[GenerationJob]
+    failures: list[InputError]
+    skipped: list[Path]
+    warnings: list[str]
+    batch: bool
+
+
+def overrides(flags: Mapping[str, Any], record=None, runtime_flags: Mapping[str, Any] | None = None) -> dict:
+    """The settings given over the preset as `settings_with` applies them, each with where it came from (its
+    flag, or the prompt-file record): `{"seed": {"value": 7, "from": "record"}, "steps": {"value": 2, "from":
+    "--steps"}}`; paths absolute. `runtime_flags` are the flags that replace a preset's run-time keys
+    (`precision`, `chunk_latent_frames`): with them, preset + overrides rebuild the run."""
+    layers = (flags, record.settings() if record is not None else {})
+    given = {
+        name: {
+            "value": os.path.abspath(value) if isinstance(value, Path) else value,
+            "from": _FLAGS.get(name, f"--{name}") if layer == 0 else "record",
+        }
+        for name, (layer, value) in given_settings(*layers).items()
+        if name != "prompt"
+    }
+    for name, value in (runtime_flags or {}).items():
+        given[name] = {"value": value, "from": _FLAGS.get(name, f"--{name}")}
+    return given
+
+
+def _output_folder(output: str | None) -> Path:
+    """The folder a prompt file's videos go to (`-o`, else the current folder), which must exist."""
+    folder = Path(output) if output is not None else Path.cwd()
+    if folder.is_dir():
+        return folder
+    named_file = not str(output).endswith(("/", os.sep)) and folder.suffix.lower() == ".mp4"
+    if named_file or folder.is_file():  # `-o file.mp4`: a folder is needed, not a file
+        raise InputError(
+            f"-o {folder}: with --prompts, -o is the folder the videos go to (NNN_<name>.mp4 each), not a file",
+            hint="pass an existing folder, e.g. -o videos/ after mkdir videos",
+        )
+    raise InputError(
+        f"-o {folder}: with --prompts, -o is an existing folder", hint=f"create it first (mkdir -p {folder})"
+    )
+
+
+def plan_jobs(
+    prompt: str | None,
+    prompts_file: Path | None,
+    output: str | None,
+    preset: Preset,
+    flags: Mapping[str, Any],
+    *,
+    save_latents: bool = False,
+    overwrite: bool = False,
+    skip_existing: bool = False,
+    crf: int = DEFAULT_CRF,
+    max_frames: int | None = MAX_FRAMES,
+    runtime_flags: Mapping[str, Any] | None = None,
+    world: int = 1,
+    rank: int = 0,
+) -> JobPlan:
+    """This rank's jobs of a command; everything checked, nothing loaded. A prompt-file record that cannot run is
+    a failure of its own (an InputError naming the file and the record), reported while the others run; a bad
+    flag or file is the command's error.
+
+    Args:
+        prompt / prompts_file: one of them.
+        output: `-o` as typed: a file for one prompt (or a folder, `<slug>.mp4` in it), a folder for a file.
+        preset, flags: the settings (`settings_with`; a record's fields over the flags).
+        max_frames: the longest video accepted (`--max-frames`).
+        runtime_flags: the flags given for a preset's run-time keys, recorded in the sidecar's `overrides`.
+        world, rank: a prompt file's records are shared by the ranks (`shard`).
+
+    Raises:
+        InputError: both or neither of prompt and prompts_file, an unreadable prompt file, a bad flag, an output
+            that cannot be one, `--skip-existing` with `--overwrite`.
+    """
+    if skip_existing and overwrite:
+        raise InputError(
+            "--skip-existing keeps the videos that exist and --overwrite replaces them: pass one of them"
+        )
+    warnings: list[str] = []
+    check_not_stdout(output)
+    if prompts_file is not None:
+        if prompt is not None:
+            raise InputError("give a PROMPT or --prompts FILE, not both")
+        records, warnings = read_prompt_file(prompts_file)
+        folder = _output_folder(output)
+        settings_with(preset, flags)  # the flags alone: a bad one is every record's, the command's error
+        entries = [(r, folder / f"{r.stem}.mp4") for r in shard(records, rank, world)]
+    else:
+        if prompt is None:
+            raise InputError(
+                "no prompt",
+                hint='pass the text, e.g. pan2 generate "a red fox in the snow", or --prompts FILE',
+            )
+        if output is not None and (output.endswith(("/", os.sep)) or Path(output).is_dir()):
+            if not Path(output).is_dir():  # a trailing slash names a folder, never a file
+                raise InputError(
+                    f"-o {output}: the folder does not exist", hint=f"create it first (mkdir -p {output})"
+                )
+            output = Path(output) / f"{slugify(prompt)}.mp4"
+        entries = [(None, Path(output) if output is not None else Path.cwd() / f"{slugify(prompt)}.mp4")]
+    label = preset_label(preset)
+    jobs, failures, skipped = [], [], []
+    for record, out in entries:
+        if record is not None and record.problem is not None:
+            failures.append(record.problem)
+            continue
+        if out.suffix.lower() != ".mp4":
+            raise InputError(f"-o {out}: pan2 generate writes MP4 files (.mp4)")
+        if skip_existing and out.exists():
+            skipped.append(out)
+            continue
+        metadata = {"preset": label, "overrides": overrides(flags, record, runtime_flags)}
+        origin = None
+        if record is not None:
+            origin = f"{prompts_file}: prompt {record.index} ({record.stem})"
+            metadata.update(prompts_file=os.path.abspath(prompts_file), index=record.index, name=record.name)
+        try:
+            settings = settings_with(preset, {**flags, "prompt": prompt}, record.settings() if record else {})
+            job = GenerationJob(
+                settings, output=out, latents_path=latents_path_for(out) if save_latents else None,
+                overwrite=overwrite, crf=crf, return_frames=False, metadata=metadata, redo_leftovers=skip_existing,
+                skip_existing=skip_existing, origin=origin, max_frames=max_frames,
+                flow_shift_source="--flow-shift" if "flow_shift" in flags else f"preset {label}",
+            )  # fmt: skip
+        except InputError as exc:
+            if record is None:
+                raise
+            failures.append(InputError(f"{origin}: {exc}", hint=exc.hint))
+            continue
+        jobs.append(job)
+    return JobPlan(jobs, failures, skipped, warnings, prompts_file is not None)
