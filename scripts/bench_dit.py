@@ -266,6 +266,8 @@ def run_table(args, device: torch.device) -> list[dict]:
                     streamer = enable_block_offload(model, device, streamed=streamed)
                 elif streamer is not None:
                     streamer = model.block_streamer = streamer.replan(streamed)
+                if streamer is not None:
+                    streamer.compact_resident()  # as `pan2 generate` after its load
                 sync()
                 replan_s = time.perf_counter() - begin
                 cap_at(cap)
@@ -340,11 +342,6 @@ def markdown_table(rows: list[dict], steps: int) -> str:
 def main() -> None:
     args = parse_args()
     if args.table:
-        # The table re-plans one model from row to row (blocks leave the GPU, others stay where they were
-        # loaded): segments the caching allocator cannot give back then fragment the capped memory (an H100 run
-        # ran out at 24 GiB with 7 GiB reserved but free). Expandable segments give the freed pages back; a
-        # fresh `pan2 generate` loads each block where its plan puts it, with no such holes. Before CUDA starts.
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         rows = run_table(args, torch.device(args.device))
         if args.out:
             args.out.write_text(json.dumps(rows, indent=2) + "\n")

@@ -499,7 +499,7 @@ class VideoGenerator(BatchStream):
             on_block=streamer.stage if streamer is not None else None,
         )  # fmt: skip
         if streamer is not None:
-            enable_block_offload(model, self.device, streamer=streamer)
+            enable_block_offload(model, self.device, streamer=streamer).compact_resident()
         return model
 
     def _prepare_dit(self, model):

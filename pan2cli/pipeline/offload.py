@@ -24,7 +24,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from pan2cli.pipeline.pinned import HostArena
+from pan2cli.pipeline.pinned import ALIGN, HostArena
 
 
 def stray_tensors(module: nn.Module) -> list[str]:
@@ -146,6 +146,23 @@ class LayerStreamer:
         for arena in self.arenas.values():
             arena.point_to(arena.buffer)
 
+    def compact_resident(self) -> None:
+        """Give each resident layer one device allocation of its own (`pack_on_device`), then hand the device
+        memory the load left free back to CUDA.
+
+        A partly streamed model is loaded layer by layer: an fp8 block's bf16 weights are read and quantised on
+        the device, and a streamed block's leave for host memory, so the resident layers' tensors end up
+        scattered among freed blocks of the caching allocator that it can neither reuse for the streamed
+        layers' copies (each one allocation of a whole layer) nor give back. On an H100 capped at 24 GiB, a
+        bench run that had moved 28 of 44 fp8 blocks out of a resident model ran out of memory with 16.5 GiB
+        allocated and 6.9 GiB reserved but free. (This compaction is not yet measured on a GPU.)"""
+        if not self.cuda or self.layers is None:
+            return
+        for index, layer in enumerate(self.layers):
+            if index not in self.streamed:
+                pack_on_device(layer, self.device)
+        torch.cuda.empty_cache()
+
     def replan(self, streamed: Iterable[int]) -> "LayerStreamer":
         """A streamer of the same layers with another set streamed (this one's hooks removed): the layers that
         start streaming go to host memory first (freeing device memory), then those that stop come back to the
@@ -162,6 +179,20 @@ class LayerStreamer:
                 arena.release_to(self.device)
         self.arenas = {}
         return successor.attach(self.layers)
+
+
+def pack_on_device(module: nn.Module, device: torch.device) -> None:
+    """Move every parameter and buffer of `module` into one new allocation on `device`, each a view `ALIGN`-byte
+    aligned (`.data` swapped: the parameter objects stay); the old storage is freed as the last view goes."""
+    tensors = list(dict.fromkeys((*module.parameters(), *module.buffers())))
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    flat = torch.empty(sum(-(-n // ALIGN) * ALIGN for n in sizes), dtype=torch.uint8, device=device)
+    offset = 0
+    for tensor, nbytes in zip(tensors, sizes):
+        view = flat[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        view.copy_(tensor.data)
+        tensor.data = view
+        offset += -(-nbytes // ALIGN) * ALIGN
 
 
 def streams_blocks(model: nn.Module) -> bool:

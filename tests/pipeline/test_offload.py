@@ -275,3 +275,24 @@ def test_a_partly_streamed_bf16_denoise_on_cuda_gives_the_resident_latents():
         got = denoise(model, latents, condition, cond, uncond, sigmas, 2.5, 1000)
     assert all(arena.pinned for arena in streamer.arenas.values())
     assert torch.equal(got, want)
+
+
+def test_a_module_packed_on_its_device_keeps_its_tensors_in_one_allocation():
+    """`pack_on_device` (what `LayerStreamer.compact_resident` does to each resident block after a partly streamed
+    load): the same parameter objects, the same values and dtypes, every tensor a view of one aligned allocation."""
+    from pan2cli.pipeline.offload import pack_on_device
+    from pan2cli.pipeline.pinned import ALIGN
+
+    block = quantize_transformer(random_small_pan2(head_dim=128).bfloat16()).transformer_blocks[0]
+    before = {name: t.detach().clone() for name, t in (*block.named_parameters(), *block.named_buffers())}
+    objects = [id(t) for t in (*block.parameters(), *block.buffers())]
+    pack_on_device(block, torch.device("cpu"))
+    after = dict((*block.named_parameters(), *block.named_buffers()))
+    assert [id(t) for t in (*block.parameters(), *block.buffers())] == objects
+    assert all(
+        torch.equal(after[name].view(torch.uint8), want.view(torch.uint8)) for name, want in before.items()
+    )
+    storages = {t.untyped_storage().data_ptr() for t in after.values()}
+    assert len(storages) == 1
+    base = storages.pop()
+    assert all((t.data_ptr() - base) % ALIGN == 0 for t in after.values())
