@@ -179,8 +179,8 @@ def run_cli():
 
 @pytest.fixture(scope="session")
 def tiny_pan2(tmp_path_factory) -> Path:
-    """A tiny random PAN 2 repository in the IFM/PAN2 layout (scripts/make_tiny_pan2.py): modular_model_index.json,
+    """A tiny random PAN 2 repository in the IFM/PAN2 layout (`pan2cli.testing.tiny_pan2`): modular_model_index.json,
     transformer/, text_encoder/ (Qwen3.5 text model), tokenizer/ (ChatML template), vae/ (with encoder), scheduler/."""
-    from scripts.make_tiny_pan2 import write_tiny_pan2
+    from pan2cli.testing.tiny_pan2 import write_tiny_pan2
 
     return write_tiny_pan2(tmp_path_factory.mktemp("pan2") / "PAN2")

@@ -1,7 +1,4 @@
-"""Write a tiny random-weight PAN 2 repository in the IFM/PAN2 release layout, offline, in a few seconds (for tests).
-
-Usage: PYTHONPATH=. python scripts/make_tiny_pan2.py OUT [--seed 0] [--multimodal-text-encoder]
-       [--scheduler-option KEY=JSON ...]
+"""A tiny random-weight PAN 2 repository in the IFM/PAN2 release layout, written offline in a few seconds (the tests' fixture).
 
 Layout (a Modular Diffusers repository, as IFM/PAN2 on the Hugging Face hub; vLLM-Omni and diffusers load it by
 the component subfolders of its `modular_model_index.json`):
@@ -10,16 +7,16 @@ the component subfolders of its `modular_model_index.json`):
     OUT/transformer/                 PAN2Transformer3DModel, the release's key names, sharded safetensors + index,
                                      AdaLN linears (norm1.linear, norm_out.linear) float32, the rest bfloat16
     OUT/text_encoder/                Qwen3_5TextModel (config.json model_type qwen3_5_text, model.safetensors, bf16);
-                                     with --multimodal-text-encoder a Qwen3_5ForConditionalGeneration (qwen3_5,
+                                     `multimodal_text_encoder` writes a Qwen3_5ForConditionalGeneration (qwen3_5,
                                      a tiny vision tower) holding the same language-model values
     OUT/tokenizer/                   byte-level BPE (Qwen3.5's pre-tokenizer) with <|endoftext|>, <|im_start|>,
                                      <|im_end|> and a ChatML chat template
     OUT/vae/                         Wan2.2 VAE (AutoencoderKLWan, encoder + decoder), diffusers layout
-    OUT/scheduler/                   FlowMatchEulerDiscreteScheduler config (shift 9; --scheduler-option sets
-                                     or adds a key, e.g. shift_terminal=0.1 or stochastic_sampling=true)
+    OUT/scheduler/                   FlowMatchEulerDiscreteScheduler config (shift 9; `scheduler_options` set or
+                                     add keys, e.g. shift_terminal=0.1 or stochastic_sampling=true)
 
-Every weight is random (seeded) and away from zero, so that every path of the model changes the output.
-Prints OUT.
+Every weight is random (seeded) and away from zero, so that every path of the model changes the output. The
+command line is `scripts/make_tiny_pan2.py`; transformers and tokenizers are needed (the `test` extra).
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ import math
 import shutil
 from pathlib import Path
 
-import click
 import torch
 
 from pan2cli.dit.checkpoint import save_pan2_transformer
@@ -241,7 +237,7 @@ def write_tiny_pan2(
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    # Leave the caller's random state alone; transformers' progress bars and notes are not this script's output.
+    # Leave the caller's random state alone; transformers' progress bars and notes are not the writer's output.
     with torch.random.fork_rng(devices=[]), quiet_transformers():
         tokenizer = write_tokenizer(root / "tokenizer")
         write_text_encoder(
@@ -251,48 +247,3 @@ def write_tiny_pan2(
     write_vae(root / "vae", seed)
     write_scheduler_and_index(root, type(tokenizer).__name__, scheduler_options)
     return root
-
-
-def _scheduler_option(ctx, param, values: tuple[str, ...]) -> dict:
-    options = {}
-    for value in values:
-        key, sep, text = value.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{value!r} is not KEY=JSON, e.g. shift=5.0")
-        try:
-            options[key] = json.loads(text)
-        except json.JSONDecodeError:
-            raise click.BadParameter(f"{value!r}: the value is not JSON (e.g. 5.0, true, null)") from None
-    return options
-
-
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of every random weight.")
-@click.option(
-    "--multimodal-text-encoder",
-    is_flag=True,
-    help="Write text_encoder/ as a multimodal Qwen3.5 checkpoint (config qwen3_5 with a tiny vision tower).",
-)
-@click.option(
-    "--scheduler-option",
-    "scheduler_options",
-    multiple=True,
-    callback=_scheduler_option,
-    metavar="KEY=JSON",
-    help="Set a key of scheduler/scheduler_config.json (repeatable; null drops it), e.g. shift=5.0.",
-)
-def main(out: Path, seed: int, multimodal_text_encoder: bool, scheduler_options: dict) -> None:
-    """Write a tiny random-weight PAN 2 repository in the IFM/PAN2 layout to OUT (offline, a few seconds)."""
-    click.echo(
-        write_tiny_pan2(
-            out,
-            seed=seed,
-            multimodal_text_encoder=multimodal_text_encoder,
-            scheduler_options=scheduler_options,
-        )
-    )
-
-
-if __name__ == "__main__":
-    main()

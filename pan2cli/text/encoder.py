@@ -16,8 +16,8 @@ from pan2cli.checkpoints.json_files import read_json_object
 from pan2cli.checkpoints.keys import check_keys, listing
 from pan2cli.checkpoints.sharded import tensor_locations, weight_shapes
 from pan2cli.errors import CheckpointError, InputError
-from pan2cli.pipeline.qwen3_5 import Qwen35TextConfig, Qwen35TextModel
-from pan2cli.pipeline.tokenizer import ChatTokenizer
+from pan2cli.text.qwen3_5 import Qwen35TextConfig, Qwen35TextModel
+from pan2cli.text.tokenizer import ChatTokenizer
 
 SYSTEM_MESSAGE = "You are a helpful assistant. Generate the video with the following instructions."
 # The conditioning is the hidden states *before* the text model's last two layers (no final norm: the DiT's

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pan2cli import distributed, launch
+from pan2cli import distributed
 from pan2cli.config import RuntimeConfig
+from pan2cli.distributed import launcher, protocol
 from pan2cli.errors import InputError
 from pan2cli.testing.random_weights import random_vae_state_dict
 from pan2cli.vae.config import WanVAEConfig
@@ -123,14 +124,14 @@ def test_two_ranks_split_the_rows_unless_switched_off(monkeypatch):
 def test_collective_timeout_defaults_to_300_s(monkeypatch):
     """`PAN2_DIST_TIMEOUT` (seconds) bounds every collective's wait; unset or empty: 300 s."""
     monkeypatch.delenv("PAN2_DIST_TIMEOUT", raising=False)
-    assert launch._timeout() == timedelta(seconds=300)
+    assert protocol.collective_timeout() == timedelta(seconds=300)
     monkeypatch.setenv("PAN2_DIST_TIMEOUT", "")
-    assert launch._timeout() == timedelta(seconds=300)
+    assert protocol.collective_timeout() == timedelta(seconds=300)
 
 
 def test_collective_timeout_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("PAN2_DIST_TIMEOUT", "12.5")
-    assert launch._timeout() == timedelta(seconds=12.5)
+    assert protocol.collective_timeout() == timedelta(seconds=12.5)
 
 
 @pytest.mark.parametrize(
@@ -142,7 +143,7 @@ def test_a_bad_collective_timeout_is_bad_input(monkeypatch, value, message):
     """A value that is no positive number of seconds is refused by name (exit 2), not replaced by the default."""
     monkeypatch.setenv("PAN2_DIST_TIMEOUT", value)
     with pytest.raises(InputError) as refused:
-        launch._timeout()
+        protocol.collective_timeout()
     assert str(refused.value) == message and refused.value.exit_code == 2
 
 
@@ -176,18 +177,18 @@ def test_decode_kernel_parallel_is_a_runtime_option():
 
 def test_strip_option_removes_both_spellings():
     args = ["decode", "a.pt", "--gpus", "2", "-o", "v.mp4", "--gpus=3", "--device", "cpu"]
-    assert launch.strip_option(args, "--gpus") == ["decode", "a.pt", "-o", "v.mp4", "--device", "cpu"]
+    assert launcher.strip_option(args, "--gpus") == ["decode", "a.pt", "-o", "v.mp4", "--device", "cpu"]
 
 
 def test_torchrun_environment_is_detected(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
-    assert not launch.under_torchrun()
+    assert not protocol.under_torchrun()
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert not launch.under_torchrun()
+    assert not protocol.under_torchrun()
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert launch.under_torchrun() and launch.env_rank() == 1 and launch.env_world_size() == 2
+    assert protocol.under_torchrun() and protocol.env_rank() == 1 and protocol.env_world_size() == 2
 
 
 def test_a_failing_launcher_is_one_error_line(run_cli, tiny_vae, latents_file, monkeypatch):
@@ -216,7 +217,7 @@ def _launch_refused(monkeypatch) -> list:
         calls.append((nproc, list(args)))
         return 0
 
-    monkeypatch.setattr(launch, "launch", launch_)
+    monkeypatch.setattr(launcher, "launch", launch_)
     return calls
 
 
@@ -251,7 +252,7 @@ def test_one_prompt_on_more_processes_than_latent_rows_fails_before_any_starts(r
 
 
 def _failure(exitcode: int, timestamp: int = 100):
-    """One of torchrun's per-rank failures (`ChildFailedError.failures`), as `launch._exit_code_of` reads it."""
+    """One of torchrun's per-rank failures (`ChildFailedError.failures`), as `launcher.exit_code_after_failure` reads it."""
     return SimpleNamespace(exitcode=exitcode, timestamp=timestamp)
 
 
@@ -285,5 +286,5 @@ def test_ranks_that_chose_their_code_are_never_counted_as_killed(
     chose 130, or lost contact: "rank 0 exited with code 130 without an error message", exit 1)."""
     monkeypatch.delenv("PAN2_DIST_TIMEOUT", raising=False)
     failures = {rank: _failure(exitcode) for rank, exitcode in exitcodes.items()}
-    assert launch._exit_code_of(failures, recorded, hung) == code
+    assert launcher.exit_code_after_failure(failures, recorded, hung) == code
     assert capsys.readouterr().err.splitlines() == lines

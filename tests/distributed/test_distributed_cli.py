@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pan2cli.distributed.protocol import EXIT_PEER_LOST
 from pan2cli.errors import EXIT_INTERRUPTED
-from pan2cli.launch import _EXIT_PEER_LOST
 from tests.subprocess_env import python_env
 
 # Loaded by every process through PYTHONPATH: makes one rank fail (or hang) after its first chunk.
@@ -74,15 +74,15 @@ if "RANK" in os.environ and os.environ.get("PAN2_TEST_PIDS"):
 _RECORD_EXITS = """
 import os
 if "RANK" in os.environ and os.environ.get("PAN2_TEST_EXITS"):
-    import pan2cli.launch as launch
-    real_record_exit = launch.record_exit
+    import pan2cli.distributed.lifecycle as lifecycle
+    real_record_exit = lifecycle.record_exit
 
     def record_exit(code):
         with open(os.path.join(os.environ["PAN2_TEST_EXITS"], "exit" + os.environ["RANK"]), "w") as f:
             f.write(str(code))
         return real_record_exit(code)
 
-    launch.record_exit = record_exit
+    lifecycle.record_exit = record_exit
 """
 
 
@@ -94,8 +94,8 @@ _PAUSE_AFTER_THE_FIRST_CHUNK = """
 import os, signal, time
 if "RANK" in os.environ and os.environ.get("PAN2_TEST_PIDS"):
     if os.environ.get("PAN2_TEST_POLL_PARENT") == "1":
-        import pan2cli.launch
-        pan2cli.launch._signal_when_parent_dies = lambda: False
+        import pan2cli.distributed.lifecycle
+        pan2cli.distributed.lifecycle._signal_when_parent_dies = lambda: False
     with open(os.path.join(os.environ["PAN2_TEST_PIDS"], "rank" + os.environ["RANK"]), "w") as f:
         f.write(str(os.getpid()))
     from pan2cli.vae.model import WanVAEDecoder
@@ -290,7 +290,7 @@ def test_one_rank_failing_stops_all_with_its_code(tiny_vae, latents, tmp_path, f
     ], proc.stderr
     healthy = "1" if failing_rank == "0" else "0"
     assert _chosen_exit(hook, failing_rank) == "1"
-    assert _chosen_exit(hook, healthy) in (str(EXIT_INTERRUPTED), str(_EXIT_PEER_LOST)), proc.stderr
+    assert _chosen_exit(hook, healthy) in (str(EXIT_INTERRUPTED), str(EXIT_PEER_LOST)), proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hook", "latents.pt"]  # no partial output
 
 
@@ -377,8 +377,8 @@ def test_a_rank_killed_stops_all_and_is_named(tiny_vae, latents_file, tmp_path, 
     assert "Interrupted." not in err and "Terminated." not in err and "Traceback" not in err
     other = "1" if victim == "0" else "0"
     assert _chosen_exit(hook, victim) is None
-    # torchrun's SIGTERM (130), or its collective failing on the dead peer (_EXIT_PEER_LOST)
-    assert _chosen_exit(hook, other) in (str(EXIT_INTERRUPTED), str(_EXIT_PEER_LOST)), err
+    # torchrun's SIGTERM (130), or its collective failing on the dead peer (EXIT_PEER_LOST)
+    assert _chosen_exit(hook, other) in (str(EXIT_INTERRUPTED), str(EXIT_PEER_LOST)), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hook", "latents.pt"]  # no partial output
 
 

@@ -1,4 +1,4 @@
-"""`pan2 generate` and `VideoGenerator` on CPU with a tiny release-shaped PAN 2 repository (scripts/make_tiny_pan2.py).
+"""`pan2 generate` and `VideoGenerator` on CPU with a tiny release-shaped PAN 2 repository (`pan2cli.testing.tiny_pan2`).
 
 The sampler is checked against diffusers' FlowMatchEulerDiscreteScheduler (the release's scheduler, used here
 as an oracle only), the image conditioning against the release's recipe written out step by step.
@@ -669,7 +669,7 @@ def test_generate_quiet_prints_nothing_on_stderr(tiny_pan2, run_cli, tmp_path):
 def test_generate_revision_reaches_the_hub(run_cli, tmp_path, monkeypatch):
     """Point 6 of issue 27: `--revision` reaches the hub (the bug: the main branch asked for instead). The hub's
     check records what it was asked and stops the run before any download."""
-    import pan2cli.pipeline.hub_check as hub_check
+    import pan2cli.components.hub_check as hub_check
     from pan2cli.errors import DownloadError
 
     asked = []

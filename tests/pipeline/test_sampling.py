@@ -5,8 +5,6 @@ drawn as IFM's vLLM-Omni runner draws it (a float32 generator on the model's dev
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,9 +21,7 @@ from pan2cli.pipeline.conditioning import condition_latents
 from pan2cli.pipeline.generator import VideoGenerator
 from pan2cli.pipeline.sampling import denoise, initial_noise, split_ranks
 from pan2cli.pipeline.scheduler import SchedulerConfig, flow_sigmas
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from make_tiny_pan2 import TEXT_HIDDEN, tiny_transformer  # noqa: E402  (the release-shaped tiny transformer)
+from pan2cli.testing.tiny_pan2 import TEXT_HIDDEN, tiny_transformer  # the release-shaped tiny transformer
 
 SHAPE = (1, 48, 3, 4, 6)  # latent [1, 48, T, h, w]: 3 x 2 x 3 = 18 video tokens, uneven over 4 ranks
 STEPS, GUIDANCE, SHIFT = 2, 2.5, 9.0

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import torch
 
+from pan2cli.components.locate import resolve_components
 from pan2cli.config import GenerationSettings, RuntimeConfig
 from pan2cli.errors import CheckpointError, InputError
-from pan2cli.pipeline.components import resolve_components
 from pan2cli.pipeline.generator import VideoGenerator
 from pan2cli.pipeline.scheduler import (
     DEFAULT_SHIFT,
@@ -37,7 +37,7 @@ from pan2cli.pipeline.scheduler import (
     uses_guidance,
 )
 from pan2cli.presets import load_preset
-from scripts.make_tiny_pan2 import SCHEDULER_CONFIG, write_scheduler_config
+from pan2cli.testing.tiny_pan2 import SCHEDULER_CONFIG, write_scheduler_config
 from tests.pipeline.diffusers_reference import diffusers_latents
 
 # Shift 3 on 4 steps: linspace 1, 0.75, 0.5, 0.25, 0 → 3σ/(1 + 2σ) = 3/3, 2.25/2.5, 1.5/2, 0.75/1.5, 0/1.
@@ -274,7 +274,7 @@ def test_bad_values_are_named(options, match):
         scheduler_config_from({**SCHEDULER_CONFIG, **options}, "s.json")
 
 
-# -- a tiny repository whose scheduler config sets each option (scripts/make_tiny_pan2.py) -----------------------
+# -- a tiny repository whose scheduler config sets each option (`pan2cli.testing.tiny_pan2`) -----------------------
 
 
 def _repo_with_scheduler(tiny_pan2, tmp_path, **options):

@@ -1,4 +1,4 @@
-"""The PAN 2 text recipe (pan2cli/pipeline/text.py) on the tiny Qwen3.5 text model of scripts/make_tiny_pan2.py."""
+"""The PAN 2 text recipe (pan2cli/text/encoder.py) on the tiny Qwen3.5 text model of `pan2cli.testing.tiny_pan2`."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from pan2cli.errors import CheckpointError, InputError
-from pan2cli.pipeline import text
-from pan2cli.pipeline.text import PAN2TextEncoder, load_text_model, load_tokenizer
-from scripts.make_tiny_pan2 import tiny_text_model, write_text_encoder, write_tokenizer
+from pan2cli.testing.tiny_pan2 import tiny_text_model, write_text_encoder, write_tokenizer
+from pan2cli.text import encoder as text
+from pan2cli.text.encoder import PAN2TextEncoder, load_text_model, load_tokenizer
 
 PROMPT = "A red fox runs across the snow at night."
 
@@ -177,7 +177,7 @@ def _multimodal_folder(tmp_path, model, layout: str):
     else:
         from transformers import Qwen3_5Config, Qwen3_5Model
 
-        from scripts.make_tiny_pan2 import TINY_VISION
+        from pan2cli.testing.tiny_pan2 import TINY_VISION
 
         full = Qwen3_5Model(Qwen3_5Config(text_config=model.config.to_dict(), vision_config=TINY_VISION)).to(
             torch.bfloat16
@@ -201,7 +201,7 @@ def _keys(folder):
 def test_multimodal_text_encoder_loads_the_language_model_only(
     tiny_text, encoder, tmp_path, monkeypatch, layout, prefix
 ):
-    from pan2cli.pipeline.qwen3_5 import Qwen35TextModel
+    from pan2cli.text.qwen3_5 import Qwen35TextModel
 
     root, model = tiny_text
     folder = _multimodal_folder(tmp_path, model, layout)
