@@ -327,7 +327,7 @@ class VideoGenerator(BatchStream):
 
     def _start_text_read(self) -> BackgroundLoad:
         """The text encoder's tensors read to the device in the background (`read_text_tensors`)."""
-        from pan2cli.text.encoder import read_text_tensors
+        from pan2cli.text.checkpoint import read_text_tensors
 
         folder = self.components.folder("text_encoder")
         where = self._text_device()
@@ -371,7 +371,8 @@ class VideoGenerator(BatchStream):
         transformer: BackgroundLoad | None,
         text_tensors: BackgroundLoad,
     ) -> None:
-        from pan2cli.text.encoder import PAN2TextEncoder, load_text_model, load_tokenizer
+        from pan2cli.text.checkpoint import load_text_model, load_tokenizer
+        from pan2cli.text.encoder import PAN2TextEncoder
 
         tokenizer = load_tokenizer(self.components.folder("tokenizer"))  # while the text read runs
         text_model = load_text_model(

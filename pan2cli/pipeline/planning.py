@@ -40,7 +40,7 @@ def transformer_sizes(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, pr
 
 def text_encoder_sizes(folder: Path, dtype: torch.dtype) -> LayeredSizes:
     """The text model's bytes in `dtype`, per layer PAN 2 runs and for the rest (the embeddings), from its config."""
-    from pan2cli.text.encoder import encoder_layers, read_text_config
+    from pan2cli.text.checkpoint import encoder_layers, read_text_config
     from pan2cli.text.qwen3_5 import Qwen35TextModel
 
     config = read_text_config(Path(folder))

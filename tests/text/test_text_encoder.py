@@ -1,4 +1,5 @@
-"""The PAN 2 text recipe (pan2cli/text/encoder.py) on the tiny Qwen3.5 text model of `pan2cli.testing.tiny_pan2`."""
+"""The PAN 2 text recipe and its checkpoint reading (pan2cli/text/encoder.py, checkpoint.py) on the tiny Qwen3.5 text
+model of `pan2cli.testing.tiny_pan2`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 from pan2cli.errors import CheckpointError, InputError
 from pan2cli.testing.tiny_pan2 import tiny_text_model, write_text_encoder, write_tokenizer
 from pan2cli.text import encoder as text
-from pan2cli.text.encoder import PAN2TextEncoder, load_text_model, load_tokenizer
+from pan2cli.text.checkpoint import HIDDEN_LAYER, load_text_model, load_tokenizer
+from pan2cli.text.encoder import PAN2TextEncoder
 
 PROMPT = "A red fox runs across the snow at night."
 
@@ -53,7 +55,7 @@ def _reference_features(root, prompt: str, system: str = text.SYSTEM_MESSAGE) ->
 
 
 def test_constants_are_the_release_recipe():
-    assert text.HIDDEN_LAYER == -3 and text.MAX_PROMPT_TOKENS == 1536
+    assert HIDDEN_LAYER == -3 and text.MAX_PROMPT_TOKENS == 1536
     assert (
         text.SYSTEM_MESSAGE
         == "You are a helpful assistant. Generate the video with the following instructions."
