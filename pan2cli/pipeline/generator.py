@@ -42,9 +42,9 @@ from pan2cli.pipeline.image import encode_image, fit_image, load_start_image
 from pan2cli.pipeline.jobs import GenerationJob, GenerationResult, sidecar_path
 from pan2cli.pipeline.memory import free_memory
 from pan2cli.pipeline.sampling import denoise, initial_noise, split_ranks
-from pan2cli.pipeline.scheduler import uses_guidance
 from pan2cli.pipeline.streaming import BatchStream
 from pan2cli.presets import DEFAULT_PRESET, Preset, load_preset, preset_label
+from pan2cli.scheduler import uses_guidance
 from pan2cli.version import __version__
 
 # Progress hook: (description, total, unit) → context manager yielding `advance(n)`.

@@ -17,7 +17,7 @@ from pan2cli import distributed
 from pan2cli.config import GenerationSettings, RuntimeConfig
 from pan2cli.host_memory import read_host_memory
 from pan2cli.pipeline.memory_plan import Alternative, LayeredSizes, MemoryPlan, RunShape, plan_memory
-from pan2cli.pipeline.scheduler import uses_guidance
+from pan2cli.scheduler import uses_guidance
 
 GIB = 2**30
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from pan2cli import distributed
 from pan2cli.dit.parallel import SequenceParallel
 from pan2cli.pipeline.offload import streams_blocks
-from pan2cli.pipeline.scheduler import euler_step, guided, uses_guidance
+from pan2cli.scheduler import euler_step, guided, uses_guidance
 
 
 def initial_noise(

@@ -287,7 +287,7 @@ def test_a_bad_record_is_its_own_failure_a_bad_flag_the_commands(tmp_path):
 
 def test_video_generator_takes_preset_then_arguments(monkeypatch):
     from pan2cli.pipeline.generator import VideoGenerator
-    from pan2cli.pipeline.scheduler import SchedulerConfig
+    from pan2cli.scheduler import SchedulerConfig
 
     components = SimpleNamespace(transformer_arguments={}, scheduler=SchedulerConfig())
     generator = VideoGenerator(components, RuntimeConfig(device="cpu"))

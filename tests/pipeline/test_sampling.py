@@ -20,7 +20,7 @@ from pan2cli.errors import InputError
 from pan2cli.pipeline.conditioning import condition_latents
 from pan2cli.pipeline.generator import VideoGenerator
 from pan2cli.pipeline.sampling import denoise, initial_noise, split_ranks
-from pan2cli.pipeline.scheduler import SchedulerConfig, flow_sigmas
+from pan2cli.scheduler import SchedulerConfig, flow_sigmas
 from pan2cli.testing.tiny_pan2 import TEXT_HIDDEN, tiny_transformer  # the release-shaped tiny transformer
 
 SHAPE = (1, 48, 3, 4, 6)  # latent [1, 48, T, h, w]: 3 x 2 x 3 = 18 video tokens, uneven over 4 ranks

@@ -1,4 +1,4 @@
-"""The flow-matching Euler sampler (pan2cli/pipeline/scheduler.py and `VideoGenerator.sample`) against closed forms,
+"""The flow-matching Euler sampler (pan2cli/scheduler.py and `VideoGenerator.sample`) against closed forms,
 and the checkpoint's scheduler config (what is run, what is refused, who sets the shift) against diffusers.
 
 The release's recipe (vllm-project/vllm-omni `vllm_omni/diffusion/models/pan2/pipeline_pan2.py`, the same in
@@ -25,7 +25,8 @@ from pan2cli.components.locate import resolve_components
 from pan2cli.config import GenerationSettings, RuntimeConfig
 from pan2cli.errors import CheckpointError, InputError
 from pan2cli.pipeline.generator import VideoGenerator
-from pan2cli.pipeline.scheduler import (
+from pan2cli.presets import load_preset
+from pan2cli.scheduler import (
     DEFAULT_SHIFT,
     UNSUPPORTED_OPTIONS,
     SchedulerConfig,
@@ -36,7 +37,6 @@ from pan2cli.pipeline.scheduler import (
     shift_sigma,
     uses_guidance,
 )
-from pan2cli.presets import load_preset
 from pan2cli.testing.tiny_pan2 import SCHEDULER_CONFIG, write_scheduler_config
 from tests.pipeline.diffusers_reference import diffusers_latents
 
