@@ -352,12 +352,13 @@ def _decode(options: DecodeOptions):
     import torch
 
     from pan2cli import distributed
+    from pan2cli.ffmpeg import check_mp4_encoder
     from pan2cli.latents import load_latents
     from pan2cli.vae.decoder import decode_latents, open_decoder
     from pan2cli.vae.identity import check_latents_vae, vae_identity
     from pan2cli.vae.kernel.choice import check_decode_kernel_mode
     from pan2cli.vae.kernel.decoder import WanKernelDecoder
-    from pan2cli.video import check_mp4_encoder, open_video_writer
+    from pan2cli.video import open_video_writer
 
     main = distributed.is_main()
     quiet = options.quiet or not main  # progress and summaries come from rank 0
