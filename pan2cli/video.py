@@ -69,7 +69,7 @@ class VideoWriter:
         """Append a chunk of frames.
 
         MP4 chunks are queued and fed to ffmpeg by a thread of their own, so this returns at once and
-        the encode runs beside the decode (issue 14); the writer keeps a reference to `frames` until
+        the encode runs beside the decode instead of holding it up; the writer keeps a reference to `frames` until
         they are encoded, so the caller must not change them afterwards (decode_latents hands over a
         new host buffer per chunk). An ffmpeg failure is raised by a later `write` or by `commit`.
 

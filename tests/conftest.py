@@ -78,7 +78,8 @@ def _triton_interprets_here() -> bool:
 
 def pytest_configure(config):
     """Without CUDA, import Triton with `TRITON_INTERPRET=1` before anything else does, and restore the
-    environment at once (issue 18).
+    environment at once (a test that needs the interpreter's mode sets it for itself:
+    `triton_interpreter_without_cuda`).
 
     Triton defines its own library (`tl.sum`, ...) with `triton.jit` when it is imported, in the mode the
     variable says then; an interpreted kernel calling a compiled library function fails ("Cannot call
@@ -104,8 +105,8 @@ def pytest_configure(config):
 @pytest.fixture
 def triton_interpreter_without_cuda(monkeypatch):
     """Without CUDA, the Triton kernels run in Triton's CPU interpreter (`TRITON_INTERPRET=1`, unless the
-    caller's environment sets it); with CUDA, the real kernels. For the test only (issue 18): set when a
-    test module was imported, the variable stayed set for every later module of the session.
+    caller's environment sets it); with CUDA, the real kernels. For the test only: set when a test module
+    was imported, the variable once stayed set for every later module of the session.
 
     Early enough: `triton.jit` reads the variable when a kernel is defined, and pan2cli imports its kernel
     modules at their first call, inside a test; `triton_interpreting()` (pan2cli.triton_support) reads it

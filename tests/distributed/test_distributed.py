@@ -60,7 +60,7 @@ def _split_decode(rank: int, world: int, init_file: str, shape, chunk: int, out_
         (2, (1, 48, 3, 3, 5), 2),  # rows 2/1
         (3, (1, 48, 3, 7, 3), 4),  # rows 3/2/2, odd width
         (3, (2, 48, 2, 4, 2), 1),  # rows 2/1/1, batch of 2
-        (4, (1, 48, 2, 6, 2), 4),  # rows 2/2/1/1: halos at 1-row bands (larger N, issue 7)
+        (4, (1, 48, 2, 6, 2), 4),  # rows 2/2/1/1: halos at 1-row bands, more ranks than 2
     ],
     ids=["2ranks-H3", "3ranks-H7", "3ranks-H4-batch2", "4ranks-H6"],
 )
@@ -110,7 +110,7 @@ def test_no_split_in_one_process_or_when_switched_off():
 
 
 def test_two_ranks_split_the_rows_unless_switched_off(monkeypatch):
-    """Issue 18: in a process group of 2, the decode is split by rows, and `decode_kernel_parallel=False`
+    """In a process group of 2, the decode is split by rows, and `decode_kernel_parallel=False`
     still decodes whole frames (one process's check cannot see that: it returns None before the option)."""
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
     monkeypatch.setattr(distributed, "rank", lambda: 1)
@@ -222,7 +222,8 @@ def _launch_refused(monkeypatch) -> list:
 
 
 def test_more_processes_than_latent_rows_fail_before_any_starts(run_cli, tiny_vae, latents_file, monkeypatch):
-    """Issue 27: `--gpus 16` on latents 8 rows high failed only once all 16 processes had started."""
+    """Refused before any process starts: `--gpus 16` on latents 8 rows high once failed only after all 16
+    processes had started."""
     started = _launch_refused(monkeypatch)
     latents = latents_file((48, 1, 8, 2))
     result = run_cli("decode", latents, "--vae", tiny_vae, "--device", "cpu", "--gpus", 16)
@@ -282,7 +283,7 @@ def _failure(exitcode: int, timestamp: int = 100):
 def test_ranks_that_chose_their_code_are_never_counted_as_killed(
     capsys, monkeypatch, exitcodes, recorded, hung, code, lines
 ):
-    """Issue 27: counting ranks that recorded their own exit code as killed went unnoticed (every rank
+    """A rank that recorded its own exit code is never counted as killed (a bug that once went unnoticed: every rank
     chose 130, or lost contact: "rank 0 exited with code 130 without an error message", exit 1)."""
     monkeypatch.delenv("PAN2_DIST_TIMEOUT", raising=False)
     failures = {rank: _failure(exitcode) for rank, exitcode in exitcodes.items()}

@@ -114,7 +114,7 @@ def _rank(
     ids=["2-cfg", "3-cfg+sp", "4-cfg+sp", "3-sp", "4-sp-uneven", "2-sp-both-passes"],
 )
 def test_split_denoise_equals_one_process_float64(tmp_path, world, heads, guidance, cfg_parallel):
-    """Issue 15: every rank ends with one process's latents (float64 model: measured difference 0 in all six,
+    """Every rank ends with one process's latents (float64 model: measured difference 0 in all six,
     bound 1e-9 as the issue states), and with CFG-parallel each rank runs one pass per step instead of two."""
     expected, calls = _run(heads, guidance, split=False)
     passes = 2 if guidance > 1 else 1
@@ -164,7 +164,7 @@ def test_heads_that_do_not_divide_are_refused(tmp_path):
     mp.spawn(_heads_check, args=(3, str(tmp_path / "init")), nprocs=3, join=True)
 
 
-# -- the initial noise (issue 27) ------------------------------------------------------------------------------
+# -- the initial noise ------------------------------------------------------------------------------------------
 
 NOISE_SHAPE = (1, 48, 2, 4, 6)
 CPU = torch.device("cpu")

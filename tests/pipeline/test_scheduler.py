@@ -6,7 +6,7 @@ MBZUAI-IFM/vllm-omni-pan2): diffusers' FlowMatchEulerDiscreteScheduler from the 
 shifted `linspace(1, 0, steps + 1)` with `σ' = s·σ / (1 + (s − 1)·σ)`, the DiT's timestep σ·1000, Euler
 `x ← x + (σ_next − σ)·v`, guidance `u + g·(c − u)`, skipped when g ≤ 1. Every expected number below is worked
 out by hand in a comment; the toy velocity fields make the whole sampling loop a closed form, so a swapped
-CFG, a flipped step or a lost shift in the path `pan2 generate` takes fails here (issue 18).
+CFG, a flipped step or a lost shift in the path `pan2 generate` takes fails here.
 """
 
 from __future__ import annotations
@@ -290,7 +290,7 @@ def _repo_with_scheduler(tiny_pan2, tmp_path, **options):
 
 @pytest.mark.parametrize("key", [*UNSUPPORTED_OPTIONS, "a_future_option"])
 def test_an_option_pan2_does_not_run_is_refused_by_name(tiny_pan2, tmp_path, key):
-    """Issue 27: `stochastic_sampling: true`, `invert_sigmas: true`, dynamic shifting, Karras / exponential / beta
+    """`stochastic_sampling: true`, `invert_sigmas: true`, dynamic shifting, Karras / exponential / beta
     levels, or an option pan2 does not know, in the checkpoint: a checkpoint error naming it (exit 2), before any
     weight is read, not a schedule silently other than the release's."""
     repo = _repo_with_scheduler(tiny_pan2, tmp_path, **{key: True})

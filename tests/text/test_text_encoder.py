@@ -93,7 +93,7 @@ def test_empty_prompt_is_encoded_as_a_space(encoder):
 
 
 def test_surrounding_whitespace_reaches_the_encoder(tiny_text, encoder, tmp_path):
-    """Issue 27: the release encodes the prompt as given. " a cat\n" is other tokens and other features than
+    """The release encodes the prompt as given. " a cat\n" is other tokens and other features than
     "a cat", through the settings (`settings_with`) and a prompt file's records (JSON and plain text) alike;
     whitespace alone still counts as no prompt."""
     from pan2cli.config import settings_with
