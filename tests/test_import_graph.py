@@ -18,7 +18,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pan2cli"
 MAX_MODULE_LINES = 450
-# A single-file model may run longer, as diffusers' do (docs/style.md).
+# A single-file model may run longer, as diffusers' single-file models do.
 LONG_MODELS = {"pan2cli/dit/model.py"}
 # Over the limit until the run layer moves their work into the library (batch planning and running, the
 # decode application): the strict xfail below turns into a failure the day they fit, to empty this set.

@@ -24,8 +24,8 @@ def rendezvous_port() -> Iterator[int]:
     as clients (`is_host=0`); it listens from the moment the OS chose the port until the test ends.
 
     Not a port found free beforehand: one found by binding and closing a socket could be taken by another
-    process before node 0 bound it again. Each node's agent serves its workers from a port of its own, which torchrun
-    also has the OS choose at bind time (its shared TCPStore)."""
+    process before node 0 bound it again. Each node's agent serves its workers from a port of its own, which
+    torchrun also has the OS choose at bind time (its shared TCPStore)."""
     from torch.distributed import TCPStore
 
     store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
