@@ -1,15 +1,13 @@
-"""Write chunks of uint8 frames as an mp4, a folder of PNGs, or a .pt tensor (frame math and host copies: pan2cli.frames)."""
+"""Write chunks of uint8 frames as an mp4, a folder of PNGs, or a .pt tensor (frame math and host copies: pan2cli.frames;
+the ffmpeg behind MP4s: pan2cli.ffmpeg)."""
 
 from __future__ import annotations
 
-import functools
 import numbers
 import os
-import queue
 import shutil
 import subprocess
 import tempfile
-import threading
 from fractions import Fraction
 from pathlib import Path
 from types import TracebackType
@@ -19,6 +17,7 @@ import torch
 
 from pan2cli.atomic import save_torch, write_failure
 from pan2cli.errors import InputError, Pan2Error
+from pan2cli.ffmpeg import PipeFeeder, mp4_encoder, new_process_group
 
 # Where outputs go lives in pan2cli.outputs (no torch: the CLI imports it for --help).
 from pan2cli.outputs import (
@@ -57,7 +56,7 @@ class VideoWriter:
         self._chunks: list[torch.Tensor] = []  # pt only
         self._proc: subprocess.Popen[bytes] | None = None  # mp4 only
         self._stderr: IO[bytes] | None = None
-        self._feeder: _PipeFeeder | None = None  # mp4 only: hands chunks to ffmpeg beside the decode
+        self._feeder: PipeFeeder | None = None  # mp4 only: hands chunks to ffmpeg beside the decode
         self._finished = False  # the temporary file is complete (`finish`)
         self._closed = False
 
@@ -70,7 +69,7 @@ class VideoWriter:
         """Append a chunk of frames.
 
         MP4 chunks are queued and fed to ffmpeg by a thread of their own, so this returns at once and
-        the encode runs beside the decode (issue 14); the writer keeps a reference to `frames` until
+        the encode runs beside the decode instead of holding it up; the writer keeps a reference to `frames` until
         they are encoded, so the caller must not change them afterwards (decode_latents hands over a
         new host buffer per chunk). An ffmpeg failure is raised by a later `write` or by `commit`.
 
@@ -244,11 +243,11 @@ class VideoWriter:
                 stdout=subprocess.DEVNULL,
                 stderr=self._stderr,
                 # Own session/process group: Ctrl-C goes to us only, and we decide to kill.
-                **_new_group_kwargs(),
+                **new_process_group(),
             )
         except OSError as err:
             raise Pan2Error(f"could not start ffmpeg to write {self.path}: {err}") from err
-        self._feeder = _PipeFeeder(self._proc.stdin)
+        self._feeder = PipeFeeder(self._proc.stdin)
 
     def _write_mp4(self, frames: torch.Tensor) -> None:
         assert self._feeder is not None
@@ -291,93 +290,6 @@ class VideoWriter:
         arr = frames.numpy()  # a view, no copy
         for i in range(arr.shape[0]):
             iio.imwrite(self.tmp_path / f"frame_{self._frames_written + i:05d}.png", arr[i])
-
-
-class _PipeFeeder:
-    """Writes queued chunks of frames into ffmpeg's stdin from a thread of its own.
-
-    A pipe write blocks while ffmpeg encodes (x264 at 704x1248 runs at about the decode's frame
-    rate): fed from the decode's thread, ffmpeg would hold the decode up at every chunk, and under a
-    row split every rank with it, since the ranks meet at each chunk's gather. The queue is not
-    bounded: at worst the whole video waits in host memory, as a .pt output holds it anyway.
-    """
-
-    _DONE = None
-
-    def __init__(self, pipe: IO[bytes]):
-        self._pipe = pipe
-        self._chunks: queue.SimpleQueue[torch.Tensor | None] = queue.SimpleQueue()
-        self._broken = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pan2-mp4-feeder", daemon=True)
-        self._thread.start()
-
-    def put(self, frames: torch.Tensor) -> bool:
-        """Queue a contiguous chunk; False once ffmpeg has stopped reading (its error says why)."""
-        if self._broken.is_set():
-            return False
-        self._chunks.put(frames)
-        return True
-
-    def finish(self) -> None:
-        """Wait until every queued chunk is written (or dropped after a broken pipe)."""
-        self._chunks.put(self._DONE)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (frames := self._chunks.get()) is not self._DONE:
-            if self._broken.is_set():
-                continue  # drop: ffmpeg is gone, commit or abort will say why
-            try:
-                # One write of the whole chunk: ffmpeg splits the raw rgb24 stream into frames itself.
-                self._pipe.write(memoryview(frames.numpy()).cast("B"))
-                self._pipe.flush()
-            except (BrokenPipeError, ValueError, OSError):
-                self._broken.set()
-
-
-_FFMPEG_HINT = (
-    "pip install imageio-ffmpeg (it brings its own ffmpeg), or set IMAGEIO_FFMPEG_EXE to an ffmpeg binary"
-)
-
-
-def mp4_encoder() -> str:
-    """The ffmpeg that writes MP4s: imageio-ffmpeg's (or `IMAGEIO_FFMPEG_EXE`).
-
-    Raises:
-        Pan2Error: imageio-ffmpeg cannot be imported, or it finds no ffmpeg.
-    """
-    try:
-        import imageio_ffmpeg
-
-        return imageio_ffmpeg.get_ffmpeg_exe()
-    except ImportError as exc:
-        raise Pan2Error(
-            f"writing MP4 needs imageio-ffmpeg, which cannot be imported: {exc}", hint=_FFMPEG_HINT
-        ) from exc
-    except RuntimeError as exc:  # imageio-ffmpeg found no binary
-        raise Pan2Error(f"writing MP4 needs ffmpeg: {exc}", hint=_FFMPEG_HINT) from exc
-
-
-def check_mp4_encoder() -> str:
-    """`mp4_encoder`, found and run (`-version`, once per executable): checked before any work, so that a missing
-    or broken ffmpeg is said in seconds rather than after a generation.
-
-    Raises:
-        Pan2Error: no ffmpeg (`mp4_encoder`), or one that does not run.
-    """
-    exe = mp4_encoder()
-    _check_runs(exe)
-    return exe
-
-
-@functools.cache
-def _check_runs(exe: str) -> None:
-    try:
-        subprocess.run([exe, "-version"], capture_output=True, check=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise Pan2Error(
-            f"writing MP4 needs ffmpeg, and {exe} does not run: {exc}", hint=_FFMPEG_HINT
-        ) from exc
 
 
 def open_video_writer(
@@ -461,9 +373,3 @@ def _close_quietly(stream: object) -> None:
         stream.close()  # type: ignore[attr-defined]
     except Exception:
         pass
-
-
-def _new_group_kwargs() -> dict[str, object]:
-    if os.name == "nt":
-        return {"creationflags": subprocess.CREATE_NEW_PROCESS_GROUP}  # type: ignore[attr-defined]
-    return {"start_new_session": True}

@@ -5,7 +5,7 @@ Usage: python scripts/bench_cli.py [--latent-frames 31 121] [--latent-size 44x78
        [--workdir DIR] [--keep] [--out results.json]
 
 Inputs, built in the work folder: a random full-size Wan2.2 VAE as a diffusers folder
-(`scripts/make_tiny_pan2.py`'s `write_vae`; `--tiny`: its tiny config, for a CPU check) and random latents
+(`pan2cli.testing.tiny_pan2`'s `write_vae`; `--tiny`: its tiny config, for a CPU check) and random latents
 [1, 48, T, H, W] as `.pt` files, one per `--latent-frames` value T (default 31 and 121: 5 s and 20 s of
 video at 24 fps), H x W from `--latent-size` (default 44x78: 704x1248 pixels).
 
@@ -102,7 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--tiny",
         action="store_true",
-        help="The tiny VAE config of make_tiny_pan2 instead of the full size (a CPU check).",
+        help="The tiny VAE config of pan2cli.testing.tiny_pan2 instead of the full size (a CPU check).",
     )
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="Seconds each child process may run.  [default: 600]"
@@ -135,8 +135,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 # -- inputs ---------------------------------------------------------------------------------------
 def build_inputs(workdir: Path, args: argparse.Namespace) -> tuple[Path, dict[int, Path]]:
     """Write the random VAE (diffusers folder) and one latents file per T; returns the VAE folder and {T: path}."""
+    from pan2cli.testing.tiny_pan2 import TINY_VAE, write_vae
     from pan2cli.vae.config import WanVAEConfig
-    from scripts.make_tiny_pan2 import TINY_VAE, write_vae
 
     vae = workdir / "vae"
     write_vae(vae, args.seed, TINY_VAE if args.tiny else WanVAEConfig())
@@ -359,7 +359,7 @@ def worker_main(argv: list[str]) -> None:
     parser.add_argument("--report", required=True)
     args = parser.parse_args(argv)
 
-    from pan2cli import distributed, launch
+    from pan2cli import distributed
     from pan2cli.vae.checkpoint import load_vae_decoder
     from pan2cli.vae.decoder import decode_latents
     from pan2cli.vae.kernel.choice import select_decode_path
@@ -367,7 +367,7 @@ def worker_main(argv: list[str]) -> None:
 
     group = (
         distributed.process_group(args.device)
-        if launch.under_torchrun()
+        if distributed.under_torchrun()
         else nullcontext(torch.device(args.device))
     )
     with group as device:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from pan2cli import distributed
-from pan2cli.launch import under_torchrun
+from pan2cli.distributed.protocol import under_torchrun
 from pan2cli.testing.random_weights import random_decoder
 from pan2cli.vae.config import WanVAEConfig
 from pan2cli.vae.decoder import decode_latents

@@ -144,7 +144,7 @@ def load_rates(args, cold: bool) -> dict:
 
     from pan2cli.checkpoints import staged
     from pan2cli.dit.checkpoint import load_pan2_transformer
-    from pan2cli.pipeline.text import load_text_model
+    from pan2cli.text.checkpoint import load_text_model
 
     files = transformer_files(args.model)
     size_mb = sum(p.stat().st_size for p in files) / 1e6

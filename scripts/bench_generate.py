@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pan2cli.config import RuntimeConfig  # noqa: E402
 from pan2cli.dit.checkpoint import save_pan2_transformer  # noqa: E402
 from pan2cli.pipeline import VideoGenerator  # noqa: E402
+from pan2cli.testing.tiny_pan2 import write_scheduler_and_index, write_tokenizer, write_vae  # noqa: E402
 from pan2cli.testing.transformers_logging import quiet_transformers  # noqa: E402
 from pan2cli.vae.config import WanVAEConfig  # noqa: E402
 from scripts.make_random_pan2 import random_text_model, random_transformer  # noqa: E402
-from scripts.make_tiny_pan2 import write_scheduler_and_index, write_tokenizer, write_vae  # noqa: E402
 
 
 def build_checkpoint(root: Path, layers: int, text_layers: int) -> None:

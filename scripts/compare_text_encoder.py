@@ -20,13 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pan2cli.pipeline.text import (  # noqa: E402
-    HIDDEN_LAYER,
-    PAN2TextEncoder,
-    load_text_model,
-    load_tokenizer,
-)
 from pan2cli.testing.transformers_logging import quiet_transformers  # noqa: E402
+from pan2cli.text.checkpoint import HIDDEN_LAYER, load_text_model, load_tokenizer  # noqa: E402
+from pan2cli.text.encoder import PAN2TextEncoder  # noqa: E402
 
 PROMPTS = (
     "A red fox runs through the snow at dawn, the camera follows it low to the ground.",

@@ -8,7 +8,7 @@ weights cannot be downloaded here; random weights tend to amplify rounding more 
    kept in bf16. Relative RMS error and cosine similarity.
 2. `--reduced`: a reduced model (4 blocks of 4 heads x 128) against its own float64 forward, for bf16 and
    fp8, so that fp8's error is seen next to bf16's own.
-3. `--video`: a tiny random repository (scripts/make_tiny_pan2.py's writers, that reduced transformer) through
+3. `--video`: a tiny random repository (`pan2cli.testing.tiny_pan2`'s writers, that reduced transformer) through
    `VideoGenerator`, 50 steps with CFG, bf16 and fp8 from the same seed; PSNR (and max difference) of the two
    decoded uint8 videos.
 
@@ -110,9 +110,8 @@ def reduced() -> dict:
 
 def write_reduced_repo(root: Path) -> Path:
     """A tiny random repository in the release's layout whose transformer is `REDUCED` (head_dim 128, as the
-    fp8 kernels want): scripts/make_tiny_pan2.py's tokenizer, text encoder, VAE and scheduler."""
-    from pan2cli.testing.transformers_logging import quiet_transformers
-    from scripts.make_tiny_pan2 import (
+    fp8 kernels want): `pan2cli.testing.tiny_pan2`'s tokenizer, text encoder, VAE and scheduler."""
+    from pan2cli.testing.tiny_pan2 import (
         tiny_text_model,
         write_scheduler_and_index,
         write_text_encoder,
@@ -120,6 +119,7 @@ def write_reduced_repo(root: Path) -> Path:
         write_transformer,
         write_vae,
     )
+    from pan2cli.testing.transformers_logging import quiet_transformers
 
     with quiet_transformers():
         tokenizer = write_tokenizer(root / "tokenizer")

@@ -2,7 +2,7 @@
 
 Usage: PYTHONPATH=. python scripts/make_random_pan2.py OUT [--device cuda]
 
-The same layout and files as scripts/make_tiny_pan2.py, at the release's sizes: the 29.2 B transformer at
+The same layout and files as the tiny repository (`pan2cli.testing.tiny_pan2`), at the release's sizes: the 29.2 B transformer at
 the default config (bf16, AdaLN linears float32: 67.3 GB in 5 GB shards), a Qwen3.5-9B-shaped text model
 (transformers' `Qwen3_5TextConfig()` defaults: hidden 4096, 32 layers; bf16, ~18 GB), the full Wan2.2 VAE
 (float32) and the tiny repo's tokenizer (its ids fit any vocabulary). Weights are drawn on `--device` (fast
@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pan2cli.dit.checkpoint import keeps_fp32, save_pan2_transformer  # noqa: E402
 from pan2cli.dit.model import PAN2Transformer3DModel  # noqa: E402
 from pan2cli.dit.quantize import Fp8Policy, quantize_block  # noqa: E402
+from pan2cli.testing.tiny_pan2 import write_scheduler_and_index, write_tokenizer, write_vae  # noqa: E402
 from pan2cli.testing.transformers_logging import quiet_transformers  # noqa: E402
 from pan2cli.vae.config import WanVAEConfig  # noqa: E402
-from scripts.make_tiny_pan2 import write_scheduler_and_index, write_tokenizer, write_vae  # noqa: E402
 
 SHARD_BYTES = 5 * 10**9
 

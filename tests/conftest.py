@@ -78,7 +78,8 @@ def _triton_interprets_here() -> bool:
 
 def pytest_configure(config):
     """Without CUDA, import Triton with `TRITON_INTERPRET=1` before anything else does, and restore the
-    environment at once (issue 18).
+    environment at once (a test that needs the interpreter's mode sets it for itself:
+    `triton_interpreter_without_cuda`).
 
     Triton defines its own library (`tl.sum`, ...) with `triton.jit` when it is imported, in the mode the
     variable says then; an interpreted kernel calling a compiled library function fails ("Cannot call
@@ -104,8 +105,8 @@ def pytest_configure(config):
 @pytest.fixture
 def triton_interpreter_without_cuda(monkeypatch):
     """Without CUDA, the Triton kernels run in Triton's CPU interpreter (`TRITON_INTERPRET=1`, unless the
-    caller's environment sets it); with CUDA, the real kernels. For the test only (issue 18): set when a
-    test module was imported, the variable stayed set for every later module of the session.
+    caller's environment sets it); with CUDA, the real kernels. For the test only: set when a test module
+    was imported, the variable once stayed set for every later module of the session.
 
     Early enough: `triton.jit` reads the variable when a kernel is defined, and pan2cli imports its kernel
     modules at their first call, inside a test; `triton_interpreting()` (pan2cli.triton_support) reads it
@@ -179,8 +180,8 @@ def run_cli():
 
 @pytest.fixture(scope="session")
 def tiny_pan2(tmp_path_factory) -> Path:
-    """A tiny random PAN 2 repository in the IFM/PAN2 layout (scripts/make_tiny_pan2.py): modular_model_index.json,
+    """A tiny random PAN 2 repository in the IFM/PAN2 layout (`pan2cli.testing.tiny_pan2`): modular_model_index.json,
     transformer/, text_encoder/ (Qwen3.5 text model), tokenizer/ (ChatML template), vae/ (with encoder), scheduler/."""
-    from scripts.make_tiny_pan2 import write_tiny_pan2
+    from pan2cli.testing.tiny_pan2 import write_tiny_pan2
 
     return write_tiny_pan2(tmp_path_factory.mktemp("pan2") / "PAN2")

@@ -2,8 +2,8 @@
 
 A caller whose packages come from PYTHONPATH (a cluster's module, a container, a folder of wheels on a
 machine without network) must keep them in the child: the project root goes in front of the caller's
-entries, never in their place (issue 27: a fresh PYTHONPATH lost `imageio_ffmpeg` and `hatchling` on an
-H200 host). Tests build a child's environment here only; `tests/test_subprocess_env.py` checks that.
+entries, never in their place (a fresh PYTHONPATH once lost `imageio_ffmpeg` and `hatchling` on an H200
+host). Tests build a child's environment here only; `tests/test_subprocess_env.py` checks that.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The package's shape (issue 30): no two modules of pan2cli import each other, directly or through others,
-and no module of the decode kernel is longer than a reader holds in their head.
+"""The package's shape: no two modules of pan2cli import each other, directly or through others; every module
+sits on a floor and imports only from its own floor or those below; no module is longer than a reader holds in
+their head.
 
 The import graph is read from the source with `ast` (nothing is imported) and counts every import: at
 module level, inside functions and under `if TYPE_CHECKING:` (a lazy import is still an arrow a reader
@@ -11,11 +12,34 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pan2cli"
-KERNEL_PACKAGE = PACKAGE / "vae" / "kernel"
-MAX_KERNEL_MODULE_LINES = 450
+MAX_MODULE_LINES = 450
+# A single-file model may run longer, as diffusers' single-file models do.
+LONG_MODELS = {"pan2cli/dit/model.py"}
+# Over the limit until the run layer moves their work into the library (batch planning and running, the
+# decode application): the strict xfail below turns into a failure the day they fit, to empty this set.
+AWAITING_SPLIT = {"pan2cli/cli/decode.py", "pan2cli/cli/generate.py", "pan2cli/pipeline/generator.py"}
+
+# The floors, lowest first: a module imports from its own floor and those below, never from above. A module
+# is on the floor of the longest name in the table that it is or lies under (the root `pan2cli` only by name).
+FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("basics", ("pan2cli.constants", "pan2cli.errors", "pan2cli.paths", "pan2cli.resources", "pan2cli.version",
+                "pan2cli.atomic", "pan2cli.host_memory", "pan2cli.triton_support", "pan2cli.outputs",
+                "pan2cli.frames", "pan2cli.kernel_build")),
+    ("configuration", ("pan2cli.devices", "pan2cli.config", "pan2cli.presets")),
+    ("processes", ("pan2cli.distributed",)),
+    ("files", ("pan2cli.checkpoints", "pan2cli.latents", "pan2cli.ffmpeg", "pan2cli.video")),
+    ("models", ("pan2cli.vae", "pan2cli.dit", "pan2cli.text", "pan2cli.scheduler")),
+    ("release", ("pan2cli.components",)),
+    ("pipeline", ("pan2cli.pipeline",)),
+    ("commands", ("pan2cli.cli", "pan2cli.__main__", "pan2cli")),
+)  # fmt: skip
+# Outside the floors: test support imports anything, and nothing of pan2 imports it.
+OUTSIDE = "pan2cli.testing"
 
 
 def module_files(package: Path) -> dict[str, Path]:
@@ -70,6 +94,31 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(sorted(group) for group in groups)
 
 
+def floor_of(module: str, floors: Sequence[tuple[str, Sequence[str]]] = FLOORS) -> int | None:
+    """The index of `module`'s floor (the longest name of the table it is or lies under), None if it has none."""
+    best, index = "", None
+    for i, (_, names) in enumerate(floors):
+        for name in names:
+            under = module == name or ("." in name and module.startswith(name + "."))
+            if under and len(name) > len(best):
+                best, index = name, i
+    return index
+
+
+def upward_imports(
+    graph: dict[str, set[str]], floors: Sequence[tuple[str, Sequence[str]]] = FLOORS
+) -> list[str]:
+    """`module (floor) -> imported (higher floor)` for every arrow that runs up, sorted."""
+    arrows = []
+    for module, imported in graph.items():
+        low = floor_of(module, floors)
+        for name in imported:
+            high = floor_of(name, floors)
+            if low is not None and high is not None and high > low:
+                arrows.append(f"{module} ({floors[low][0]}) -> {name} ({floors[high][0]})")
+    return sorted(arrows)
+
+
 def describe(graph: dict[str, set[str]], cycle: list[str]) -> str:
     arrows = (f"  {module} -> {', '.join(sorted(graph[module] & set(cycle)))}" for module in cycle)
     return "\n".join([", ".join(cycle) + ":", *arrows])
@@ -110,23 +159,63 @@ def test_no_module_of_pan2cli_imports_itself_through_others():
     )
 
 
-def test_decode_kernel_modules_stay_readable():
-    lengths = {
-        str(path.relative_to(PACKAGE.parent)): len(path.read_text().splitlines())
-        for path in sorted(KERNEL_PACKAGE.rglob("*.py"))
+def test_an_import_from_a_higher_floor_is_found():
+    """The floor check sees an arrow up, from a package's module too, and lets arrows down and sideways pass."""
+    floors = (("low", ("pkg.base",)), ("mid", ("pkg.models", "pkg.helpers")), ("top", ("pkg.cli", "pkg")))
+    graph = {
+        "pkg": {"pkg.cli"},
+        "pkg.base": set(),
+        "pkg.models.a": {"pkg.base", "pkg.helpers"},
+        "pkg.models.b": {"pkg.cli"},
+        "pkg.helpers": {"pkg.models.a"},
+        "pkg.cli": {"pkg.models.b", "pkg.base"},
     }
-    assert lengths, f"no module under {KERNEL_PACKAGE}"
-    too_long = {path: n for path, n in lengths.items() if n > MAX_KERNEL_MODULE_LINES}
-    assert not too_long, f"over {MAX_KERNEL_MODULE_LINES} lines (split by job): {too_long}"
+    assert floor_of("pkg.models.a", floors) == 1 and floor_of("pkg.modelsx", floors) is None
+    assert upward_imports(graph, floors) == ["pkg.models.b (mid) -> pkg.cli (top)"]
 
 
-def test_the_configuration_imports_no_model_code():
-    """`pan2cli.config` (what every command builds before anything loads) sits below the models: the device
-    checks it makes are `pan2cli.devices`', so no arrow runs from it up to the DiT, the VAE or the pipeline."""
+def test_every_module_has_a_floor():
+    """A new module or package of pan2cli takes its place in `FLOORS` (or is test support, outside them)."""
     graph = import_graph(PACKAGE)
-    upward = {
-        m
-        for m in reachable(graph, "pan2cli.config")
-        if m.startswith(("pan2cli.dit", "pan2cli.vae", "pan2cli.pipeline"))
+    homeless = sorted(m for m in graph if floor_of(m) is None and not m.startswith(OUTSIDE))
+    assert not homeless, f"add these to a floor of FLOORS: {homeless}"
+
+
+def test_no_module_imports_from_a_higher_floor():
+    """Data flows one way: the commands call the pipeline, which runs the models, which read files with the
+    configuration they are given; nothing runs back up (`pan2cli.config` reaches no model code)."""
+    upward = upward_imports(import_graph(PACKAGE))
+    assert not upward, "imports from a higher floor (move the shared code down):\n" + "\n".join(upward)
+
+
+def test_nothing_of_pan2_imports_the_test_support():
+    graph = import_graph(PACKAGE)
+    users = sorted(m for m, imported in graph.items() if not m.startswith(OUTSIDE) and any(
+        name == OUTSIDE or name.startswith(OUTSIDE + ".") for name in imported
+    ))  # fmt: skip
+    assert not users, f"{OUTSIDE} is imported by {users}"
+
+
+def module_lengths() -> dict[str, int]:
+    """`pan2cli/...py` → its number of lines, for every module of the package."""
+    return {
+        str(path.relative_to(PACKAGE.parent)): len(path.read_text().splitlines())
+        for path in sorted(PACKAGE.rglob("*.py"))
     }
-    assert not upward, f"pan2cli.config reaches {sorted(upward)}"
+
+
+def test_no_module_is_longer_than_a_reader_holds():
+    lengths = module_lengths()
+    assert len(lengths) > 100, f"the modules of {PACKAGE} were not read"
+    too_long = {
+        path: n
+        for path, n in lengths.items()
+        if n > MAX_MODULE_LINES and path not in LONG_MODELS | AWAITING_SPLIT
+    }
+    assert not too_long, f"over {MAX_MODULE_LINES} lines (split by job): {too_long}"
+
+
+@pytest.mark.xfail(strict=True, reason="the run layer's move into the library brings these under the limit")
+@pytest.mark.parametrize("path", sorted(AWAITING_SPLIT))
+def test_modules_awaiting_their_split_fit(path):
+    assert module_lengths()[path] <= MAX_MODULE_LINES

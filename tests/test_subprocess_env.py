@@ -28,7 +28,7 @@ def _found_in_child(env: dict[str, str], cwd: Path) -> dict:
 
 
 def test_a_child_keeps_the_callers_pythonpath_behind_the_project(tmp_path, monkeypatch):
-    """Issue 27: with the caller's packages on PYTHONPATH (given relative to its working folder), a child
+    """With the caller's packages on PYTHONPATH (given relative to its working folder), a child
     started elsewhere still imports them, and pan2cli from the checkout; a hook folder goes first."""
     packages = tmp_path / "packages"
     packages.mkdir()
@@ -72,7 +72,7 @@ _SETS_PYTHONPATH = re.compile(r"""["']PYTHON(PATH)?["']|\bPYTHONPATH\s*=""")
 
 
 def test_no_test_builds_a_childs_pythonpath_itself():
-    """Every subprocess test takes its environment from `tests/subprocess_env.py` (issue 27: seven files
+    """Every subprocess test takes its environment from `tests/subprocess_env.py` (seven files once
     each replaced the caller's PYTHONPATH with the project root)."""
     own = {Path(__file__).resolve(), REPO / "tests" / "subprocess_env.py"}
     offending = []

@@ -43,9 +43,9 @@ def _say_unreachable_once() -> None:
     global _said_unreachable
     from huggingface_hub import constants
 
-    from pan2cli import launch
+    from pan2cli.distributed.protocol import env_rank
 
-    if _unreachable and not _said_unreachable and launch.env_rank() == 0:
+    if _unreachable and not _said_unreachable and env_rank() == 0:
         print(
             f"Warning: the Hugging Face hub ({constants.ENDPOINT}) is unreachable; using the local cache",
             file=sys.stderr,

@@ -2,7 +2,7 @@
 headers alone, every tensor's name, shape and file.
 
 One walk serves the transformer's loader, the text encoder's key check and the checks run before a download
-(`pan2cli.pipeline.component_checks`), on disk or, through a `FileView`, on a hub repo.
+(`pan2cli.components.checks`), on disk or, through a `FileView`, on a hub repo.
 """
 
 from __future__ import annotations

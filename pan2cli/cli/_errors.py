@@ -1,6 +1,6 @@
 """Map known failures to one `Error: ...` line (plus `Hint: ...`) and an exit code; keep tracebacks for the unexpected.
 
-torch, pan2cli.distributed and pan2cli.launch are looked up in `sys.modules`, never imported here: `pan2 --help` must not
+torch and pan2cli.distributed are looked up in `sys.modules`, never imported here: `pan2 --help` must not
 load torch, and an exception of theirs can only come from a command that imported them.
 """
 
@@ -51,18 +51,15 @@ def _out_of_memory(error: BaseException) -> OutOfMemoryError:
 
 def _rank_failure(error: Exception):
     """pan2cli.distributed when `error` is a known failure of a rank under torchrun, else None."""
-    distributed = sys.modules.get("pan2cli.distributed")  # every command that runs on ranks imported it
-    if distributed is None or not _launch().under_torchrun():
+    if "pan2cli.distributed.group" not in sys.modules:  # every command that runs on ranks imported it
+        return None
+    distributed = sys.modules["pan2cli.distributed"]
+    if not distributed.under_torchrun():
         return None
     known = isinstance(
         error, (distributed.WorkerExit, Pan2Error, _TerminatedCommand, click.exceptions.Abort)
     ) or _is_out_of_memory(error)
     return distributed if known else None
-
-
-def _launch():
-    """pan2cli.launch, which pan2cli.distributed imports: present whenever `_rank_failure` found a rank."""
-    return sys.modules["pan2cli.launch"]
 
 
 def _worker_exit(error: BaseException, distributed) -> int:
@@ -120,7 +117,7 @@ class Pan2Group(click.Group):
                 distributed = _rank_failure(exc)
                 if distributed is None:
                     raise
-                sys.exit(_launch().record_exit(_worker_exit(exc, distributed)))
+                sys.exit(distributed.record_exit(_worker_exit(exc, distributed)))
         except _TerminatedCommand:
             click.echo("Terminated.", err=True)
             sys.exit(EXIT_TERMINATED)

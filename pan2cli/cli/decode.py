@@ -2,7 +2,7 @@
 
 Usage: pan2 decode LATENTS... [-o OUT] [--vae PATH|REPO] [--format mp4|png|pt] [--gpus N] [...]
 
-With `--gpus N` the command re-launches itself in N processes (`pan2cli.launch`); each rank then
+With `--gpus N` the command re-launches itself in N processes (`pan2cli.distributed.launcher`); each rank then
 runs `_decode`: inputs checked and the model loaded on every rank with a sync point after each, rank 0
 alone writing and printing. torch and the decoder are imported inside `_decode`: `pan2 --help` does not
 load them.
@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Iterable
 
 import click
 
-from pan2cli.cli._launch import run_on_ranks
 from pan2cli.cli._options import (
     check_fps,
     device_option,
@@ -31,6 +30,7 @@ from pan2cli.cli._options import (
 )
 from pan2cli.cli._output import gib, info, progress_bar, result, status, warn
 from pan2cli.config import DECODE_KERNEL_MODES, DEFAULT_CHUNK_LATENT_FRAMES, RuntimeConfig
+from pan2cli.distributed.run import run_on_ranks
 from pan2cli.errors import InputError, Pan2Error
 from pan2cli.outputs import (
     DEFAULT_CRF,
@@ -351,13 +351,14 @@ def _decode(options: DecodeOptions):
     """The decode command's work in this process: the only one, or one rank of several (`device` then set)."""
     import torch
 
-    from pan2cli import distributed, launch
+    from pan2cli import distributed
+    from pan2cli.ffmpeg import check_mp4_encoder
     from pan2cli.latents import load_latents
     from pan2cli.vae.decoder import decode_latents, open_decoder
     from pan2cli.vae.identity import check_latents_vae, vae_identity
     from pan2cli.vae.kernel.choice import check_decode_kernel_mode
     from pan2cli.vae.kernel.decoder import WanKernelDecoder
-    from pan2cli.video import check_mp4_encoder, open_video_writer
+    from pan2cli.video import open_video_writer
 
     main = distributed.is_main()
     quiet = options.quiet or not main  # progress and summaries come from rank 0
@@ -432,7 +433,7 @@ def _decode(options: DecodeOptions):
             if main
             else nullcontext()
         )
-        with writing as writer, launch.partial_output(writer.tmp_path if writer is not None else None):
+        with writing as writer, distributed.partial_output(writer.tmp_path if writer is not None else None):
             total = decoder.config.frames_out(z.shape[1])
             with progress_bar(
                 f"Decoding {job.source.path.name}",

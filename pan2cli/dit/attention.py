@@ -1,8 +1,8 @@
 """Which scaled-dot-product-attention kernel the transformer runs, chosen by pan2 rather than left to torch.
 
 The joint attention over [video; text] is 40–72 % of a PAN 2 block's FLOPs at 704x1248. On an H200,
-cuDNN's SDPA reached 573–614 TFLOP/s at these shapes and the flash backend 357–365 (issue 15), and
-torch's own pick is not guaranteed to be cuDNN. So the denoising runs under an explicit priority:
+cuDNN's SDPA reached 573–614 TFLOP/s at these shapes and the flash backend 357–365 (measured with
+scripts/bench_dit.py), and torch's own pick is not guaranteed to be cuDNN. So the denoising runs under an explicit priority:
 
     cuDNN → flash → memory-efficient → math
 

@@ -6,7 +6,7 @@ __all__ = ["GenerationResult", "VideoGenerator"]
 
 
 def __getattr__(name: str):
-    # Lazy: `pan2 generate --help` reads pan2cli.pipeline.components without loading torch.
+    # Lazy: the torch-free modules of the package (prompts, jobs, batch_plan, memory_plan) import without torch.
     if name in ("GenerationResult", "VideoGenerator"):
         from pan2cli.pipeline import generator
 

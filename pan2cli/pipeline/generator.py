@@ -30,21 +30,21 @@ from typing import Callable, Iterator
 import torch
 
 from pan2cli import distributed
+from pan2cli.components.locate import PAN2Components, resolve_components
 from pan2cli.config import GenerationSettings, RuntimeConfig, settings_with
 from pan2cli.dit.attention import attention_backend, attention_backends, attention_order
 from pan2cli.dit.fp8_attention_choice import fp8_attention_ran, reset_fp8_attention_record
 from pan2cli.errors import InputError, Pan2Error, out_of_memory
 from pan2cli.outputs import DEFAULT_X264_PRESET, check_output_path
 from pan2cli.pipeline.background import BackgroundLoad
-from pan2cli.pipeline.components import PAN2Components, resolve_components
 from pan2cli.pipeline.conditioning import condition_latents
 from pan2cli.pipeline.image import encode_image, fit_image, load_start_image
 from pan2cli.pipeline.jobs import GenerationJob, GenerationResult, sidecar_path
 from pan2cli.pipeline.memory import free_memory
 from pan2cli.pipeline.sampling import denoise, initial_noise, split_ranks
-from pan2cli.pipeline.scheduler import uses_guidance
 from pan2cli.pipeline.streaming import BatchStream
 from pan2cli.presets import DEFAULT_PRESET, Preset, load_preset, preset_label
+from pan2cli.scheduler import uses_guidance
 from pan2cli.version import __version__
 
 # Progress hook: (description, total, unit) → context manager yielding `advance(n)`.
@@ -327,7 +327,7 @@ class VideoGenerator(BatchStream):
 
     def _start_text_read(self) -> BackgroundLoad:
         """The text encoder's tensors read to the device in the background (`read_text_tensors`)."""
-        from pan2cli.pipeline.text import read_text_tensors
+        from pan2cli.text.checkpoint import read_text_tensors
 
         folder = self.components.folder("text_encoder")
         where = self._text_device()
@@ -371,7 +371,8 @@ class VideoGenerator(BatchStream):
         transformer: BackgroundLoad | None,
         text_tensors: BackgroundLoad,
     ) -> None:
-        from pan2cli.pipeline.text import PAN2TextEncoder, load_text_model, load_tokenizer
+        from pan2cli.text.checkpoint import load_text_model, load_tokenizer
+        from pan2cli.text.encoder import PAN2TextEncoder
 
         tokenizer = load_tokenizer(self.components.folder("tokenizer"))  # while the text read runs
         text_model = load_text_model(

@@ -58,7 +58,7 @@ STREAM_BUFFERS = (
 TEXT_ACTIVATION_BYTES = 1 * GIB  # the text model on ≤ 1.5 k tokens (a short prompt's measured peak: 0.1 GiB)
 ENCODER_PEAK_BYTES = 4 * GIB  # the VAE encoder on one 704x1248 frame (image-to-video)
 HOST_ALLOWANCE_BYTES = 4 * GIB  # the process itself: Python, torch, CUDA's host side, the readers' buffers
-MAX_TEXT_TOKENS = 1536  # the text features PAN 2 keeps (`pan2cli.pipeline.text.MAX_PROMPT_TOKENS`)
+MAX_TEXT_TOKENS = 1536  # the text features PAN 2 keeps (`pan2cli.text.encoder.MAX_PROMPT_TOKENS`)
 PCIE4_BYTES_PER_S = 25e9  # what a PCIe 4 x16 link moves host-to-device in practice
 
 

@@ -13,11 +13,11 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from pan2cli import distributed, launch
+from pan2cli import distributed
 from pan2cli.config import GenerationSettings, RuntimeConfig
 from pan2cli.host_memory import read_host_memory
 from pan2cli.pipeline.memory_plan import Alternative, LayeredSizes, MemoryPlan, RunShape, plan_memory
-from pan2cli.pipeline.scheduler import uses_guidance
+from pan2cli.scheduler import uses_guidance
 
 GIB = 2**30
 
@@ -40,8 +40,8 @@ def transformer_sizes(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, pr
 
 def text_encoder_sizes(folder: Path, dtype: torch.dtype) -> LayeredSizes:
     """The text model's bytes in `dtype`, per layer PAN 2 runs and for the rest (the embeddings), from its config."""
-    from pan2cli.pipeline.qwen3_5 import Qwen35TextModel
-    from pan2cli.pipeline.text import encoder_layers, read_text_config
+    from pan2cli.text.checkpoint import encoder_layers, read_text_config
+    from pan2cli.text.qwen3_5 import Qwen35TextModel
 
     config = read_text_config(Path(folder))
     with torch.device("meta"):
@@ -99,7 +99,7 @@ def make_plan(
     free, _ = torch.cuda.mem_get_info(device)
     cap = int(config.max_gpu_memory_gib * GIB) if config.max_gpu_memory_gib is not None else None
     host = read_host_memory()
-    local_ranks = launch.env_local_world_size(distributed.world_size())
+    local_ranks = distributed.env_local_world_size(distributed.world_size())
     if host is not None and local_ranks > 1:  # every process of this machine page-locks its own copy
         host = dataclasses.replace(host, available=host.available // local_ranks)
     alternatives = []

@@ -26,8 +26,8 @@ def check_run_options(
         InputError: an option that cannot run here (exit 2).
         Pan2Error: no usable ffmpeg (exit 1).
     """
+    from pan2cli.ffmpeg import check_mp4_encoder
     from pan2cli.vae.kernel.choice import check_decode_kernel_mode
-    from pan2cli.video import check_mp4_encoder
 
     device = config.torch_device()
     config.torch_generator_device(device)

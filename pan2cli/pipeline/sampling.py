@@ -1,6 +1,6 @@
 """The denoising loop: flow-matching Euler with classifier-free guidance, on one process or split over several.
 
-One video on several processes (issue 15), every rank holding the whole transformer:
+One video on several processes, every rank holding the whole transformer:
 - CFG-parallel: the first half of the ranks runs the conditional pass, the second half the
   unconditional one, and the two predictions are swapped with one all-gather per step, so a step costs
   one pass per GPU instead of two;
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from pan2cli import distributed
 from pan2cli.dit.parallel import SequenceParallel
 from pan2cli.pipeline.offload import streams_blocks
-from pan2cli.pipeline.scheduler import euler_step, guided, uses_guidance
+from pan2cli.scheduler import euler_step, guided, uses_guidance
 
 
 def initial_noise(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from pan2cli import distributed, launch
+from pan2cli import distributed
 from pan2cli.atomic import replace_into, write_text
 from pan2cli.constants import video_frames
 from pan2cli.errors import InputError, Pan2Error
@@ -186,7 +186,7 @@ class BatchStream:
         cfg = self.config
         world = distributed.world_size()
         # Ranks split a decode by rows only when they share the job and sit on one machine.
-        parallel = cfg.decode_kernel_parallel and shared and launch.env_local_world_size(world) == world
+        parallel = cfg.decode_kernel_parallel and shared and distributed.env_local_world_size(world) == world
         start = time.perf_counter()
         try:
             decoder, note = open_decoder(
@@ -255,7 +255,7 @@ class BatchStream:
             writer = open_video_writer(job.output, "mp4", settings.fps, crf=job.crf, overwrite=job.overwrite)
         written: list[Path] = []  # beside the video in this attempt: removed if the video is not committed
         try:
-            with launch.partial_output(writer.tmp_path if writer is not None else None):
+            with distributed.partial_output(writer.tmp_path if writer is not None else None):
                 sink = _FrameSink(job.return_frames and writes, writer)
                 total = video_frames(result.latents.shape[2])
                 with self._timed(result, "decode"), self.progress("Decoding", total, "frames") as advance:

@@ -32,7 +32,8 @@ from pan2cli.dit.rope import rope_table  # noqa: E402
 from pan2cli.triton_support import triton_interpreting  # noqa: E402
 
 COPY_BANDWIDTH = 4.2e12  # bytes/s, H200 device-to-device copy (read + written), docs/measuring.md
-# Issue 15's bound on every fused op at the release shapes: within 1.35x of the HBM floor.
+# The target each fused op was written to at the release shapes: within 1.35x of its HBM floor (and faster than
+# torch.compile's code; docs/BENCHMARKS.md).
 FLOOR_TARGET = 1.35
 
 

@@ -51,7 +51,7 @@ def test_mp4_has_the_right_frames_size_and_fps(run_cli, tiny_vae, latents_file, 
     assert result.exit_code == 0, result.stderr
     assert result.stdout.strip() == str(out)
     assert "9 frames, 32x48, 12 fps" in result.stderr  # height x width, the order of --size
-    # the decode's own seconds, its rate and first frame, and the total with the encode (issue 14)
+    # the decode's own seconds, its rate and first frame, and the total with the encode
     figures = re.search(
         r"decode (\d+\.\d+) s \(.*, (\d+\.\d) frames/s, first frame after (\d+\.\d+) s\), total (\d+\.\d+) s",
         result.stderr,
@@ -272,7 +272,7 @@ def _closed_port_endpoint() -> str:
     """An endpoint whose port refuses connections: bound (the OS chooses the port) and never listening, the
     socket kept open until the test process ends so that no other process can bind the port meanwhile.
 
-    Issue 18: a socket closed before use frees its port, which another process could then listen on."""
+    Kept open: a socket closed before use frees its port, which another process could then listen on."""
     import atexit
 
     s = socket.socket()  # no SO_REUSEADDR: a second bind of the port fails while this socket holds it
@@ -516,7 +516,7 @@ atexit.register(lambda: open(os.environ["PAN2_TEST_MODULES"], "w").write(" ".joi
 
 
 def test_a_decode_imports_nothing_heavy(tiny_vae, latents_file, tmp_path):
-    """Issue 14: `pan2 decode` stays lean: no transformers, and none of torch's compiler stack (3 s)."""
+    """`pan2 decode` stays lean: no transformers, and none of torch's compiler stack (3 s)."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(_REPORT_HEAVY_MODULES)
@@ -553,7 +553,7 @@ def test_x264_preset_reaches_the_encoder(run_cli, tiny_vae, latents_file, tmp_pa
     assert result.exit_code == 2 and "--x264-preset" in result.stderr
 
 
-# Issue 18: every option reaches the decode or the file, every batch item is its own video, and the MP4 holds
+# Every option reaches the decode or the file, every batch item is its own video, and the MP4 holds
 # the decode's frames in order. Each test below failed with the bug it names put into the code by hand.
 
 
@@ -583,7 +583,7 @@ def _mp4_frames(path: Path) -> tuple[torch.Tensor, float]:
 def test_chunk_latent_frames_sets_the_decoder_passes(
     run_cli, tiny_vae, latents_file, tmp_path, writer_chunks, chunk, chunks
 ):
-    """Issue 18: `--chunk-latent-frames` reaches the decoder (the bug: the CLI not passing the value on, so
+    """`--chunk-latent-frames` reaches the decoder (the bug: the CLI not passing the value on, so
     every decode ran in chunks of 4). The frames are the same whatever the chunk size (the design), so the
     visible effect is the decoder passes: each hands the writer its frames in one piece."""
     path = latents_file((48, 5, 2, 2))
@@ -612,7 +612,7 @@ def _psnr_db(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_mp4_holds_the_frames_of_the_decode_in_order(run_cli, tiny_vae, latents_file, tmp_path):
-    """Issue 18: the MP4 holds the decode's frames, each in its place (the bug: frames shifted by one, the
+    """The MP4 holds the decode's frames, each in its place (the bug: frames shifted by one, the
     first dropped and the last doubled; a mean error bound let it through). The .pt output of the same
     decode is the reference. The random-weight decoder draws pixel-scale noise that yuv420p's halved chroma
     cannot carry (13 dB per pixel in RGB even at --crf 0), so luma, which H.264 keeps at full resolution, is
@@ -638,7 +638,7 @@ def test_mp4_holds_the_frames_of_the_decode_in_order(run_cli, tiny_vae, latents_
 
 
 def test_each_batch_item_is_decoded_from_its_own_latents(run_cli, tiny_vae, latents_file, tmp_path):
-    """Issue 18: batch item i is decoded from latents[i] (the bug: every item written from item 0). Each
+    """Batch item i is decoded from latents[i] (the bug: every item written from item 0). Each
     video of a batch [2, 48, T, H, W] equals the decode of that item alone, from a file of its own: the same
     shapes and the same convolutions, so the same frames."""
     path = latents_file((2, 48, 2, 2, 3), name="batch.pt")
@@ -657,7 +657,7 @@ def test_each_batch_item_is_decoded_from_its_own_latents(run_cli, tiny_vae, late
 
 
 def test_fps_option_sets_the_container_frame_rate(run_cli, tiny_vae, latents_file, tmp_path):
-    """Issue 18: `--fps` wins over the latents file's `fps` (the bug: the CLI ignoring the option's value)."""
+    """`--fps` wins over the latents file's `fps` (the bug: the CLI ignoring the option's value)."""
     path = latents_file((48, 2, 2, 2), fps=12)
     out = tmp_path / "v.mp4"
     result = run_cli("decode", path, "-o", out, "--vae", tiny_vae, "--fps", "30")
@@ -668,7 +668,7 @@ def test_fps_option_sets_the_container_frame_rate(run_cli, tiny_vae, latents_fil
 
 
 def test_crf_option_reaches_the_encoder(run_cli, tiny_vae, latents_file, tmp_path):
-    """Issue 18: `--crf` reaches x264 (the bug: the CLI ignoring the option's value): the same frames make a
+    """`--crf` reaches x264 (the bug: the CLI ignoring the option's value): the same frames make a
     strictly smaller file as the quality factor grows (measured 22669, 8639 and 2499 bytes)."""
     path = latents_file((48, 3, 2, 3))
     sizes = []
@@ -681,7 +681,7 @@ def test_crf_option_reaches_the_encoder(run_cli, tiny_vae, latents_file, tmp_pat
 
 
 def test_quiet_prints_nothing_on_stderr(run_cli, tiny_vae, latents_file, tmp_path):
-    """Issue 18: `-q` silences stderr entirely, the path written still on stdout (the bug: the option
+    """`-q` silences stderr entirely, the path written still on stdout (the bug: the option
     ignored, the loading line and the summary printed)."""
     path = latents_file((48, 1, 2, 2))
     loud = run_cli("decode", path, "-o", tmp_path / "loud.mp4", "--vae", tiny_vae, "--device", "cpu")
@@ -695,7 +695,7 @@ def test_quiet_prints_nothing_on_stderr(run_cli, tiny_vae, latents_file, tmp_pat
 
 
 def test_unknown_option_with_valid_inputs_is_a_usage_error(run_cli, tiny_vae, latents_file, tmp_path):
-    """Issue 18: an unknown option is refused even when everything else is valid (the test in
+    """An unknown option is refused even when everything else is valid (the test in
     test_cli_misc.py names a missing input, which exits 2 whatever happens to the option)."""
     path = latents_file((48, 1, 2, 2))
     result = run_cli("decode", path, "-o", tmp_path / "v.mp4", "--vae", tiny_vae, "--no-such-option")
@@ -705,7 +705,7 @@ def test_unknown_option_with_valid_inputs_is_a_usage_error(run_cli, tiny_vae, la
     assert _frames_on_disk(tmp_path) == ["latents.pt"]
 
 
-# Issue 27: what a new user hit, each test failing on the code before its fix.
+# What a new user hit, each test failing on the code before its fix.
 
 
 def _no_vae_load(monkeypatch):
@@ -771,7 +771,7 @@ def test_device_is_echoed_as_given(run_cli, tiny_vae, latents_file, monkeypatch)
 
 
 def test_revision_reaches_the_hub(run_cli, tiny_vae, latents_file, tmp_path, monkeypatch):
-    """Point 6 of issue 27: `--revision` reaches the hub's download (the bug: the main branch fetched instead).
+    """`--revision` reaches the hub's download (the bug: the main branch fetched instead).
     huggingface_hub's download is replaced by one that records the revision and serves the tiny VAE."""
     import huggingface_hub
 
@@ -814,7 +814,7 @@ def test_revision_with_a_local_vae_says_it_is_ignored(run_cli, tiny_vae, latents
 def test_a_file_that_appears_at_the_output_during_the_decode_is_kept(
     run_cli, tiny_vae, latents_file, tmp_path, monkeypatch
 ):
-    """Point 6 of issue 27: the writer's commit checks the target again: a file written there while the decode ran
+    """The writer's commit checks the target again: a file written there while the decode ran
     (another run, another user) is kept, exit 2 with one clear line, no temporary left; `--overwrite` replaces it."""
     real_decode = decode_module.decode_latents
     out = tmp_path / "v.mp4"

@@ -35,7 +35,7 @@ COMMANDS = ["decode", "doctor", "generate", "kernels", "presets"]
 
 
 def test_help_lists_commands_and_exit_codes(run_cli):
-    """Issue 18: every command is registered on the group and listed in its `Commands:` section (the names
+    """Every command is registered on the group and listed in its `Commands:` section (the names
     also appear in the group's example text, so finding them anywhere in the help proves nothing)."""
     assert sorted(cli.commands) == COMMANDS
     result = run_cli("--help")
@@ -114,7 +114,7 @@ def test_a_known_error_is_one_line_without_a_traceback(run_cli, tiny_vae, tmp_pa
 
 @pytest.mark.parametrize("how", ["--debug", "PAN2_DEBUG=1"])
 def test_debug_shows_the_traceback_of_a_known_error(run_cli, tiny_vae, tmp_path, monkeypatch, how):
-    """Issue 18: `pan2 --debug ...` and `PAN2_DEBUG=1` print the traceback of a known error (exit code and
+    """`pan2 --debug ...` and `PAN2_DEBUG=1` print the traceback of a known error (exit code and
     `Error:` line unchanged); `PAN2_DEBUG=0` does not."""
     _without_pan2_debug(monkeypatch)  # --debug sets PAN2_DEBUG in this process
     args = ["decode", _corrupt_latents(tmp_path), "--vae", tiny_vae, "--device", "cpu"]
@@ -267,7 +267,7 @@ def test_kernels_build_without_a_gpu_exits_1():
 
 
 def test_progress_bar_shows_the_rate_and_the_first_item(monkeypatch):
-    """Issue 14: the decode's bar shows frames per second and when the first frame was written."""
+    """The decode's bar shows frames per second and when the first frame was written."""
     import io
 
     from rich.console import Console
@@ -289,7 +289,7 @@ def test_progress_bar_shows_the_rate_and_the_first_item(monkeypatch):
 @pytest.mark.parametrize("width", [80, 200])
 @pytest.mark.parametrize("description", ["Decoding big.pt", "Decoding latents_of_a_long_run_name_0042.pt"])
 def test_progress_bar_fits_the_terminal_with_its_totals_and_times(monkeypatch, width, description):
-    """Issue 27: on an 80-column terminal the bar hid its totals and times (`81/… 0:…`). Every number stays whole
+    """On an 80-column terminal the bar once hid its totals and times (`81/… 0:…`). Every number stays whole
     at 80 columns (the description gives way, then the bar; the first frame's time waits for 100 columns, the
     summary line says it), and a wide terminal shows everything."""
     import io

@@ -107,7 +107,7 @@ def test_a_duration_must_be_a_positive_number(duration):
 
 @pytest.mark.parametrize("fps", [float("nan"), float("inf"), 0.0, 1e-9, 0.0099, 1000.5, 1e9])
 def test_a_frame_rate_an_mp4_cannot_carry_is_refused_with_the_settings(fps, tmp_path):
-    """Issue 27: the frame rate is checked with the other settings, from flags and preset files alike, before
+    """The frame rate is checked with the other settings, from flags and preset files alike, before
     anything loads: 0.01 to 1000 fps (1e-9 ran the whole generation before ffmpeg failed; 1e9 wrote a file
     stating "1001k fps")."""
     from pan2cli.presets import preset_to_toml
@@ -170,9 +170,7 @@ def test_settings_normalise_prompt_numbers_and_image():
     settings = settings_with(
         PRESET, {"prompt": "  a cat \n", "guidance": 3, "flow_shift": 5, "image": "a.png"}
     )
-    assert (
-        settings.prompt == "  a cat \n"
-    )  # as given: the release encodes the prompt's whitespace too (issue 27)
+    assert settings.prompt == "  a cat \n"  # as given: the release encodes the prompt's whitespace too
     assert settings.guidance == 3.0 and isinstance(settings.guidance, float)
     assert settings.flow_shift == 5.0 and isinstance(settings.flow_shift, float)
     assert settings.image == Path("a.png")
@@ -249,8 +247,8 @@ def test_pan2_generate_takes_preset_then_flags_then_record(tmp_path):
     assert (record.negative_prompt, record.seed, record.image) == ("dark", 2, tmp_path / "start.png")
     assert record.frames == 13  # the record's 1 s at the flags' 12 fps, not --frames 9
     assert (record.steps, record.flow_shift, record.height) == (2, 3.0, PRESET.height)
-    # The sidecar's overrides: what each video's settings took over the preset, and from where (issue 27: the
-    # record's were missing); the record's duration replaced --frames, which is not there.
+    # The sidecar's overrides: what each video's settings took over the preset, and from where (the record's
+    # too, which were once missing); the record's duration replaced --frames, which is not there.
     flag = {name: {"value": flags[name], "from": f"--{name.replace('_', '-')}"} for name in flags}
     from_record = {
         "seed": 2,
@@ -270,7 +268,7 @@ def test_pan2_generate_takes_preset_then_flags_then_record(tmp_path):
 
 
 def test_a_bad_record_is_its_own_failure_a_bad_flag_the_commands(tmp_path):
-    """Issue 27: a record that cannot run is a failure of its own, naming the file and the record, and the other
+    """A record that cannot run is a failure of its own, naming the file and the record, and the other
     records are still jobs; a bad flag is every record's problem: the command's error, naming the flag's value."""
     from pan2cli.pipeline.batch_plan import plan_jobs
 
@@ -287,7 +285,7 @@ def test_a_bad_record_is_its_own_failure_a_bad_flag_the_commands(tmp_path):
 
 def test_video_generator_takes_preset_then_arguments(monkeypatch):
     from pan2cli.pipeline.generator import VideoGenerator
-    from pan2cli.pipeline.scheduler import SchedulerConfig
+    from pan2cli.scheduler import SchedulerConfig
 
     components = SimpleNamespace(transformer_arguments={}, scheduler=SchedulerConfig())
     generator = VideoGenerator(components, RuntimeConfig(device="cpu"))
@@ -302,7 +300,7 @@ def test_video_generator_takes_preset_then_arguments(monkeypatch):
     (job,) = seen
     assert job.settings == settings_with(PRESET, {"prompt": "a cat", "steps": 2, "duration": 1, "fps": 12.0})
     assert job.settings.seed == PRESET.seed and job.metadata == {"preset": "pan2-5s"}
-    # Issue 27: a user's preset file is recorded by its absolute path (its stem is no preset `--preset` knows)
+    # A user's preset file is recorded by its absolute path (its stem is no preset `--preset` knows)
     generator.generate("a cat", preset=dataclasses.replace(PRESET, source=Path("my.toml")))
     assert seen[-1].metadata == {"preset": str(Path("my.toml").resolve())}
     generator.generate("a cat", preset=PRESET.source)  # the shipped file, by its path: the shipped preset

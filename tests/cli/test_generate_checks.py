@@ -129,7 +129,7 @@ def test_an_ffmpeg_that_does_not_run_is_said_before_any_work(tmp_path, monkeypat
     import imageio_ffmpeg
 
     from pan2cli.errors import Pan2Error
-    from pan2cli.video import check_mp4_encoder
+    from pan2cli.ffmpeg import check_mp4_encoder
 
     broken = tmp_path / "ffmpeg"
     broken.write_text("#!/bin/sh\nexit 127\n")

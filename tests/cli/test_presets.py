@@ -206,7 +206,7 @@ def test_missing_key_names_it(tmp_path: Path, key: str) -> None:
 
 
 def test_a_preset_without_flow_shift_leaves_it_to_the_checkpoint(tmp_path: Path) -> None:
-    """Issue 27: a preset sets the shift only where it says so; `show` writes the key as a comment, and the
+    """A preset sets the shift only where it says so; `show` writes the key as a comment, and the
     file it prints loads back the same."""
     preset = load_preset(write_preset(tmp_path, drop=("flow_shift",)))
     assert preset.flow_shift is None and OPTIONAL_KEYS == ("flow_shift", "precision")

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pan2cli import distributed, launch
+from pan2cli import distributed
 from pan2cli.config import RuntimeConfig
+from pan2cli.distributed import launcher, protocol
 from pan2cli.errors import InputError
 from pan2cli.testing.random_weights import random_vae_state_dict
 from pan2cli.vae.config import WanVAEConfig
@@ -59,7 +60,7 @@ def _split_decode(rank: int, world: int, init_file: str, shape, chunk: int, out_
         (2, (1, 48, 3, 3, 5), 2),  # rows 2/1
         (3, (1, 48, 3, 7, 3), 4),  # rows 3/2/2, odd width
         (3, (2, 48, 2, 4, 2), 1),  # rows 2/1/1, batch of 2
-        (4, (1, 48, 2, 6, 2), 4),  # rows 2/2/1/1: halos at 1-row bands (larger N, issue 7)
+        (4, (1, 48, 2, 6, 2), 4),  # rows 2/2/1/1: halos at 1-row bands, more ranks than 2
     ],
     ids=["2ranks-H3", "3ranks-H7", "3ranks-H4-batch2", "4ranks-H6"],
 )
@@ -109,7 +110,7 @@ def test_no_split_in_one_process_or_when_switched_off():
 
 
 def test_two_ranks_split_the_rows_unless_switched_off(monkeypatch):
-    """Issue 18: in a process group of 2, the decode is split by rows, and `decode_kernel_parallel=False`
+    """In a process group of 2, the decode is split by rows, and `decode_kernel_parallel=False`
     still decodes whole frames (one process's check cannot see that: it returns None before the option)."""
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
     monkeypatch.setattr(distributed, "rank", lambda: 1)
@@ -123,14 +124,14 @@ def test_two_ranks_split_the_rows_unless_switched_off(monkeypatch):
 def test_collective_timeout_defaults_to_300_s(monkeypatch):
     """`PAN2_DIST_TIMEOUT` (seconds) bounds every collective's wait; unset or empty: 300 s."""
     monkeypatch.delenv("PAN2_DIST_TIMEOUT", raising=False)
-    assert launch._timeout() == timedelta(seconds=300)
+    assert protocol.collective_timeout() == timedelta(seconds=300)
     monkeypatch.setenv("PAN2_DIST_TIMEOUT", "")
-    assert launch._timeout() == timedelta(seconds=300)
+    assert protocol.collective_timeout() == timedelta(seconds=300)
 
 
 def test_collective_timeout_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("PAN2_DIST_TIMEOUT", "12.5")
-    assert launch._timeout() == timedelta(seconds=12.5)
+    assert protocol.collective_timeout() == timedelta(seconds=12.5)
 
 
 @pytest.mark.parametrize(
@@ -142,7 +143,7 @@ def test_a_bad_collective_timeout_is_bad_input(monkeypatch, value, message):
     """A value that is no positive number of seconds is refused by name (exit 2), not replaced by the default."""
     monkeypatch.setenv("PAN2_DIST_TIMEOUT", value)
     with pytest.raises(InputError) as refused:
-        launch._timeout()
+        protocol.collective_timeout()
     assert str(refused.value) == message and refused.value.exit_code == 2
 
 
@@ -176,18 +177,18 @@ def test_decode_kernel_parallel_is_a_runtime_option():
 
 def test_strip_option_removes_both_spellings():
     args = ["decode", "a.pt", "--gpus", "2", "-o", "v.mp4", "--gpus=3", "--device", "cpu"]
-    assert launch.strip_option(args, "--gpus") == ["decode", "a.pt", "-o", "v.mp4", "--device", "cpu"]
+    assert launcher.strip_option(args, "--gpus") == ["decode", "a.pt", "-o", "v.mp4", "--device", "cpu"]
 
 
 def test_torchrun_environment_is_detected(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
-    assert not launch.under_torchrun()
+    assert not protocol.under_torchrun()
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert not launch.under_torchrun()
+    assert not protocol.under_torchrun()
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert launch.under_torchrun() and launch.env_rank() == 1 and launch.env_world_size() == 2
+    assert protocol.under_torchrun() and protocol.env_rank() == 1 and protocol.env_world_size() == 2
 
 
 def test_a_failing_launcher_is_one_error_line(run_cli, tiny_vae, latents_file, monkeypatch):
@@ -216,12 +217,13 @@ def _launch_refused(monkeypatch) -> list:
         calls.append((nproc, list(args)))
         return 0
 
-    monkeypatch.setattr(launch, "launch", launch_)
+    monkeypatch.setattr(launcher, "launch", launch_)
     return calls
 
 
 def test_more_processes_than_latent_rows_fail_before_any_starts(run_cli, tiny_vae, latents_file, monkeypatch):
-    """Issue 27: `--gpus 16` on latents 8 rows high failed only once all 16 processes had started."""
+    """Refused before any process starts: `--gpus 16` on latents 8 rows high once failed only after all 16
+    processes had started."""
     started = _launch_refused(monkeypatch)
     latents = latents_file((48, 1, 8, 2))
     result = run_cli("decode", latents, "--vae", tiny_vae, "--device", "cpu", "--gpus", 16)
@@ -251,7 +253,7 @@ def test_one_prompt_on_more_processes_than_latent_rows_fails_before_any_starts(r
 
 
 def _failure(exitcode: int, timestamp: int = 100):
-    """One of torchrun's per-rank failures (`ChildFailedError.failures`), as `launch._exit_code_of` reads it."""
+    """One of torchrun's per-rank failures (`ChildFailedError.failures`), as `launcher.exit_code_after_failure` reads it."""
     return SimpleNamespace(exitcode=exitcode, timestamp=timestamp)
 
 
@@ -281,9 +283,9 @@ def _failure(exitcode: int, timestamp: int = 100):
 def test_ranks_that_chose_their_code_are_never_counted_as_killed(
     capsys, monkeypatch, exitcodes, recorded, hung, code, lines
 ):
-    """Issue 27: counting ranks that recorded their own exit code as killed went unnoticed (every rank
+    """A rank that recorded its own exit code is never counted as killed (a bug that once went unnoticed: every rank
     chose 130, or lost contact: "rank 0 exited with code 130 without an error message", exit 1)."""
     monkeypatch.delenv("PAN2_DIST_TIMEOUT", raising=False)
     failures = {rank: _failure(exitcode) for rank, exitcode in exitcodes.items()}
-    assert launch._exit_code_of(failures, recorded, hung) == code
+    assert launcher.exit_code_after_failure(failures, recorded, hung) == code
     assert capsys.readouterr().err.splitlines() == lines

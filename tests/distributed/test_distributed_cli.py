@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pan2cli.distributed.protocol import EXIT_PEER_LOST
 from pan2cli.errors import EXIT_INTERRUPTED
-from pan2cli.launch import _EXIT_PEER_LOST
 from tests.subprocess_env import python_env
 
 # Loaded by every process through PYTHONPATH: makes one rank fail (or hang) after its first chunk.
@@ -74,15 +74,15 @@ if "RANK" in os.environ and os.environ.get("PAN2_TEST_PIDS"):
 _RECORD_EXITS = """
 import os
 if "RANK" in os.environ and os.environ.get("PAN2_TEST_EXITS"):
-    import pan2cli.launch as launch
-    real_record_exit = launch.record_exit
+    import pan2cli.distributed.lifecycle as lifecycle
+    real_record_exit = lifecycle.record_exit
 
     def record_exit(code):
         with open(os.path.join(os.environ["PAN2_TEST_EXITS"], "exit" + os.environ["RANK"]), "w") as f:
             f.write(str(code))
         return real_record_exit(code)
 
-    launch.record_exit = record_exit
+    lifecycle.record_exit = record_exit
 """
 
 
@@ -94,8 +94,8 @@ _PAUSE_AFTER_THE_FIRST_CHUNK = """
 import os, signal, time
 if "RANK" in os.environ and os.environ.get("PAN2_TEST_PIDS"):
     if os.environ.get("PAN2_TEST_POLL_PARENT") == "1":
-        import pan2cli.launch
-        pan2cli.launch._signal_when_parent_dies = lambda: False
+        import pan2cli.distributed.lifecycle
+        pan2cli.distributed.lifecycle._signal_when_parent_dies = lambda: False
     with open(os.path.join(os.environ["PAN2_TEST_PIDS"], "rank" + os.environ["RANK"]), "w") as f:
         f.write(str(os.getpid()))
     from pan2cli.vae.model import WanVAEDecoder
@@ -201,7 +201,7 @@ def test_gpus_on_cpu_writes_the_frames_of_one_process(tiny_vae, latents, tmp_pat
     )
     assert two.returncode == 0, two.stderr
     assert two.stdout.strip() == "two.pt"  # rank 0 alone prints the path and the summary
-    assert list(tmp.iterdir()) == []  # issue 27: no torchelastic_* (torchrun's run folder) or pan2-ranks-*
+    assert list(tmp.iterdir()) == []  # no torchelastic_* (torchrun's run folder) or pan2-ranks-*
     assert two.stderr.count("9 frames, 80x48") == 1
     a = torch.load(tmp_path / "one.pt", weights_only=True)
     b = torch.load(tmp_path / "two.pt", weights_only=True)
@@ -266,7 +266,7 @@ def test_an_error_every_rank_hits_after_the_launch_is_printed_once(tiny_vae, lat
 def test_one_rank_failing_stops_all_with_its_code(tiny_vae, latents, tmp_path, failing_rank):
     """One rank's error stops every rank at once, with that rank's code and error line.
 
-    No clock (issue 18): "at once" is checked by what ended the ranks. The collective timeout is set
+    No clock (docs/TESTING.md): "at once" is checked by what ended the ranks. The collective timeout is set
     beyond the 120 s hang guard of `_python` (ranks the guard leaves behind still end 30 s later), so a
     run that needed it to end fails as a hang; and the healthy rank must have chosen its own exit code (a
     quiet exit after its peer's failure, or the end it gives itself on torchrun's SIGTERM), which a rank
@@ -290,7 +290,7 @@ def test_one_rank_failing_stops_all_with_its_code(tiny_vae, latents, tmp_path, f
     ], proc.stderr
     healthy = "1" if failing_rank == "0" else "0"
     assert _chosen_exit(hook, failing_rank) == "1"
-    assert _chosen_exit(hook, healthy) in (str(EXIT_INTERRUPTED), str(_EXIT_PEER_LOST)), proc.stderr
+    assert _chosen_exit(hook, healthy) in (str(EXIT_INTERRUPTED), str(EXIT_PEER_LOST)), proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hook", "latents.pt"]  # no partial output
 
 
@@ -335,7 +335,7 @@ def test_a_rank_killed_stops_all_and_is_named(tiny_vae, latents_file, tmp_path, 
     """A rank killed outright is named, and the other rank ends itself, also where it waits beyond the reach
     of signal handlers ("stuck", as inside NCCL).
 
-    No clock (issue 18): the survivor must have ended before torchrun's SIGKILL, 30 s after its SIGTERM.
+    No clock (docs/TESTING.md): the survivor must have ended before torchrun's SIGKILL, 30 s after its SIGTERM.
     Observed without timing: the survivor chose its own exit code (`_RECORD_EXITS`), which a rank that
     torchrun has to SIGKILL never does; `communicate`'s timeout only guards against a hang."""
     hook, env = _hooked_env(
@@ -377,19 +377,19 @@ def test_a_rank_killed_stops_all_and_is_named(tiny_vae, latents_file, tmp_path, 
     assert "Interrupted." not in err and "Terminated." not in err and "Traceback" not in err
     other = "1" if victim == "0" else "0"
     assert _chosen_exit(hook, victim) is None
-    # torchrun's SIGTERM (130), or its collective failing on the dead peer (_EXIT_PEER_LOST)
-    assert _chosen_exit(hook, other) in (str(EXIT_INTERRUPTED), str(_EXIT_PEER_LOST)), err
+    # torchrun's SIGTERM (130), or its collective failing on the dead peer (EXIT_PEER_LOST)
+    assert _chosen_exit(hook, other) in (str(EXIT_INTERRUPTED), str(EXIT_PEER_LOST)), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hook", "latents.pt"]  # no partial output
 
 
 @pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
 @pytest.mark.parametrize("poll", ["0", "1"], ids=["parent-death-signal", "polling-the-parent"])
 def test_a_launcher_killed_outright_takes_its_ranks_with_it(tiny_vae, latents, tmp_path, poll):
-    """Issue 27: `kill -9` of `pan2 ... --gpus 2` (a scheduler's job kill) ends its ranks at once, with no
+    """`kill -9` of `pan2 ... --gpus 2` (a scheduler's job kill) ends its ranks at once, with no
     output written after it died, no partial file, and nothing left in TMPDIR (pan2's folder of the ranks,
     torchrun's run folder); by Linux's parent-death signal, or by the thread that polls the parent's pid.
 
-    No clock (issue 18): the ranks wait 120 s after their first chunk, and `communicate` returns once every
+    No clock (docs/TESTING.md): the ranks wait 120 s after their first chunk, and `communicate` returns once every
     process holding the launcher's stderr has ended, the ranks included (they inherit it); its 60 s timeout
     only guards against a hang."""
     tmp = tmp_path / "tmp"
@@ -417,10 +417,10 @@ def test_a_launcher_killed_outright_takes_its_ranks_with_it(tiny_vae, latents, t
 
 @pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
 def test_a_hung_rank_is_named_as_hung_after_the_timeout(tiny_vae, latents, tmp_path):
-    """Issue 27: a rank that stops answering (SIGSTOP) is named as hung once its peer waited
+    """A rank that stops answering (SIGSTOP) is named as hung once its peer waited
     PAN2_DIST_TIMEOUT, not as killed by the SIGKILL that ends it; no output or temporary file is left.
 
-    No clock (issue 18): torchrun alone would SIGKILL the stopped rank 30 s after its SIGTERM, and pan2 then
+    No clock (docs/TESTING.md): torchrun alone would SIGKILL the stopped rank 30 s after its SIGTERM, and pan2 then
     reported "rank 1 was killed by signal 9 (SIGKILL)"; the line says which of the two ended it."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()

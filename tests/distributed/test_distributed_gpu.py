@@ -41,7 +41,7 @@ def test_two_gpus_write_the_frames_of_one_gpu(tiny_vae, latents_file, tmp_path):
     b = torch.load(tmp_path / "two.pt", weights_only=True)
     assert a.shape == b.shape
     # The README's claim is exact (frames identical to one GPU's: measured bit for bit at full size on 2
-    # H200s, docs/BENCHMARKS.md), so the test is too (issue 18; before it allowed 1 level).
+    # H200s, docs/BENCHMARKS.md), so the test is too (a bound of 1 level would let a wrong halo row through).
     assert torch.equal(a, b)
 
 

@@ -17,7 +17,7 @@ def diffusers_latents(
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     from pan2cli.dit import load_pan2_transformer
-    from pan2cli.pipeline.text import PAN2TextEncoder
+    from pan2cli.text.encoder import PAN2TextEncoder
 
     encoder = PAN2TextEncoder.load(
         repo / "text_encoder", repo / "tokenizer", dtype=torch.float32, device="cpu"

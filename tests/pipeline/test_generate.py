@@ -1,4 +1,4 @@
-"""`pan2 generate` and `VideoGenerator` on CPU with a tiny release-shaped PAN 2 repository (scripts/make_tiny_pan2.py).
+"""`pan2 generate` and `VideoGenerator` on CPU with a tiny release-shaped PAN 2 repository (`pan2cli.testing.tiny_pan2`).
 
 The sampler is checked against diffusers' FlowMatchEulerDiscreteScheduler (the release's scheduler, used here
 as an oracle only), the image conditioning against the release's recipe written out step by step.
@@ -171,7 +171,7 @@ def test_cli_offload_and_image_to_video_end_to_end(tiny_pan2, generator, start_i
     )
     assert res.exit_code == 0, res.stderr
     assert _mp4_frames(out).shape == (5, 64, 96, 3)
-    # Issue 27: --offload on the CPU runs (the same frames) but changes nothing there, and one line says so
+    # --offload on the CPU runs (the same frames) but changes nothing there, and one line says so
     warnings = [line for line in res.stderr.splitlines() if line.startswith("Warning:")]
     assert len(warnings) == 1 and warnings[0].startswith("Warning: --offload changes nothing on the CPU"), (
         res.stderr
@@ -358,7 +358,7 @@ def _broken_repo(tiny_pan2, tmp_path, case):
         (
             "1x1 start image",
             "is 1x1 pixels: a start image needs at least 16x16",
-        ),  # issue 27: was taken silently
+        ),  # once taken without a word
         ("frames not 1 mod 4", "must be 1 + 4*k"),
         ("size not multiple of 32", "multiple of 32"),
     ],
@@ -432,7 +432,7 @@ def test_duration_rounds_to_the_nearest_frame_count(generator, duration, frames)
 )
 def test_duration_sets_the_nearest_1_plus_4k_frames(duration, fps, frames):
     """`--duration` (and a prompt record's duration) → 4·round(duration·fps/4) + 1 at the preset's or the given fps,
-    without loading a model: durations whose frame counts differ when rounded up or down (issue 18)."""
+    without loading a model: durations whose frame counts differ when rounded up or down."""
     from pan2cli.config import settings_with
     from pan2cli.presets import load_preset
 
@@ -442,7 +442,7 @@ def test_duration_sets_the_nearest_1_plus_4k_frames(duration, fps, frames):
     assert settings.frames == frames and settings.fps == (fps or 24.0)
 
 
-# Issue 27: what a new user hit with `pan2 generate`, and the options whose values no test followed.
+# What a new user hit with `pan2 generate`, and the options whose values no test followed.
 
 
 def test_bad_records_are_reported_with_file_and_number_and_the_others_run(tiny_pan2, run_cli, tmp_path):
@@ -478,7 +478,7 @@ def test_bad_records_are_reported_with_file_and_number_and_the_others_run(tiny_p
 
 
 def test_prompt_file_formats(tmp_path):
-    """Issue 27: `.jsonl` files failed with "Extra data" and no hint. JSON Lines by suffix (`.jsonl`, `.ndjson`), or
+    """`.jsonl` files once failed with "Extra data" and no hint. JSON Lines by suffix (`.jsonl`, `.ndjson`), or
     when a JSON-looking file holds one value per line; JSON by `.json` or a leading `[`/`{`; plain text else."""
     from pan2cli.pipeline.prompts import read_prompt_file
 
@@ -527,7 +527,7 @@ def test_default_names_keep_the_words_of_the_prompt(prompt, name, tmp_path, monk
 
 
 def test_default_names_stay_distinct_for_any_prompt(tmp_path, monkeypatch):
-    """Issue 27: prompts without Latin letters all defaulted to `video.mp4`, the second run failing with "already
+    """Prompts without Latin letters once all defaulted to `video.mp4`, the second run failing with "already
     exists". A slug that is empty, or cut at 48 characters, ends in 8 hex digits of the prompt's SHA-256."""
     import re
 
@@ -548,7 +548,7 @@ def test_default_names_stay_distinct_for_any_prompt(tmp_path, monkeypatch):
 
 
 def test_sidecars_tell_what_ran(tiny_pan2, start_image, run_cli, tmp_path, monkeypatch):
-    """Issue 27: a file preset by its absolute path (its stem is no preset `--preset` takes); overrides from the
+    """A file preset by its absolute path (its stem is no preset `--preset` takes); overrides from the
     flags and the record, each with where it came from (the record's replacing `--frames`); the start image by its
     absolute path; the processes; the DiT kernels and decoder that ran (not `dit_fused_kernels: true` on the CPU);
     each video's own stage seconds, `write` included, and the loads shared by the batch said once, as shared."""
@@ -631,7 +631,7 @@ def test_the_sidecar_names_the_split_over_processes(monkeypatch):
 
 
 def test_generate_crf_reaches_the_encoder(tiny_pan2, run_cli, tmp_path):
-    """Point 6 of issue 27: `--crf` reaches x264 (the bug: the default used instead): the same frames (same seed)
+    """`--crf` reaches x264 (the bug: the default used instead): the same frames (same seed)
     make a larger file at 0 than at 35."""
     sizes = {}
     for crf in (0, 35):
@@ -645,7 +645,7 @@ def test_generate_crf_reaches_the_encoder(tiny_pan2, run_cli, tmp_path):
 
 
 def test_generate_chunk_latent_frames_reaches_the_decoder(tiny_pan2, run_cli, tmp_path, writer_chunks):
-    """Point 6 of issue 27: `--chunk-latent-frames` reaches the decoder (the bug: the preset's 4 used instead): 4
+    """`--chunk-latent-frames` reaches the decoder (the bug: the preset's 4 used instead): 4
     latent frames (13 video frames) in chunks of 2 after the first reach the writer as 1, 8 and 4 frames."""
     args = ("generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "--steps", 1, "--frames", 13)
     res = run_cli(*args, "--chunk-latent-frames", 2, "-o", tmp_path / "two.mp4")
@@ -658,7 +658,7 @@ def test_generate_chunk_latent_frames_reaches_the_decoder(tiny_pan2, run_cli, tm
 
 
 def test_generate_quiet_prints_nothing_on_stderr(tiny_pan2, run_cli, tmp_path):
-    """Point 6 of issue 27: `-q` silences stderr (the bug: the option ignored, each video's line printed); the path
+    """`-q` silences stderr (the bug: the option ignored, each video's line printed); the path
     written is still on stdout."""
     out = tmp_path / "q.mp4"
     res = run_cli("generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "--steps", 1, "-q", "-o", out)
@@ -667,9 +667,9 @@ def test_generate_quiet_prints_nothing_on_stderr(tiny_pan2, run_cli, tmp_path):
 
 
 def test_generate_revision_reaches_the_hub(run_cli, tmp_path, monkeypatch):
-    """Point 6 of issue 27: `--revision` reaches the hub (the bug: the main branch asked for instead). The hub's
+    """`--revision` reaches the hub (the bug: the main branch asked for instead). The hub's
     check records what it was asked and stops the run before any download."""
-    import pan2cli.pipeline.hub_check as hub_check
+    import pan2cli.components.hub_check as hub_check
     from pan2cli.errors import DownloadError
 
     asked = []
@@ -696,7 +696,7 @@ def test_generate_revision_reaches_the_hub(run_cli, tmp_path, monkeypatch):
 
 
 def test_generate_output_on_stdout_is_refused_with_a_hint(tiny_pan2, run_cli):
-    """Issue 27: `-o -` was told "pan2 generate writes MP4 files (.mp4)"; pan2 writes files, and says so."""
+    """`-o -` was once told "pan2 generate writes MP4 files (.mp4)"; pan2 writes files, and says so."""
     res = run_cli("generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "-o", "-")
     assert res.exit_code == 2
     assert res.stderr.splitlines()[0].startswith("Error: -o -: pan2 writes video to files, not to stdout")
@@ -710,7 +710,7 @@ atexit.register(lambda: open(os.environ["PAN2_TEST_MODULES"], "w").write(
 
 
 def test_generate_imports_neither_transformers_nor_diffusers(tiny_pan2, tmp_path):
-    """Issue 29: importing transformers took 6-8 s of the command's start on an H200 host; pan2 runs its own
+    """Importing transformers took 6-8 s of the command's start on an H200 host; pan2 runs its own
     Qwen3.5 model and tokenizer, so `pan2 generate` never imports it (nor diffusers, an oracle only)."""
     import subprocess
     import sys

@@ -23,9 +23,9 @@ def rendezvous_port() -> Iterator[int]:
     """The port of a TCP store that this process hosts for the nodes' c10d rendezvous, which both nodes join
     as clients (`is_host=0`); it listens from the moment the OS chose the port until the test ends.
 
-    Issue 18: a port found free by binding and closing a socket could be taken by another process before
-    node 0 bound it again. Each node's agent serves its workers from a port of its own, which torchrun
-    also has the OS choose at bind time (its shared TCPStore)."""
+    Not a port found free beforehand: one found by binding and closing a socket could be taken by another
+    process before node 0 bound it again. Each node's agent serves its workers from a port of its own, which
+    torchrun also has the OS choose at bind time (its shared TCPStore)."""
     from torch.distributed import TCPStore
 
     store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
@@ -150,7 +150,7 @@ def test_one_prompt_on_two_processes_matches_one(tiny_pan2, tmp_path):
     # reads a halo row from its neighbour), and rank 0 writes the gathered frames. Measured: bit-identical MP4s
     # (fp32 on the CPU). The split's fp32 sums may run in another order than the whole frame's (one uint8 level
     # at most, tests/distributed/test_distributed_cli.py), which x264 may spread a little; the bound leaves that room. A
-    # halo row taken from the wrong side gives 35 levels on average, up to 200 (issue 18).
+    # halo row taken from the wrong side gives 35 levels on average, up to 200 (measured).
     import imageio_ffmpeg
     import numpy as np
 

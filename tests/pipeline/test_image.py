@@ -5,7 +5,7 @@ The release's recipe (`prepare_condition_latents` in vllm-project/vllm-omni
 centre crop at `round((w − W)/2)`, `round((h − H)/2)`, pixels `/255·2 − 1` in RGB order. The pictures are
 made of flat colour bands, whose insides any resampling filter leaves exact, and of coordinate ramps
 that are cropped without resampling, so every expected value is written here by hand: a crop from the
-top-left corner, an RGB picture read as BGR, floor offsets or a "contain" resize fail (issue 18).
+top-left corner, an RGB picture read as BGR, floor offsets or a "contain" resize fail.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def test_load_image_gives_rgb_from_rgba_grey_and_palette_files(tmp_path):
     ("height", "width", "ok"), [(1, 1, False), (15, 64, False), (64, 15, False), (16, 16, True)]
 )
 def test_a_start_image_smaller_than_a_latent_pixel_is_refused(tmp_path, height, width, ok):
-    """Issue 27: a 1x1 start image was taken without a word (cover-resized into a flat first frame). Below 16 pixels
+    """A 1x1 start image was once taken without a word (cover-resized into a flat first frame). Below 16 pixels
     on a side (one latent pixel of the VAE) it holds no picture: bad input, named as the caller names the image."""
     from pan2cli.errors import InputError
     from pan2cli.pipeline.image import load_start_image

@@ -17,7 +17,7 @@ from pan2cli.checkpoints.staged import StagedReader
 from pan2cli.errors import CheckpointError
 from pan2cli.pipeline import generator as generator_module
 from pan2cli.pipeline.background import BackgroundLoad, LoadCancelled
-from pan2cli.pipeline.text import PAN2TextEncoder
+from pan2cli.text.encoder import PAN2TextEncoder
 
 CLI_SMALL = ("--steps", 1, "--frames", 5, "--size", "64x96", "--device", "cpu")
 THREAD = "pan2-transformer-load"

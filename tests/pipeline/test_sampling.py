@@ -5,8 +5,6 @@ drawn as IFM's vLLM-Omni runner draws it (a float32 generator on the model's dev
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,10 +20,8 @@ from pan2cli.errors import InputError
 from pan2cli.pipeline.conditioning import condition_latents
 from pan2cli.pipeline.generator import VideoGenerator
 from pan2cli.pipeline.sampling import denoise, initial_noise, split_ranks
-from pan2cli.pipeline.scheduler import SchedulerConfig, flow_sigmas
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from make_tiny_pan2 import TEXT_HIDDEN, tiny_transformer  # noqa: E402  (the release-shaped tiny transformer)
+from pan2cli.scheduler import SchedulerConfig, flow_sigmas
+from pan2cli.testing.tiny_pan2 import TEXT_HIDDEN, tiny_transformer  # the release-shaped tiny transformer
 
 SHAPE = (1, 48, 3, 4, 6)  # latent [1, 48, T, h, w]: 3 x 2 x 3 = 18 video tokens, uneven over 4 ranks
 STEPS, GUIDANCE, SHIFT = 2, 2.5, 9.0
@@ -118,7 +114,7 @@ def _rank(
     ids=["2-cfg", "3-cfg+sp", "4-cfg+sp", "3-sp", "4-sp-uneven", "2-sp-both-passes"],
 )
 def test_split_denoise_equals_one_process_float64(tmp_path, world, heads, guidance, cfg_parallel):
-    """Issue 15: every rank ends with one process's latents (float64 model: measured difference 0 in all six,
+    """Every rank ends with one process's latents (float64 model: measured difference 0 in all six,
     bound 1e-9 as the issue states), and with CFG-parallel each rank runs one pass per step instead of two."""
     expected, calls = _run(heads, guidance, split=False)
     passes = 2 if guidance > 1 else 1
@@ -168,7 +164,7 @@ def test_heads_that_do_not_divide_are_refused(tmp_path):
     mp.spawn(_heads_check, args=(3, str(tmp_path / "init")), nprocs=3, join=True)
 
 
-# -- the initial noise (issue 27) ------------------------------------------------------------------------------
+# -- the initial noise ------------------------------------------------------------------------------------------
 
 NOISE_SHAPE = (1, 48, 2, 4, 6)
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""The flow-matching Euler sampler (pan2cli/pipeline/scheduler.py and `VideoGenerator.sample`) against closed forms,
+"""The flow-matching Euler sampler (pan2cli/scheduler.py and `VideoGenerator.sample`) against closed forms,
 and the checkpoint's scheduler config (what is run, what is refused, who sets the shift) against diffusers.
 
 The release's recipe (vllm-project/vllm-omni `vllm_omni/diffusion/models/pan2/pipeline_pan2.py`, the same in
@@ -6,7 +6,7 @@ MBZUAI-IFM/vllm-omni-pan2): diffusers' FlowMatchEulerDiscreteScheduler from the 
 shifted `linspace(1, 0, steps + 1)` with `σ' = s·σ / (1 + (s − 1)·σ)`, the DiT's timestep σ·1000, Euler
 `x ← x + (σ_next − σ)·v`, guidance `u + g·(c − u)`, skipped when g ≤ 1. Every expected number below is worked
 out by hand in a comment; the toy velocity fields make the whole sampling loop a closed form, so a swapped
-CFG, a flipped step or a lost shift in the path `pan2 generate` takes fails here (issue 18).
+CFG, a flipped step or a lost shift in the path `pan2 generate` takes fails here.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ import numpy as np
 import pytest
 import torch
 
+from pan2cli.components.locate import resolve_components
 from pan2cli.config import GenerationSettings, RuntimeConfig
 from pan2cli.errors import CheckpointError, InputError
-from pan2cli.pipeline.components import resolve_components
 from pan2cli.pipeline.generator import VideoGenerator
-from pan2cli.pipeline.scheduler import (
+from pan2cli.presets import load_preset
+from pan2cli.scheduler import (
     DEFAULT_SHIFT,
     UNSUPPORTED_OPTIONS,
     SchedulerConfig,
@@ -36,8 +37,7 @@ from pan2cli.pipeline.scheduler import (
     shift_sigma,
     uses_guidance,
 )
-from pan2cli.presets import load_preset
-from scripts.make_tiny_pan2 import SCHEDULER_CONFIG, write_scheduler_config
+from pan2cli.testing.tiny_pan2 import SCHEDULER_CONFIG, write_scheduler_config
 from tests.pipeline.diffusers_reference import diffusers_latents
 
 # Shift 3 on 4 steps: linspace 1, 0.75, 0.5, 0.25, 0 → 3σ/(1 + 2σ) = 3/3, 2.25/2.5, 1.5/2, 0.75/1.5, 0/1.
@@ -274,7 +274,7 @@ def test_bad_values_are_named(options, match):
         scheduler_config_from({**SCHEDULER_CONFIG, **options}, "s.json")
 
 
-# -- a tiny repository whose scheduler config sets each option (scripts/make_tiny_pan2.py) -----------------------
+# -- a tiny repository whose scheduler config sets each option (`pan2cli.testing.tiny_pan2`) -----------------------
 
 
 def _repo_with_scheduler(tiny_pan2, tmp_path, **options):
@@ -290,7 +290,7 @@ def _repo_with_scheduler(tiny_pan2, tmp_path, **options):
 
 @pytest.mark.parametrize("key", [*UNSUPPORTED_OPTIONS, "a_future_option"])
 def test_an_option_pan2_does_not_run_is_refused_by_name(tiny_pan2, tmp_path, key):
-    """Issue 27: `stochastic_sampling: true`, `invert_sigmas: true`, dynamic shifting, Karras / exponential / beta
+    """`stochastic_sampling: true`, `invert_sigmas: true`, dynamic shifting, Karras / exponential / beta
     levels, or an option pan2 does not know, in the checkpoint: a checkpoint error naming it (exit 2), before any
     weight is read, not a schedule silently other than the release's."""
     repo = _repo_with_scheduler(tiny_pan2, tmp_path, **{key: True})

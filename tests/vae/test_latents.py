@@ -209,7 +209,7 @@ def test_custom_object_inside_dict(tmp_path: Path) -> None:
 
 
 def test_a_plain_pickle_gets_our_error_without_torchs_warning(tmp_path: Path) -> None:
-    """Issue 27: a file written by `pickle.dump` (protocol 4, not torch.save's 2) made torch print a two-line
+    """A file written by `pickle.dump` (protocol 4, not torch.save's 2) made torch print a two-line
     UserWarning about the protocol before pan2's one-line error."""
     import pickle
     import warnings

@@ -197,7 +197,7 @@ def test_mp4_round_trip(tmp_path: Path) -> None:
 
 @pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::pytest.PytestUnraisableExceptionWarning")
 def test_mp4_keeps_every_frame_in_its_place(tmp_path: Path) -> None:
-    """Issue 18: frame i of the MP4 is frame i written (the bug: frames shifted by one, the first dropped and
+    """Frame i of the MP4 is frame i written (the bug: frames shifted by one, the first dropped and
     the last doubled, which a mean error bound over slowly changing frames let through). Written in chunks
     of 1, 4 and 4 frames as `pan2 decode` writes them; each frame must match its source and be closer to
     it than to the frames beside it."""
@@ -351,7 +351,7 @@ with open(sys.argv[-1], "wb") as out:
 
 
 def test_mp4_writes_return_while_the_encoder_is_busy(tmp_path, monkeypatch):
-    """Issue 14: the decode hands chunks over and goes on; before, a write into a full pipe waited for
+    """The decode hands chunks over and goes on; before, a write into a full pipe waited for
     ffmpeg (and under a row split every rank waited with it). The stand-in ffmpeg reads nothing until
     told to: every write must still return, and the file must then hold every byte in order."""
     import imageio_ffmpeg
@@ -376,7 +376,7 @@ def test_mp4_writes_return_while_the_encoder_is_busy(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("fmt", OUTPUT_FORMATS)
 def test_commit_keeps_a_file_that_appeared_while_writing(tmp_path: Path, fmt: str) -> None:
-    """Issue 27: the commit checks the target again: a file that appeared at the output path while the frames
+    """The commit checks the target again: a file that appeared at the output path while the frames
     were written is not replaced without `overwrite` (InputError, nothing of ours left), and is with it."""
     path = tmp_path / f"clip.{fmt}"
     frames = _gradient_frames(3, 16, 16)
@@ -393,7 +393,7 @@ def test_commit_keeps_a_file_that_appeared_while_writing(tmp_path: Path, fmt: st
 @pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize(("fps", "beyond"), [(0.01, 0.0099), (1000.0, 1000.5)])
 def test_mp4_at_the_frame_rate_limits(tmp_path: Path, fps: float, beyond: float) -> None:
-    """Issue 27: the limits of `--fps` (pan2cli.outputs.MIN_FPS, MAX_FPS) are frame rates ffmpeg writes and reads
+    """The limits of `--fps` (pan2cli.outputs.MIN_FPS, MAX_FPS) are frame rates ffmpeg writes and reads
     back; just beyond them the writer refuses before anything is written (1e-9 failed in ffmpeg at the end)."""
     path = tmp_path / "clip.mp4"
     write_video(_gradient_frames(5, 16, 16), path, "mp4", fps=fps)

@@ -256,7 +256,7 @@ class WanKernelDecoder(KernelResamplers):
     # -- public -------------------------------------------------------------------------------------
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Decode a tiny latent once, so that the first real decode runs as fast as later ones (issue 14).
+        """Decode a tiny latent once, so that the first real decode runs as fast as later ones.
 
         It compiles (first use on a machine) or loads from Triton's cache every fixed-order conv this
         decoder launches, one kernel per layer whatever the video's size (`conv_triton`), and

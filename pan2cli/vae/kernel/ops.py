@@ -36,8 +36,8 @@ def register_ops(module: ModuleType) -> SimpleNamespace:
     """Expose the extension's ops as `torch.ops.pan2.*`, with shape-only fakes for `torch.compile`.
 
     Registered through `torch.library.Library` (schema, CUDA kernel, fake), not `torch.library.custom_op`:
-    a custom op's first call imports torch's whole compiler stack (torch._dynamo, sympy: about 3 s,
-    issue 14) to wrap its kernel, and these ops run inside every decode. The fakes are no-ops (the
+    a custom op's first call imports torch's whole compiler stack (torch._dynamo, sympy: about 3 s of a
+    decode's start) to wrap its kernel, and these ops run inside every decode. The fakes are no-ops (the
     ops return nothing); `torch.compile` sees the writes through the `(a!)` annotations.
     """
     if not _library:

@@ -125,7 +125,7 @@ class TestPeakMemory:
     @pytest.mark.parametrize("latent_frames", [31, 121], ids=["5s", "20s"])
     def test_peak_memory_of_a_long_decode_is_bounded(self, lone_kernel_decoder, latent_frames):
         """A 704x1248 decode of 5 s and 20 s (121 / 481 frames) at default chunking peaks at ≤ 6 GiB allocated
-        (issue 16's bound), weights included, with the chunks consumed as they come (as `pan2 decode` does):
+        (the bound the README states), weights included, with the chunks consumed as they come (as `pan2 decode` does):
         memory must not grow with the video's length.
 
         Measured on an H200 by scripts/bench_decode.py, whose latents sit on the GPU (here on the CPU):
@@ -289,7 +289,7 @@ print(json.dumps({"before_build": before_build, "after_build": kernel_status().c
 
 
 def test_kernels_build_compiles_every_convolution_of_every_video_size(tmp_path):
-    """Issue 14: `pan2 kernels build` compiles the fixed-order convolutions once per layer, and decodes
+    """`pan2 kernels build` compiles the fixed-order convolutions once per layer, and decodes
     of other sizes, frame counts and chunks then compile nothing more (Triton would otherwise compile
     a variant per divisibility of the problem's sizes, inside the first decode of each size)."""
     env = python_env(TRITON_CACHE_DIR=str(tmp_path / "triton"))

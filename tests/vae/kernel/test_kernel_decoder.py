@@ -239,8 +239,8 @@ def test_full_resolution_stages_in_the_fixed_order_engine(reference, monkeypatch
     reference.
 
     The orchestration on CPU tensors, with the conv's math in PyTorch (`fixed_order_conv`) on every host:
-    Triton's mode is one per process, and on a GPU host its compiled kernels cannot read CPU tensors
-    (issue 27). The Triton kernel itself: `test_fixed_order_convs_are_as_accurate_as_pytorch_convs`."""
+    Triton's mode is one per process, and on a GPU host its compiled kernels cannot read CPU tensors.
+    The Triton kernel itself: `test_fixed_order_convs_are_as_accurate_as_pytorch_convs`."""
     from pan2cli.vae.kernel import conv
 
     frames = []

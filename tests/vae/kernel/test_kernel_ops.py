@@ -69,7 +69,7 @@ def test_fakes_let_torch_trace_the_ops_without_running_them():
 
 
 def test_calling_the_ops_imports_no_compiler_stack():
-    """Issue 14: a `torch.library.custom_op` imports torch._dynamo and sympy (about 3 s) at its first call,
+    """A `torch.library.custom_op` imports torch._dynamo and sympy (about 3 s) at its first call,
     inside the decode; the ops are registered so that calling them imports nothing."""
     script = """
 import sys, torch
@@ -128,7 +128,7 @@ def test_status_names_the_conv_engines(monkeypatch, tmp_path):
 
 
 def test_first_use_note_until_the_kernel_is_built_and_its_convs_compiled(monkeypatch, tmp_path):
-    """`pan2 decode` says once that a first use builds and compiles (issue 14): before the extension is
+    """`pan2 decode` says once that a first use builds and compiles (a wait of minutes, not a hang): before the extension is
     built, then while only the convolutions are missing, and no more once a full-size decode (or
     `pan2 kernels build`) marked them compiled into the Triton cache in use."""
     monkeypatch.setenv("PAN2_CACHE_DIR", str(tmp_path / "cache"))
@@ -174,7 +174,7 @@ ninja: build stopped: subcommand failed.
 
 
 def test_build_error_names_the_compilers_first_error():
-    """Issue 18: a failed build's one-line reason is the first compiler error (warnings and torch's
+    """A failed build's one-line reason is the first compiler error (warnings and torch's
     'Error building extension' wrapper are not errors of the source)."""
     exception = "Error building extension 'wan22_vae_decode'"
     assert (

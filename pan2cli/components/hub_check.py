@@ -22,9 +22,8 @@ from pathlib import Path
 
 from pan2cli.checkpoints.hub import hub_errors, hub_list_files, hub_snapshot, hub_tensor_shapes
 from pan2cli.checkpoints.sharded import LOCAL_FILES, FileView, Shapes, index_weight_map
-from pan2cli.errors import CheckpointError
-from pan2cli.paths import looks_like_path
-from pan2cli.pipeline.checkpoint_layout import (
+from pan2cli.components.checks import WEIGHT_STEMS, CheckedComponents, check_components
+from pan2cli.components.layout import (
     COMPONENTS,
     INDEX_FILES,
     ComponentPlace,
@@ -33,7 +32,8 @@ from pan2cli.pipeline.checkpoint_layout import (
     missing_components_error,
     read_pipeline_index,
 )
-from pan2cli.pipeline.component_checks import WEIGHT_STEMS, CheckedComponents, check_components
+from pan2cli.errors import CheckpointError
+from pan2cli.paths import looks_like_path
 
 _LOCAL_HINT = "pass --model PATH to a local PAN 2 folder (or connect to the hub / unset HF_HUB_OFFLINE)"
 _TOKENIZER_PATTERNS = ("*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken")

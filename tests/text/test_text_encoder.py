@@ -1,4 +1,5 @@
-"""The PAN 2 text recipe (pan2cli/pipeline/text.py) on the tiny Qwen3.5 text model of scripts/make_tiny_pan2.py."""
+"""The PAN 2 text recipe and its checkpoint reading (pan2cli/text/encoder.py, checkpoint.py) on the tiny Qwen3.5 text
+model of `pan2cli.testing.tiny_pan2`."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import pytest
 import torch
 
 from pan2cli.errors import CheckpointError, InputError
-from pan2cli.pipeline import text
-from pan2cli.pipeline.text import PAN2TextEncoder, load_text_model, load_tokenizer
-from scripts.make_tiny_pan2 import tiny_text_model, write_text_encoder, write_tokenizer
+from pan2cli.testing.tiny_pan2 import tiny_text_model, write_text_encoder, write_tokenizer
+from pan2cli.text import encoder as text
+from pan2cli.text.checkpoint import HIDDEN_LAYER, load_text_model, load_tokenizer
+from pan2cli.text.encoder import PAN2TextEncoder
 
 PROMPT = "A red fox runs across the snow at night."
 
@@ -53,7 +55,7 @@ def _reference_features(root, prompt: str, system: str = text.SYSTEM_MESSAGE) ->
 
 
 def test_constants_are_the_release_recipe():
-    assert text.HIDDEN_LAYER == -3 and text.MAX_PROMPT_TOKENS == 1536
+    assert HIDDEN_LAYER == -3 and text.MAX_PROMPT_TOKENS == 1536
     assert (
         text.SYSTEM_MESSAGE
         == "You are a helpful assistant. Generate the video with the following instructions."
@@ -91,7 +93,7 @@ def test_empty_prompt_is_encoded_as_a_space(encoder):
 
 
 def test_surrounding_whitespace_reaches_the_encoder(tiny_text, encoder, tmp_path):
-    """Issue 27: the release encodes the prompt as given. " a cat\n" is other tokens and other features than
+    """The release encodes the prompt as given. " a cat\n" is other tokens and other features than
     "a cat", through the settings (`settings_with`) and a prompt file's records (JSON and plain text) alike;
     whitespace alone still counts as no prompt."""
     from pan2cli.config import settings_with
@@ -177,7 +179,7 @@ def _multimodal_folder(tmp_path, model, layout: str):
     else:
         from transformers import Qwen3_5Config, Qwen3_5Model
 
-        from scripts.make_tiny_pan2 import TINY_VISION
+        from pan2cli.testing.tiny_pan2 import TINY_VISION
 
         full = Qwen3_5Model(Qwen3_5Config(text_config=model.config.to_dict(), vision_config=TINY_VISION)).to(
             torch.bfloat16
@@ -201,7 +203,7 @@ def _keys(folder):
 def test_multimodal_text_encoder_loads_the_language_model_only(
     tiny_text, encoder, tmp_path, monkeypatch, layout, prefix
 ):
-    from pan2cli.pipeline.qwen3_5 import Qwen35TextModel
+    from pan2cli.text.qwen3_5 import Qwen35TextModel
 
     root, model = tiny_text
     folder = _multimodal_folder(tmp_path, model, layout)

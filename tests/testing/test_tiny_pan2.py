@@ -1,4 +1,5 @@
-"""scripts/make_tiny_pan2.py: the tiny repository in the IFM/PAN2 release layout."""
+"""The tiny repository in the IFM/PAN2 release layout: `pan2cli.testing.tiny_pan2` and its command line,
+scripts/make_tiny_pan2.py."""
 
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def test_command_writes_the_release_layout(tmp_path):
 def test_tokenizer_header_and_multimodal_text_encoder(tmp_path):
     from transformers import AutoTokenizer
 
-    from scripts.make_tiny_pan2 import write_tiny_pan2
+    from pan2cli.testing.tiny_pan2 import write_tiny_pan2
 
     out = write_tiny_pan2(tmp_path / "PAN2", multimodal_text_encoder=True)
     assert json.loads((out / "text_encoder" / "config.json").read_text())["model_type"] == "qwen3_5"
@@ -110,7 +111,8 @@ def test_scheduler_config_default_and_options(tmp_path):
     """The release's config by default (shift 9); `--scheduler-option KEY=JSON` sets or (null) drops a key."""
     from click.testing import CliRunner
 
-    from scripts.make_tiny_pan2 import main, write_scheduler_config
+    from pan2cli.testing.tiny_pan2 import write_scheduler_config
+    from scripts.make_tiny_pan2 import main
 
     path = write_scheduler_config(tmp_path)
     assert json.loads(path.read_text()) == {

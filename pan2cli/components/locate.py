@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pan2cli.errors import InputError
-from pan2cli.paths import looks_like_path
-from pan2cli.pipeline.checkpoint_layout import (
+from pan2cli.components.layout import (
     COMPONENTS,
     HINT,
     PAN2Components,
@@ -19,6 +17,8 @@ from pan2cli.pipeline.checkpoint_layout import (
     missing_components_error,
     read_pipeline_index,
 )
+from pan2cli.errors import InputError
+from pan2cli.paths import looks_like_path
 
 DEFAULT_MODEL_REPO = "IFM/PAN2"
 
@@ -33,7 +33,7 @@ def local_components(root: Path) -> PAN2Components:
         CheckpointError: see `read_pipeline_index`, a missing component folder (named), `check_components`.
     """
     from pan2cli.checkpoints.sharded import LOCAL_FILES
-    from pan2cli.pipeline.component_checks import check_components
+    from pan2cli.components.checks import check_components
 
     places = read_pipeline_index(root)
     folders = {name: place.folder(root) for name, place in places.items()}
@@ -60,7 +60,7 @@ def resolve_components(spec: str | Path | None = None, revision: str | None = No
 
     Args:
         spec: a local folder, or a Hugging Face repo id (default `IFM/PAN2`): its small files are fetched
-            and checked first, then the weights (`pan2cli.pipeline.hub_check`; cache, token and
+            and checked first, then the weights (`pan2cli.components.hub_check`; cache, token and
             `HF_HUB_OFFLINE` as usual).
         revision: branch, tag or commit of the repo (ignored for folders).
 
@@ -82,6 +82,6 @@ def resolve_components(spec: str | Path | None = None, revision: str | None = No
         return local_components(path.resolve())
     if looks_like_path(spec):
         raise InputError(f"no such folder: {spec}", hint=HINT)
-    from pan2cli.pipeline.hub_check import hub_components
+    from pan2cli.components.hub_check import hub_components
 
     return hub_components(spec, revision)

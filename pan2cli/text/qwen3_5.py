@@ -12,7 +12,7 @@ full-attention one, `layer_types`):
 - `embed_tokens`, then per layer: x += mixer(RMSNorm(x)); x += SwiGLU(RMSNorm(x)). The RMSNorms are
   zero-centred (`x̂ · (1 + w)`, statistics in float32).
 - linear attention (`GatedDeltaNet`): one projection to q, k, v → a causal depthwise conv (kernel 4) + SiLU →
-  q, k L2-normalised, q scaled by d_k^-½ → the gated delta rule (`pan2cli.pipeline.gated_delta_rule`, float32)
+  q, k L2-normalised, q scaled by d_k^-½ → the gated delta rule (`pan2cli.text.gated_delta_rule`, float32)
   with β = σ(b), g = −exp(A_log) · softplus(a + dt_bias) → an RMSNorm gated by SiLU(z) per head → out_proj.
   Each key head serves `linear_num_value_heads / linear_num_key_heads` consecutive value heads.
 - full attention (`GatedAttention`): q_proj gives per head the query and a gate; q, k zero-centred RMSNorm
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pan2cli.errors import CheckpointError
-from pan2cli.pipeline.gated_delta_rule import gated_delta_rule
+from pan2cli.text.gated_delta_rule import gated_delta_rule
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 

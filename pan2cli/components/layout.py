@@ -9,7 +9,7 @@ Layout (IFM/PAN2, a Modular Diffusers repository):
     tokenizer/     tokenizer.json, tokenizer_config.json, chat template (chat_template.jinja)
     vae/           AutoencoderKLWan: config.json + diffusion_pytorch_model.safetensors
     scheduler/     optional: scheduler_config.json (FlowMatchEulerDiscreteScheduler: `num_train_timesteps`, `shift`,
-                   `shift_terminal`; the options pan2 does not run are refused by name: `pipeline.scheduler`)
+                   `shift_terminal`; the options pan2 does not run are refused by name: `pan2cli.scheduler`)
 
 Without `modular_model_index.json`, a `model_index.json` (`PAN2Pipeline`) is read; with neither, the
 components are in the folders named above. A local folder (`components`) and a hub repo (`hub_check`) are
@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping
 
 from pan2cli.checkpoints.json_files import read_json_object
 from pan2cli.errors import CheckpointError
-from pan2cli.pipeline.scheduler import SchedulerConfig
+from pan2cli.scheduler import SchedulerConfig
 
 COMPONENTS = ("transformer", "text_encoder", "tokenizer", "vae")
 OPTIONAL_COMPONENTS = ("scheduler",)

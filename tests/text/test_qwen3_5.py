@@ -1,4 +1,4 @@
-"""pan2's Qwen3.5 text model (pan2cli/pipeline/qwen3_5.py) against transformers' class and the token-by-token rule."""
+"""pan2's Qwen3.5 text model (pan2cli/text/qwen3_5.py) against transformers' class and the token-by-token rule."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pan2cli.errors import CheckpointError
-from pan2cli.pipeline.gated_delta_rule import gated_delta_rule
-from pan2cli.pipeline.qwen3_5 import Qwen35TextConfig, Qwen35TextModel
+from pan2cli.text.gated_delta_rule import gated_delta_rule
+from pan2cli.text.qwen3_5 import Qwen35TextConfig, Qwen35TextModel
 
 # Full-attention layers early (PAN 2 runs all but the last two layers), grouped queries and grouped values.
 SMALL = {

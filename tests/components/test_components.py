@@ -1,4 +1,4 @@
-"""Locating and checking a PAN 2 checkpoint (pan2cli.pipeline.components / hub_check): the release's layout
+"""Locating and checking a PAN 2 checkpoint (pan2cli.components.locate / hub_check): the release's layout
 accepted, wrong checkpoints refused naming what does not match, before any weight is read or downloaded."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from safetensors.torch import (  # bound before `no_tensor_reads` replaces safet
 )
 
 import pan2cli.checkpoints.hub
+from pan2cli.components.locate import resolve_components
 from pan2cli.dit.checkpoint import save_pan2_transformer
 from pan2cli.dit.model import PAN2Transformer3DModel
 from pan2cli.errors import CheckpointError, DownloadError, InputError
-from pan2cli.pipeline.components import resolve_components
 
 TINY = dict(
     num_attention_heads=2,

@@ -1,13 +1,17 @@
-"""Run a command's work in this process, or in N processes under torchrun (`--gpus N`), the same way for every command."""
+"""Run a command's work in this process, or in N processes under torchrun (`--gpus N`), the same way for every command.
+
+No torch at import: the commands import this module, and `pan2 --help` must not load torch."""
 
 from __future__ import annotations
 
 import sys
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
-import click
-
+from pan2cli.distributed.protocol import env_world_size, under_torchrun
 from pan2cli.errors import InputError
+
+if TYPE_CHECKING:
+    import click
 
 T = TypeVar("T")
 
@@ -34,25 +38,25 @@ def run_on_ranks(
             from torchrun's world size.
     """
     # here, not at the top: they import torch, which `pan2 --help` does not need
-    from pan2cli import distributed, launch
+    from pan2cli.distributed.group import process_group
+    from pan2cli.distributed.launcher import check_gpus, launch, strip_option
+    from pan2cli.distributed.lifecycle import end_with_parent, stop_promptly
 
-    if gpus is not None and gpus > 1 and not launch.under_torchrun():
-        launch.check_gpus(gpus, device)
+    if gpus is not None and gpus > 1 and not under_torchrun():
+        check_gpus(gpus, device)
         if check_split is not None:
             check_split(gpus)
         root = ctx.find_root()
         argv = root.obj["argv"] if isinstance(root.obj, dict) and "argv" in root.obj else sys.argv[1:]
-        ctx.exit(launch.launch(gpus, launch.strip_option(argv, "--gpus")))
-    if not launch.under_torchrun():
-        with (
-            distributed.stop_promptly()
-        ):  # Ctrl-C and SIGTERM act within seconds, even inside a long torch op
+        ctx.exit(launch(gpus, strip_option(argv, "--gpus")))
+    if not under_torchrun():
+        with stop_promptly():  # Ctrl-C and SIGTERM act within seconds, even inside a long torch op
             return work(device)
-    launch.end_with_parent()
-    if gpus is not None and gpus != launch.env_world_size():
+    end_with_parent()
+    if gpus is not None and gpus != env_world_size():
         raise InputError(
-            f"--gpus {gpus} differs from torchrun's {launch.env_world_size()} processes",
+            f"--gpus {gpus} differs from torchrun's {env_world_size()} processes",
             hint="leave --gpus out under torchrun",
         )
-    with distributed.process_group(device) as rank_device:
+    with process_group(device) as rank_device:
         return work(rank_device)

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from pan2cli.checkpoints.json_files import read_json_object
 from pan2cli.checkpoints.sharded import LOCAL_FILES, FileView, weight_files, weight_shapes
 from pan2cli.errors import CheckpointError
-from pan2cli.pipeline.scheduler import SchedulerConfig, scheduler_config_from
+from pan2cli.scheduler import SchedulerConfig, scheduler_config_from
 
 CONFIG = "config.json"
 SCHEDULER_CONFIG = "scheduler_config.json"

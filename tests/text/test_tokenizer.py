@@ -1,4 +1,4 @@
-"""pan2's chat tokenizer (pan2cli/pipeline/tokenizer.py) against transformers' AutoTokenizer on the tiny tokenizer."""
+"""pan2's chat tokenizer (pan2cli/text/tokenizer.py) against transformers' AutoTokenizer on the tiny tokenizer."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import shutil
 import pytest
 
 from pan2cli.errors import CheckpointError
-from pan2cli.pipeline.text import SYSTEM_MESSAGE
-from pan2cli.pipeline.tokenizer import ChatTokenizer
-from scripts.make_tiny_pan2 import write_tokenizer
+from pan2cli.testing.tiny_pan2 import write_tokenizer
+from pan2cli.text.encoder import SYSTEM_MESSAGE
+from pan2cli.text.tokenizer import ChatTokenizer
 
 PROMPTS = [
     "A red fox runs across the snow at night.",
