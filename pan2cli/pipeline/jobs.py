@@ -1,4 +1,5 @@
-"""One video to make (`GenerationJob`: checked settings and where they go) and what making it gave (`GenerationResult`)."""
+"""One video to make (`GenerationJob`: checked settings and where they go), what making it gave (`GenerationResult`),
+and the job on its way through a batch (`JobState`: its result and what the stages hand each other)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,12 @@ class GenerationResult:
     kept_latents: Path | None = None
     skipped: bool = False  # another process wrote the output meanwhile (`GenerationJob.skip_existing`)
     error: BaseException | None = None
+    # What ran for this video (the sidecar's): the SDPA backend of its denoising (`pan2cli.dit.attention`), what its fp8
+    # attention ran (`fp8_attention_ran`; None in bf16), and the decoder that made its frames ("compiled kernel" or
+    # "reference"); the rest is the batch's (`pan2cli.pipeline.sidecar.BatchRan`).
+    attention: str | None = None
+    fp8_attention: dict | None = None
+    decoder: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -91,3 +98,29 @@ def latents_path_for(output: Path) -> Path:
     """`video.mp4` → `video.latents.pt` (`--save-latents`, and where a video's latents are kept when it cannot be
     written)."""
     return output.with_name(f"{output.stem}.latents.pt")
+
+
+@dataclass
+class JobState:
+    """One job on its way through `VideoGenerator.generate_batch`: its result (what the caller gets) and what one
+    stage hands the next.
+
+    Attributes:
+        result: the job and what it has produced so far (its `error` set when it failed).
+        text: the prompt's and the negative prompt's features, `[1, L, text_dim]` each (the negative None without
+            guidance); from the text encoding to the denoising, then dropped.
+        image_latent: the start image's normalised latent `[1, 48, 1, h, w]` float32 (image-to-video), else None;
+            from the image encoding to the denoising, then dropped.
+    """
+
+    result: GenerationResult
+    text: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    image_latent: torch.Tensor | None = None
+
+    @property
+    def job(self) -> GenerationJob:
+        return self.result.job
+
+    @property
+    def failed(self) -> bool:
+        return self.result.error is not None
