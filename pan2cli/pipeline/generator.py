@@ -37,28 +37,24 @@ from typing import Callable, Iterator
 
 import torch
 
-from pan2cli import distributed, launch
-from pan2cli.config import GenerationSettings, RuntimeConfig, runtime_with, settings_with
+from pan2cli import distributed
+from pan2cli.config import GenerationSettings, RuntimeConfig, settings_with
 from pan2cli.constants import MAX_FRAMES
 from pan2cli.dit.attention import attention_backend, attention_backends, attention_order
 from pan2cli.dit.fp8_attention_choice import reset_fp8_attention_record
-from pan2cli.errors import InputError, Pan2Error, out_of_memory
-from pan2cli.outputs import DEFAULT_CRF, check_output_path
+from pan2cli.errors import Pan2Error, out_of_memory
+from pan2cli.outputs import DEFAULT_CRF
 from pan2cli.pipeline.batch_plan import BatchRequest
 from pan2cli.pipeline.batch_run import BatchOutcome, BatchReport, run_batch
 from pan2cli.pipeline.components import PAN2Components, resolve_components
 from pan2cli.pipeline.conditioning import condition_latents
-from pan2cli.pipeline.image import load_start_image
-from pan2cli.pipeline.jobs import GenerationJob, GenerationResult, JobState, sidecar_path
+from pan2cli.pipeline.jobs import GenerationJob, GenerationResult, JobState, check_job_inputs
 from pan2cli.pipeline.loading import ModelStages
-from pan2cli.pipeline.run_checks import precision_source
 from pan2cli.pipeline.sampling import denoise, initial_noise
-from pan2cli.pipeline.sidecar import BatchRan, ran_precision, sidecar
+from pan2cli.pipeline.sidecar import BatchRan, sidecar
 from pan2cli.pipeline.streaming import BatchStream
 from pan2cli.presets import DEFAULT_PRESET, Preset, load_preset, preset_label
 
-# Progress hook: (description, total, unit) → context manager yielding `advance(n)`.
-ProgressFactory = Callable[[str, int, str], "contextmanager"]
 # The failures that are one job's own (module docstring); anything else stops the batch.
 PER_JOB_FAILURES = (Pan2Error, torch.OutOfMemoryError)
 
@@ -227,37 +223,12 @@ class VideoGenerator(ModelStages, BatchStream):
         return run_batch(request, self.config, lambda: self, report)
 
     def check_job(self, job: GenerationJob) -> None:
-        """Inputs that can be checked before any model loads (the settings are, on construction): the schedule
-        with the checkpoint's options, start image, output paths.
+        """What can be checked of `job` before any model loads, against this checkpoint (`check_job_inputs`).
 
         Raises:
-            InputError: the first problem found; it starts with `job.origin` when the job has one (a
-                prompt-file record: the batch reports it and makes the others).
+            InputError: the first problem found, starting with `job.origin` when the job has one.
         """
-        try:
-            self._check_job(job)
-        except InputError as exc:
-            if job.origin is None:
-                raise
-            raise InputError(f"{job.origin}: {exc}", hint=exc.hint) from exc
-
-    def _check_job(self, job: GenerationJob) -> None:
-        self.components.scheduler.sigmas(job.settings.steps, self.flow_shift(job.settings)[0])
-        if job.settings.image is not None:
-            load_start_image(job.settings.image, "--image" if job.origin is None else "'image'")
-        if job.skip_existing and job.output is not None and job.output.exists():
-            return  # written by another process since the batch was planned: skipped when its turn comes
-        if job.output is not None:
-            check_output_path(job.output, job.overwrite)
-        # The sidecar and latents beside an MP4 that does not exist are left from a run that did not finish
-        # (or whose video was deleted): redoing the video replaces them when the caller says so.
-        extras_overwrite = job.overwrite or (
-            job.redo_leftovers and job.output is not None and not job.output.exists()
-        )
-        if job.latents_path is not None:
-            check_output_path(job.latents_path, extras_overwrite)
-        if job.output is not None and job.sidecar:
-            check_output_path(sidecar_path(job.output), extras_overwrite)
+        check_job_inputs(job, self.components.scheduler)
 
     def generate_batch(
         self,
@@ -316,45 +287,6 @@ class VideoGenerator(ModelStages, BatchStream):
             self._dit = None
             self._release()
         return [state.result for state in states]
-
-    def _decide_batch(
-        self, settings: list[GenerationSettings], preset: Preset | None, shared: bool
-    ) -> tuple[BatchRan, dict]:
-        """How a batch of `settings` runs (`BatchRan`), before anything loads, and the transformer's tensor shapes:
-        the run-time options (`runtime_with`) checked here, the memory plan said in one line and its cap applied.
-
-        Raises:
-            InputError: the precision cannot run here, no plan fits the GPU (or the cap), or the host lacks the
-                memory the plan page-locks.
-        """
-        from pan2cli.dit.checkpoint import resolve_pan2_checkpoint
-        from pan2cli.pipeline.planning import apply_cap, make_plan
-
-        config = runtime_with(preset, self.config)
-        config.check_precision(self.device, given_by=precision_source(preset, self.config))
-        shapes = resolve_pan2_checkpoint(self.components.folder("transformer")).shapes
-        apply_cap(self.device, config.max_gpu_memory_gib)
-        plan = make_plan(
-            config, self.device, settings, transformer_shapes=shapes, text_folder=self.components.folder("text_encoder"),
-            dit_config=self.dit_config, dtype=self.dtype, vae_dtype=self.vae_dtype,
-        )  # fmt: skip
-        if plan is not None:
-            self.info(plan.line())
-        world = distributed.world_size()
-        ran = BatchRan(
-            config=config,
-            precision=ran_precision(config, self.dtype),
-            dit_fused_kernels=self._fused_kernels_run(config),
-            ranks_share_jobs=shared,
-            # ranks split a decode by rows only when they share the job and sit on one machine
-            decode_rows_split=config.decode_kernel_parallel
-            and shared
-            and launch.env_local_world_size(world) == world,
-            memory_plan=plan,
-            clock_start=self.clock_start if self.clock_start is not None else time.perf_counter(),
-            clock_from="batch start" if self.clock_start is None else "command start",
-        )
-        return ran, shapes
 
     # -- helpers of the stages ------------------------------------------------------------------------
     def _sync(self) -> None:
@@ -416,21 +348,6 @@ class VideoGenerator(ModelStages, BatchStream):
         """The flow shift a sample of `settings` runs and where it comes from: the settings' (a preset's or a
         flag's, named by `given_by`) over the checkpoint's `scheduler_config.json` (`SchedulerConfig.resolve_shift`)."""
         return self.components.scheduler.resolve_shift(settings.flow_shift, given_by)
-
-    def _note_flow_shift(self, job: GenerationJob) -> None:
-        """One line (once per value and source) when the shift that runs overrides the checkpoint's, or is
-        diffusers' default because neither the settings nor the checkpoint set one."""
-        shift, source = self.flow_shift(job.settings, job.flow_shift_source)
-        checkpoint = self.components.scheduler
-        if checkpoint.shift is not None and shift != checkpoint.shift:
-            line = f"Flow shift {shift:g} from {source}; the checkpoint's {checkpoint.source} sets {checkpoint.shift:g}."
-        elif checkpoint.shift is None and job.settings.flow_shift is None:
-            line = f"Flow shift {shift:g}: {source}."
-        else:
-            return
-        if (shift, source) not in self._shift_notes:
-            self._shift_notes.add((shift, source))
-            self.info(line)
 
     @torch.inference_mode()
     def sample(

@@ -10,10 +10,12 @@ from typing import TYPE_CHECKING
 from pan2cli.config import GenerationSettings
 from pan2cli.constants import MAX_FRAMES
 from pan2cli.errors import InputError
-from pan2cli.outputs import DEFAULT_CRF
+from pan2cli.outputs import DEFAULT_CRF, check_output_path
 
 if TYPE_CHECKING:
     import torch
+
+    from pan2cli.pipeline.scheduler import SchedulerConfig
 
 
 @dataclass
@@ -87,6 +89,43 @@ class GenerationResult:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+def check_job_inputs(job: GenerationJob, scheduler: SchedulerConfig) -> None:
+    """What can be checked of `job` before any model loads (its settings are, on construction): its schedule with the
+    checkpoint's scheduler options, its start image, its output paths.
+
+    Raises:
+        InputError: the first problem found; it starts with `job.origin` when the job has one (a prompt-file record:
+            the batch reports it and makes the others).
+    """
+    try:
+        _check_inputs(job, scheduler)
+    except InputError as exc:
+        if job.origin is None:
+            raise
+        raise InputError(f"{job.origin}: {exc}", hint=exc.hint) from exc
+
+
+def _check_inputs(job: GenerationJob, scheduler: SchedulerConfig) -> None:
+    from pan2cli.pipeline.image import load_start_image
+
+    scheduler.sigmas(job.settings.steps, scheduler.resolve_shift(job.settings.flow_shift)[0])
+    if job.settings.image is not None:
+        load_start_image(job.settings.image, "--image" if job.origin is None else "'image'")
+    if job.skip_existing and job.output is not None and job.output.exists():
+        return  # written by another process since the batch was planned: skipped when its turn comes
+    if job.output is not None:
+        check_output_path(job.output, job.overwrite)
+    # The sidecar and latents beside an MP4 that does not exist are left from a run that did not finish (or whose
+    # video was deleted): redoing the video replaces them when the caller says so.
+    extras_overwrite = job.overwrite or (
+        job.redo_leftovers and job.output is not None and not job.output.exists()
+    )
+    if job.latents_path is not None:
+        check_output_path(job.latents_path, extras_overwrite)
+    if job.output is not None and job.sidecar:
+        check_output_path(sidecar_path(job.output), extras_overwrite)
 
 
 def sidecar_path(output: Path) -> Path:

@@ -1,8 +1,10 @@
-"""Steps 1-3 of `VideoGenerator.generate_batch`: the prompts encoded, the start images encoded, the transformer loaded.
+"""How a batch runs, decided before anything loads (`BatchRan`), and steps 1-3 of `VideoGenerator.generate_batch`: the
+prompts encoded, the start images encoded, the transformer loaded.
 
 `ModelStages` is a part of `VideoGenerator` (a base class, as `BatchStream` is for step 4), kept here because it is
-one job of its own: the text encoder read in the background while the tokenizer loads, then released once every
-prompt is encoded; the VAE encoder for the start images, released after them; the transformer read in a background
+one job of its own: the run-time options resolved (`runtime_with`) and checked, the memory plan made, the kernels
+chosen; the text encoder read in the background while the tokenizer loads, then released once every prompt is
+encoded; the VAE encoder for the start images, released after them; the transformer read in a background
 thread meanwhile where the device holds both (`BackgroundLoad`), else after them, and prepared (its fused kernels
 and fp8 attention chosen). It uses the generator's helpers (`_run_job`, `_load_seconds`, `_release`, ...) and the
 batch's `BatchRan` (`self._ran`).
@@ -15,11 +17,16 @@ from typing import Callable
 
 import torch
 
+from pan2cli import distributed, launch
+from pan2cli.config import GenerationSettings, runtime_with
 from pan2cli.pipeline.background import BackgroundLoad
 from pan2cli.pipeline.image import encode_image, fit_image, load_start_image
 from pan2cli.pipeline.jobs import JobState
 from pan2cli.pipeline.memory import free_memory
+from pan2cli.pipeline.run_checks import precision_source
 from pan2cli.pipeline.scheduler import uses_guidance
+from pan2cli.pipeline.sidecar import BatchRan, ran_precision
+from pan2cli.presets import Preset
 
 # Room left beside the text encoder and the transformer for the text encoder's activations and the allocator.
 OVERLAP_MARGIN_BYTES = 4 * 2**30
@@ -27,6 +34,45 @@ OVERLAP_MARGIN_BYTES = 4 * 2**30
 
 class ModelStages:
     """Steps 1-3 of `generate_batch` (module docstring); a base class of `VideoGenerator`, not used alone."""
+
+    def _decide_batch(
+        self, settings: list[GenerationSettings], preset: Preset | None, shared: bool
+    ) -> tuple[BatchRan, dict]:
+        """How a batch of `settings` runs (`BatchRan`), before anything loads, and the transformer's tensor shapes:
+        the run-time options (`runtime_with`) checked here, the memory plan said in one line and its cap applied.
+
+        Raises:
+            InputError: the precision cannot run here, no plan fits the GPU (or the cap), or the host lacks the
+                memory the plan page-locks.
+        """
+        from pan2cli.dit.checkpoint import resolve_pan2_checkpoint
+        from pan2cli.pipeline.planning import apply_cap, make_plan
+
+        config = runtime_with(preset, self.config)
+        config.check_precision(self.device, given_by=precision_source(preset, self.config))
+        shapes = resolve_pan2_checkpoint(self.components.folder("transformer")).shapes
+        apply_cap(self.device, config.max_gpu_memory_gib)
+        plan = make_plan(
+            config, self.device, settings, transformer_shapes=shapes, text_folder=self.components.folder("text_encoder"),
+            dit_config=self.dit_config, dtype=self.dtype, vae_dtype=self.vae_dtype,
+        )  # fmt: skip
+        if plan is not None:
+            self.info(plan.line())
+        world = distributed.world_size()
+        ran = BatchRan(
+            config=config,
+            precision=ran_precision(config, self.dtype),
+            dit_fused_kernels=self._fused_kernels_run(config),
+            ranks_share_jobs=shared,
+            # ranks split a decode by rows only when they share the job and sit on one machine
+            decode_rows_split=config.decode_kernel_parallel
+            and shared
+            and launch.env_local_world_size(world) == world,
+            memory_plan=plan,
+            clock_start=self.clock_start if self.clock_start is not None else time.perf_counter(),
+            clock_from="batch start" if self.clock_start is None else "command start",
+        )
+        return ran, shapes
 
     def _fused_kernels_run(self, config) -> bool:
         """Whether the DiT's fused Triton kernels run in a batch of `config` (asked for, and they can: CUDA, Triton,

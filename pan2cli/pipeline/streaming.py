@@ -102,6 +102,21 @@ class BatchStream:
             # Every rank sampled the same latents; rank 0's are the ones everyone decodes (bit-identical decodes).
             result.latents = distributed.broadcast_from_main(result.latents)
 
+    def _note_flow_shift(self, job) -> None:
+        """One line (once per value and source) when the shift that runs overrides the checkpoint's, or is
+        diffusers' default because neither the settings nor the checkpoint set one."""
+        shift, source = self.flow_shift(job.settings, job.flow_shift_source)
+        checkpoint = self.components.scheduler
+        if checkpoint.shift is not None and shift != checkpoint.shift:
+            line = f"Flow shift {shift:g} from {source}; the checkpoint's {checkpoint.source} sets {checkpoint.shift:g}."
+        elif checkpoint.shift is None and job.settings.flow_shift is None:
+            line = f"Flow shift {shift:g}: {source}."
+        else:
+            return
+        if (shift, source) not in self._shift_notes:
+            self._shift_notes.add((shift, source))
+            self.info(line)
+
     def _release_dit(self) -> None:
         if self._dit is not None:
             self._dit = None
