@@ -130,3 +130,29 @@ def test_the_configuration_imports_no_model_code():
         if m.startswith(("pan2cli.dit", "pan2cli.vae", "pan2cli.pipeline"))
     }
     assert not upward, f"pan2cli.config reaches {sorted(upward)}"
+
+
+# Every module of pan2cli is one job a reader holds in their head; a single-file model may run longer (as diffusers'
+# do), and a command module holds its options and printing only (the work is the library's).
+MAX_MODULE_LINES = 450
+LONGER_MODULES = {"pan2cli/dit/model.py"}
+COMMAND_MODULE_LINES = {"pan2cli/cli/generate.py": 350, "pan2cli/cli/decode.py": 300}
+# Over the limit until they are split by job; the test says when one no longer is, so that it leaves this set.
+NOT_YET_SPLIT = {"pan2cli/launch.py", "pan2cli/video.py"}
+
+
+def test_modules_stay_readable():
+    lengths = {
+        path.relative_to(PACKAGE.parent).as_posix(): len(path.read_text().splitlines())
+        for path in sorted(PACKAGE.rglob("*.py"))
+    }
+    assert "pan2cli/cli/generate.py" in lengths, "the package was not read"
+    too_long = {
+        path: n
+        for path, n in lengths.items()
+        if path not in LONGER_MODULES and n > COMMAND_MODULE_LINES.get(path, MAX_MODULE_LINES)
+    }
+    assert set(too_long) <= NOT_YET_SPLIT, f"too long (split by job): {too_long}"
+    assert set(too_long) == NOT_YET_SPLIT, (
+        f"now short enough, take them out of NOT_YET_SPLIT: {NOT_YET_SPLIT - set(too_long)}"
+    )
