@@ -192,7 +192,8 @@ class BatchRequest:
     crf: int = DEFAULT_CRF
     max_frames: int | None = MAX_FRAMES
 
-    def load_preset(self) -> Preset:
+    def resolve_preset(self) -> Preset:
+        """The preset, read (a name or path) or as given."""
         return self.preset if isinstance(self.preset, Preset) else load_preset(self.preset)
 
 
@@ -227,7 +228,7 @@ def prepare_batch(
     from pan2cli import launch
     from pan2cli.pipeline.run_checks import check_run_options, precision_source
 
-    preset = request.load_preset()
+    preset = request.resolve_preset()
     runtime = runtime_with(preset, given)
     sharded = request.prompts_file is not None
     output = os.fspath(request.output) if request.output is not None else None
@@ -261,7 +262,7 @@ def check_decode_split(request: BatchRequest, runtime: RuntimeConfig, world: int
     """
     if request.prompts_file is not None or request.prompt is None or not runtime.decode_kernel_parallel:
         return
-    settings = settings_with(request.load_preset(), {**request.settings, "prompt": request.prompt})
+    settings = settings_with(request.resolve_preset(), {**request.settings, "prompt": request.prompt})
     rows = settings.latent_shape[-2]
     if rows < world:
         raise InputError(
