@@ -33,7 +33,8 @@ OVERLAP_MARGIN_BYTES = 4 * 2**30
 
 
 class ModelStages:
-    """Steps 1-3 of `generate_batch` (module docstring); a base class of `VideoGenerator`, not used alone."""
+    """How a batch runs and steps 1-3 of `generate_batch` (module docstring); a base class of `VideoGenerator`, not
+    used alone."""
 
     def _decide_batch(
         self, settings: list[GenerationSettings], preset: Preset | None, shared: bool
