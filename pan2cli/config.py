@@ -1,9 +1,11 @@
-"""What to generate and how to run it: `GenerationSettings`, `settings_with` (the one precedence) and `RuntimeConfig`.
+"""What to generate and how to run it: `GenerationSettings`, `settings_with` (the one precedence of settings),
+`RuntimeConfig` and `runtime_with` (the one precedence of run-time options).
 
 `GenerationSettings` is everything that decides one video; its fields are a preset file's keys (`pan2cli.presets`
 reads them into it). `settings_with` layers values over a base: preset < command-line flags < prompt-file
 record. `RuntimeConfig` is how the models run (device, dtypes, engines, chunk size, offload), which does not
-change the video. Every value is checked once, here (`RULES`), whichever way it arrived.
+change the video; a preset names two of its options too (`precision`, `chunk_latent_frames`), and `runtime_with`
+resolves them: given > preset > default. Every value is checked once, here (`RULES`), whichever way it arrived.
 
 torch-free: the CLI builds these before any model loads (`pan2 --help` does not import torch).
 """
@@ -96,8 +98,8 @@ RULES: dict[str, Rule] = {
     # a preset's own
     "name": Rule(str, "a string", lambda v: bool(v.strip()), "must not be empty"),
     "description": Rule(str, "a string"),
-    # RuntimeConfig (a preset names its chunk too)
-    "chunk_latent_frames": Rule(int, "an integer", lambda v: v >= 1, "must be >= 1"),
+    # RuntimeConfig (a preset names its chunk too; None in a RuntimeConfig: the preset's, `runtime_with`)
+    "chunk_latent_frames": Rule((int, type(None)), "an integer", lambda v: v >= 1, "must be >= 1"),
     "device": Rule((str, type(None)), "a device name"),
     "dtype": _DTYPE,
     "vae_dtype": _DTYPE,
@@ -309,7 +311,8 @@ class RuntimeConfig:
             smaller decoder chunk where needed) and the process is capped there
             (`torch.cuda.set_per_process_memory_fraction`); None: the GPU's free memory.
         chunk_latent_frames: Latent frames per VAE decoder pass after the first (the first is one frame);
-            the output does not depend on it, larger chunks use more memory and give larger GEMMs.
+            the output does not depend on it, larger chunks use more memory and give larger GEMMs. None: the
+            preset's, else `DEFAULT_CHUNK_LATENT_FRAMES` (`runtime_with`).
         generator_device: Where the initial noise is drawn, one of `GENERATOR_DEVICES`: None on the device
             that runs the model (a CUDA generator on a GPU), as IFM's vLLM-Omni runner and the diffusers
             reference draw it, so that a seed gives their video; "cpu" as a CPU run, or a vLLM-Omni request
@@ -317,7 +320,8 @@ class RuntimeConfig:
             large tensor depends on the SM count).
         precision: The DiT's arithmetic, one of `PRECISIONS`: "bf16" as released, or "fp8" (e4m3 linears and
             attention in the 44 blocks, quantised at load; lossy, about twice bf16's speed on fp8 tensor cores:
-            `pan2cli.dit.quantize`); fp8 needs a CUDA GPU with fp8 tensor cores (`check_precision`).
+            `pan2cli.dit.quantize`); fp8 needs a CUDA GPU with fp8 tensor cores (`check_precision`). None: the
+            preset's, else bf16 (`runtime_with`).
         fp8_attention: The fp8 tier's attention, one of `FP8_ATTENTIONS`: "auto" (pan2's CUDA kernel on sm_90 GPUs
             with head dim 128, pan2's Triton kernel elsewhere), "cuda", "triton" or "cudnn" (cuDNN's, through
             nvidia-cudnn-frontend: one V scale per tensor and e4m3 output, less accurate); resolved once per run
@@ -335,15 +339,13 @@ class RuntimeConfig:
     dit_fused_kernels: bool = True
     offload: bool = False
     max_gpu_memory_gib: float | None = None
-    chunk_latent_frames: int = DEFAULT_CHUNK_LATENT_FRAMES
+    chunk_latent_frames: int | None = None
     generator_device: str | None = None
-    precision: str = "bf16"
+    precision: str | None = None
     fp8_attention: str = "auto"
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        if self.precision is None:
-            raise InputError("'precision' must be one of: " + ", ".join(PRECISIONS))
 
     def check_precision(self, device: torch.device, given_by: str = "--precision fp8") -> None:
         """Raise `InputError` when `precision` cannot run on `device` (fp8 on the CPU, or a GPU without fp8
@@ -400,3 +402,31 @@ class RuntimeConfig:
         from pan2cli.devices import resolve_dtype
 
         return resolve_dtype(self.vae_dtype if self.vae_dtype is not None else self.dtype, device)
+
+
+# The run-time options a preset names too, and their defaults where neither the caller nor the preset sets them.
+PRESET_RUNTIME_DEFAULTS = {"precision": "bf16", "chunk_latent_frames": DEFAULT_CHUNK_LATENT_FRAMES}
+
+
+def runtime_with(preset: Any | None, given: RuntimeConfig) -> RuntimeConfig:
+    """`given` with the options a preset names too (`precision`, `chunk_latent_frames`) resolved: the given value
+    (a flag, an argument), else the preset's, else the default (`PRESET_RUNTIME_DEFAULTS`).
+
+    The one place run-time options take precedence; `pan2 generate` and `VideoGenerator` both call it. Its
+    result has every such option set (never None).
+
+    Args:
+        preset: a `pan2cli.presets.Preset` (its `precision` may be None: not in the file), or None (no preset:
+            the defaults).
+        given: the options as given; None where left to the preset.
+    """
+    resolved = {
+        name: next(v for v in (getattr(given, name), getattr(preset, name, None), default) if v is not None)
+        for name, default in PRESET_RUNTIME_DEFAULTS.items()
+    }
+    return dataclasses.replace(given, **resolved)
+
+
+def runtime_given(given: RuntimeConfig) -> dict[str, Any]:
+    """The options a preset names too that `given` sets over it (for the sidecar's `overrides`)."""
+    return {name: value for name in PRESET_RUNTIME_DEFAULTS if (value := getattr(given, name)) is not None}

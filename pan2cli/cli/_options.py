@@ -47,3 +47,14 @@ def ignored_revision(revision: str | None, source: str | None, flag: str) -> str
     if revision is None or source is None or not Path(source).expanduser().exists():
         return None
     return f"--revision {revision} is ignored: {flag} {source} is a local path, not a Hugging Face repo"
+
+
+def parse_size(ctx, param, value):
+    """`--size HxW`: (height, width) integers, checked as settings later."""
+    if value is None:
+        return None
+    try:
+        height, width = (int(part) for part in value.lower().split("x"))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not HEIGHTxWIDTH, e.g. 704x1248") from None
+    return height, width

@@ -41,6 +41,14 @@ def warn(line: str) -> None:
     click.echo(f"Warning: {line}", err=True)
 
 
+def failure(error: BaseException, label: str | None = None) -> None:
+    """A failure the command goes on after (a prompt of a batch): `Error: [<label> failed: ]...` and its hint."""
+    click.echo(f"Error: {label} failed: {error}" if label else f"Error: {error}", err=True)
+    hint = getattr(error, "hint", None)
+    if hint:
+        click.echo(f"Hint: {hint}", err=True)
+
+
 # Below this terminal width the bar leaves out when the first item came (the decode's summary line says it).
 _WIDE_ENOUGH_FOR_FIRST = 100
 

@@ -1,22 +1,25 @@
-"""`plan_jobs`: what `pan2 generate` was asked for (a prompt or a prompt file, the flags, the outputs) → the checked
-`GenerationJob`s of this process, and the records that cannot run, before any model loads.
+"""What a generation was asked for (`BatchRequest`: a prompt or a prompt file, a preset and the settings given over it,
+the outputs) → this process's checked `GenerationJob`s, the records that cannot run, and the run-time options
+resolved and checked (`prepare_batch`), all before any model loads.
 
-torch-free: the CLI plans the jobs before it imports torch-bound modules.
+`pan2 generate` and `VideoGenerator.generate_file` plan here (`pan2cli.pipeline.batch_run` runs the plan).
+torch-free at import: the CLI checks a row split in pan2's launcher before it imports torch-bound modules.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
-from pan2cli.config import given_settings, settings_with
+from pan2cli.config import RuntimeConfig, given_settings, runtime_given, runtime_with, settings_with
 from pan2cli.constants import MAX_FRAMES
 from pan2cli.errors import InputError
 from pan2cli.outputs import DEFAULT_CRF, check_not_stdout
 from pan2cli.pipeline.jobs import GenerationJob, latents_path_for
 from pan2cli.pipeline.prompts import read_prompt_file, shard, slugify
-from pan2cli.presets import Preset, preset_label
+from pan2cli.presets import DEFAULT_PRESET, Preset, load_preset, preset_label
 
 # The flag that gives each setting, for the sidecar's `overrides` (`--size` gives two; the others are `--NAME`).
 _FLAGS = {
@@ -163,3 +166,107 @@ def plan_jobs(
             continue
         jobs.append(job)
     return JobPlan(jobs, failures, skipped, warnings, prompts_file is not None)
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """What to generate, as `pan2 generate` takes it (its options but the run-time ones, `RuntimeConfig`).
+
+    Attributes:
+        prompt / prompts_file: one prompt, or a prompt file (JSON, JSON Lines, text: `pan2cli.pipeline.prompts`).
+        output: `-o` as typed: a file for one prompt (or a folder, `<slug>.mp4` in it), an existing folder for a
+            prompt file; None: the current folder.
+        preset: a preset name, `.toml` path or `Preset`.
+        settings: the settings given over the preset (`GenerationSettings` fields and `duration`; a record's win).
+        save_latents, overwrite, skip_existing, crf, max_frames: as `plan_jobs` takes them.
+    """
+
+    prompt: str | None = None
+    prompts_file: Path | None = None
+    output: str | os.PathLike | None = None
+    preset: str | os.PathLike | Preset = DEFAULT_PRESET
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    save_latents: bool = False
+    overwrite: bool = False
+    skip_existing: bool = False
+    crf: int = DEFAULT_CRF
+    max_frames: int | None = MAX_FRAMES
+
+    def resolve_preset(self) -> Preset:
+        """The preset, read (a name or path) or as given."""
+        return self.preset if isinstance(self.preset, Preset) else load_preset(self.preset)
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    """A request checked before any model loads: its preset, the run-time options resolved (`runtime_with`), this
+    process's `JobPlan`, and the warnings to say once (rank 0)."""
+
+    preset: Preset
+    runtime: RuntimeConfig
+    plan: JobPlan
+    warnings: tuple[str, ...]
+
+
+def prepare_batch(
+    request: BatchRequest, given: RuntimeConfig, *, world: int = 1, rank: int = 0
+) -> PreparedBatch:
+    """Everything about `request` that can be checked before any model loads: the jobs of this rank (`plan_jobs`;
+    a prompt file's records are shared by the ranks), the run-time options for this machine (`check_run_options`),
+    a single video's rows against a decode split over the ranks.
+
+    Args:
+        request: what to generate.
+        given: the run-time options as given (`precision` and `chunk_latent_frames` None: the preset's).
+        world, rank: this process among the torchrun's.
+
+    Raises:
+        InputError: as `plan_jobs`, `check_run_options` and `check_decode_split` (the command's error; a record's
+            own problem is in `plan.failures`).
+        Pan2Error: no usable ffmpeg.
+    """
+    from pan2cli import distributed
+    from pan2cli.pipeline.run_checks import check_run_options, precision_source
+
+    preset = request.resolve_preset()
+    runtime = runtime_with(preset, given)
+    sharded = request.prompts_file is not None
+    output = os.fspath(request.output) if request.output is not None else None
+    plan = plan_jobs(
+        request.prompt, request.prompts_file, output, preset, request.settings, save_latents=request.save_latents,
+        overwrite=request.overwrite, skip_existing=request.skip_existing, crf=request.crf,
+        max_frames=request.max_frames, runtime_flags=runtime_given(given), world=world if sharded else 1,
+        rank=rank if sharded else 0,
+    )  # fmt: skip
+    device = check_run_options(runtime, precision_from=precision_source(preset, given))
+    if world > 1 and distributed.env_local_world_size(world) == world:  # the generator's rule for a row split
+        check_decode_split(request, runtime, world)
+    warnings = list(plan.warnings)
+    if runtime.offload and device.type == "cpu":
+        warnings.append(
+            "--offload changes nothing on the CPU: it streams the transformer's blocks from host memory to a GPU, "
+            "and on the CPU they are in host memory already"
+        )
+    if runtime.max_gpu_memory_gib is not None and device.type == "cpu":
+        warnings.append("--max-gpu-memory changes nothing on the CPU: it caps what a run may use of a GPU")
+    return PreparedBatch(preset, runtime, plan, tuple(warnings))
+
+
+def check_decode_split(request: BatchRequest, runtime: RuntimeConfig, world: int) -> None:
+    """One prompt on `world` processes of one machine is decoded split by rows (`decode_kernel_parallel`): its video
+    needs a latent row (16 pixels) per process. Checked in pan2's launcher before any process starts, and on each
+    rank (a user's own torchrun).
+
+    Raises:
+        InputError: fewer latent rows than processes.
+    """
+    if request.prompts_file is not None or request.prompt is None or not runtime.decode_kernel_parallel:
+        return
+    settings = settings_with(request.resolve_preset(), {**request.settings, "prompt": request.prompt})
+    rows = settings.latent_shape[-2]
+    if rows < world:
+        raise InputError(
+            f"a video {settings.height} pixels high has {rows} latent rows, too few to split its decode "
+            f"over {world} processes (one row each at least)",
+            hint=f"pass --gpus {rows} or fewer, a larger --size, or --no-decode-kernel-parallel",
+        )

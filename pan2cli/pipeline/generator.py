@@ -4,16 +4,25 @@ its denoising ends.
 Stages (numbered as in `generate_batch`): 1. text encoding of every prompt (the text encoder is released after it;
 the transformer is read in a background thread meanwhile where the device holds both, `BackgroundLoad`);
 2. start images through the VAE encoder (image-to-video only); 3. the MMDiT loaded (`offload` streams its blocks
-from host memory); 4. video by video: flow-matching Euler sampling on `[latents ; condition latents ; mask]`
-(97 channels: `pan2cli.pipeline.conditioning`), the VAE decode chunk by chunk into uint8 host frames (one
-device-to-host copy per chunk) and an MP4, and its JSON sidecar and `latents.pt`. The decoder stays beside the
-transformer while videos are left to denoise (`pan2cli.pipeline.memory`); the transformer is released before the
-last decode. A video that cannot be written keeps its latents (`pan2cli.pipeline.job_outputs`).
+from host memory): 1-3 in `pan2cli.pipeline.loading`; 4. video by video: flow-matching Euler sampling on
+`[latents ; condition latents ; mask]` (97 channels: `pan2cli.pipeline.conditioning`), the VAE decode chunk by chunk
+into uint8 host frames and an MP4, and its JSON sidecar and `latents.pt` (`pan2cli.pipeline.streaming`). The decoder
+stays beside the transformer while videos are left to denoise (`pan2cli.pipeline.memory`); the transformer is
+released before the last decode. A video that cannot be written keeps its latents (`pan2cli.pipeline.job_outputs`).
 
-Several processes (torchrun): with `ranks_share_jobs` (one prompt, every rank given the same jobs)
-every rank samples the same latents (rank 0's are broadcast) and the ranks of one machine split the
-decode by rows (`decode_kernel_parallel`), rank 0 writing; otherwise (a sharded prompt file) each
-rank generates and writes its own jobs alone.
+A batch's run-time options are the generator's `config` with the preset's `precision` and `chunk_latent_frames`
+where the config leaves them to it (`runtime_with`); how the batch runs is decided once, before anything loads
+(`BatchRan`). Each job's intermediates are in its `JobState`.
+
+Which failures are a job's own (recorded in its result; a batch goes on with the others): `PER_JOB_FAILURES`, pan2's
+known failures (`Pan2Error`: bad input such as a start image that cannot be read or an output that exists, the GPU
+out of memory, a write that failed, ffmpeg) and torch's out of memory. Anything else (a `TypeError`, an assertion, an
+unexpected `RuntimeError`: a bug, or a failed collective) stops the batch; so does Ctrl-C.
+
+Several processes (torchrun): with `ranks_share_jobs` (one prompt, every rank given the same jobs) every rank
+samples the same latents (rank 0's are broadcast) and the ranks of one machine split the decode by rows
+(`decode_kernel_parallel`), rank 0 writing; otherwise (a sharded prompt file) each rank generates and writes its
+own jobs alone.
 """
 
 from __future__ import annotations
@@ -23,7 +32,6 @@ import os
 import time
 import warnings
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -32,32 +40,28 @@ import torch
 from pan2cli import distributed
 from pan2cli.components.locate import PAN2Components, resolve_components
 from pan2cli.config import GenerationSettings, RuntimeConfig, settings_with
+from pan2cli.constants import MAX_FRAMES
 from pan2cli.dit.attention import attention_backend, attention_backends, attention_order
-from pan2cli.dit.fp8_attention_choice import fp8_attention_ran, reset_fp8_attention_record
-from pan2cli.errors import InputError, Pan2Error, out_of_memory
-from pan2cli.outputs import DEFAULT_X264_PRESET, check_output_path
-from pan2cli.pipeline.background import BackgroundLoad
+from pan2cli.dit.fp8_attention_choice import reset_fp8_attention_record
+from pan2cli.errors import Pan2Error, out_of_memory
+from pan2cli.outputs import DEFAULT_CRF
+from pan2cli.pipeline.batch_plan import BatchRequest
+from pan2cli.pipeline.batch_run import BatchOutcome, BatchReport, run_batch
 from pan2cli.pipeline.conditioning import condition_latents
-from pan2cli.pipeline.image import encode_image, fit_image, load_start_image
-from pan2cli.pipeline.jobs import GenerationJob, GenerationResult, sidecar_path
-from pan2cli.pipeline.memory import free_memory
-from pan2cli.pipeline.sampling import denoise, initial_noise, split_ranks
+from pan2cli.pipeline.jobs import GenerationJob, GenerationResult, JobState, check_job_inputs
+from pan2cli.pipeline.loading import ModelStages
+from pan2cli.pipeline.sampling import denoise, initial_noise
+from pan2cli.pipeline.sidecar import BatchRan, sidecar
 from pan2cli.pipeline.streaming import BatchStream
 from pan2cli.presets import DEFAULT_PRESET, Preset, load_preset, preset_label
-from pan2cli.scheduler import uses_guidance
-from pan2cli.version import __version__
 
-# Progress hook: (description, total, unit) → context manager yielding `advance(n)`.
-ProgressFactory = Callable[[str, int, str], "contextmanager"]
+# The failures that are one job's own (module docstring); anything else stops the batch.
+PER_JOB_FAILURES = (Pan2Error, torch.OutOfMemoryError)
 
 
 @contextmanager
 def _no_progress(description: str, total: int, unit: str) -> Iterator[Callable[[int], None]]:
     yield lambda n=1: None
-
-
-# Room left beside the text encoder and the transformer for the text encoder's activations and the allocator.
-OVERLAP_MARGIN_BYTES = 4 * 2**30
 
 
 def seconds_since_process_start() -> float | None:
@@ -70,17 +74,14 @@ def seconds_since_process_start() -> float | None:
         return None
 
 
-def _rounded(entry: dict) -> dict:
-    """A shared load's sidecar entry with its seconds rounded."""
-    return {k: round(v, 3) if isinstance(v, float) else v for k, v in entry.items()}
-
-
-class VideoGenerator(BatchStream):
-    """The PAN 2 pipeline. Build with `from_pretrained`, then call `generate` (or `generate_batch`).
+class VideoGenerator(ModelStages, BatchStream):
+    """The PAN 2 pipeline. Build with `from_pretrained`, then call `generate` (one video), `generate_file` (a prompt
+    file) or `generate_batch` (jobs).
 
     Args:
         components: the located checkpoint (`resolve_components`).
-        config: how the models run (`RuntimeConfig`).
+        config: how the models run (`RuntimeConfig`); its `precision` and `chunk_latent_frames` left None are the
+            preset's (`runtime_with`).
         progress: optional progress factory `(description, total, unit) → context manager yielding advance(n)`.
         info: optional callable for one-line notes (fallbacks, load times).
         warn: optional callable for warnings that must be seen (a prompt cut to the text encoder's limit);
@@ -102,26 +103,17 @@ class VideoGenerator(BatchStream):
         self.vae_dtype = self.config.torch_vae_dtype(self.device)
         self.generator_device = self.config.torch_generator_device(self.device)  # where the noise is drawn
         self.config.check_precision(self.device)  # fp8 where it cannot run: bad input before anything loads
-        self.fp8_attention: dict | None = (
-            None  # what the last sample's fp8 attention ran (`fp8_attention_ran`)
-        )
         self.progress = progress or _no_progress
         self.info = info or (lambda line: None)
         self.warn = warn or (lambda line: warnings.warn(line, stacklevel=3))
         self.dit_config = dict(components.transformer_arguments)  # checked by resolve_components
-        self.attention: str | None = None  # the SDPA backend of the last sample (pan2cli.dit.attention)
-        # What ran in the last batch, for the sidecar: the DiT's fused kernels, the decoder, the split over processes.
-        self.dit_fused_kernels: bool | None = None
-        self.decoder_path: str | None = None
-        self.decode_rows_split = False
-        self.ranks_share_jobs = False
         self._shift_notes: set[tuple[float, str]] = set()  # each flow-shift note said once
-        self.memory_plan = None  # the batch's `pan2cli.pipeline.memory_plan.MemoryPlan` (on a GPU)
         # `time_to_first_step` counts from here: the command's start where the CLI sets it, else each batch's.
         self.clock_start: float | None = None
-        self._dit = None  # the transformer while a batch denoises
-        self._parallel_decode = False  # the decode of a shared job split by rows (`_open_decoder`)
         self._vae_identity: dict | None = None  # for latents files (`_vae_record`)
+        # The batch that runs: how it runs (decided once, before anything loads) and its transformer while it denoises.
+        self._ran: BatchRan | None = None
+        self._dit = None
         attention_order()  # a bad PAN2_ATTENTION is bad input before anything loads
 
     @classmethod
@@ -157,6 +149,7 @@ class VideoGenerator(BatchStream):
             prompt: the text.
             preset: a preset name or `Preset` (defaults `pan2-10s`); `settings` (any `GenerationSettings`
                 field, and `duration` in seconds) replace its values (`settings_with`; None keeps the preset's).
+                Its `precision` and `chunk_latent_frames` run unless the generator's config sets them.
             output: also write an MP4 there (and a JSON sidecar beside it).
             save_latents: also write the normalised latents (`pan2 decode` reads the file).
 
@@ -164,7 +157,7 @@ class VideoGenerator(BatchStream):
             A `GenerationResult` whose `frames` are uint8 `[F, H, W, 3]` on the host.
 
         Raises:
-            InputError: bad settings or paths (before any model loads); any error of the run.
+            InputError: bad settings, paths or run-time options (before any model loads); any error of the run.
         """
         preset = preset if isinstance(preset, Preset) else load_preset(preset)
         shift_given = settings.get("flow_shift") is not None
@@ -177,53 +170,76 @@ class VideoGenerator(BatchStream):
             flow_shift_source="the flow_shift argument" if shift_given else f"preset {preset.name}",
         )
         self.check_job(job)
-        result = self.generate_batch([job])[0]
+        result = self.generate_batch([job], preset=preset)[0]
         if result.error is not None:
             raise result.error
         return result
 
-    def check_job(self, job: GenerationJob) -> None:
-        """Inputs that can be checked before any model loads (the settings are, on construction): the schedule
-        with the checkpoint's options, start image, output paths.
+    def generate_file(
+        self,
+        prompts_file: str | Path,
+        *,
+        preset: str | Preset = DEFAULT_PRESET,
+        output: str | Path | None = None,
+        save_latents: bool = False,
+        overwrite: bool = False,
+        skip_existing: bool = False,
+        crf: int = DEFAULT_CRF,
+        max_frames: int | None = MAX_FRAMES,
+        on_result: Callable[[GenerationResult], None] | None = None,
+        **settings,
+    ) -> BatchOutcome:
+        """Generate every prompt of a prompt file (`pan2cli.pipeline.prompts`), as `pan2 generate --prompts` does:
+        `NNN_<name>.mp4` and its sidecar in `output` (an existing folder; default the current one), a record that
+        cannot run or whose run fails reported and the others made, `skip_existing` resuming a batch. Under
+        torchrun each rank makes its share of the records.
+
+        Args:
+            prompts_file: JSON, JSON Lines or plain text.
+            preset, settings: as for `generate`; a record's fields win over `settings`.
+            save_latents: also write each video's `<name>.latents.pt`.
+            overwrite / skip_existing: replace existing outputs / skip them (not both).
+            crf: the MP4's H.264 quality.
+            max_frames: the longest video accepted (None: no bound).
+            on_result: called with each video as soon as it is written.
+
+        Returns:
+            A `BatchOutcome`: the results, the failed records and prompts (each error naming the file and the
+            record), the outputs skipped. Failed records and prompts are said through `warn`.
 
         Raises:
-            InputError: the first problem found; it starts with `job.origin` when the job has one (a
-                prompt-file record: the batch reports it and makes the others).
+            InputError: an unreadable prompt file, a bad setting, an output folder that does not exist, bad
+                run-time options (before any model loads).
         """
-        try:
-            self._check_job(job)
-        except InputError as exc:
-            if job.origin is None:
-                raise
-            raise InputError(f"{job.origin}: {exc}", hint=exc.hint) from exc
-
-    def _check_job(self, job: GenerationJob) -> None:
-        self.components.scheduler.sigmas(job.settings.steps, self.flow_shift(job.settings)[0])
-        if job.settings.image is not None:
-            load_start_image(job.settings.image, "--image" if job.origin is None else "'image'")
-        if job.skip_existing and job.output is not None and job.output.exists():
-            return  # written by another process since the batch was planned: skipped when its turn comes
-        if job.output is not None:
-            check_output_path(job.output, job.overwrite)
-        # The sidecar and latents beside an MP4 that does not exist are left from a run that did not finish
-        # (or whose video was deleted): redoing the video replaces them when the caller says so.
-        extras_overwrite = job.overwrite or (
-            job.redo_leftovers and job.output is not None and not job.output.exists()
+        request = BatchRequest(
+            prompts_file=Path(prompts_file), output=output, preset=preset, settings=settings,
+            save_latents=save_latents, overwrite=overwrite, skip_existing=skip_existing, crf=crf, max_frames=max_frames,
+        )  # fmt: skip
+        report = BatchReport(
+            warning=self.warn,
+            failed=lambda error, origin: self.warn(f"{origin} failed: {error}" if origin else str(error)),
+            written=on_result or (lambda result: None),
         )
-        if job.latents_path is not None:
-            check_output_path(job.latents_path, extras_overwrite)
-        if job.output is not None and job.sidecar:
-            check_output_path(sidecar_path(job.output), extras_overwrite)
+        return run_batch(request, self.config, lambda: self, report)
+
+    def check_job(self, job: GenerationJob) -> None:
+        """What can be checked of `job` before any model loads, against this checkpoint (`check_job_inputs`).
+
+        Raises:
+            InputError: the first problem found, starting with `job.origin` when the job has one.
+        """
+        check_job_inputs(job, self.components.scheduler)
 
     def generate_batch(
         self,
         jobs: list[GenerationJob],
         *,
+        preset: Preset | None = None,
         ranks_share_jobs: bool = True,
         on_result: Callable[[GenerationResult], None] | None = None,
     ) -> list[GenerationResult]:
         """Run every job, loading each model once; each video is written, and `on_result` called with it, as soon
-        as its denoising ends; a job that fails is recorded in its result and the others go on.
+        as its denoising ends; a job that fails (`PER_JOB_FAILURES`) is recorded in its result and the others go on.
 
         The prompts are encoded first (then the text encoder is freed), then the start images; the transformer is
         read meanwhile where the device holds both. Then job by job: denoise, decode, write (MP4, latents file,
@@ -236,40 +252,43 @@ class VideoGenerator(BatchStream):
 
         Args:
             jobs: the videos to make (checked with `check_job` beforehand).
+            preset: the preset whose `precision` and `chunk_latent_frames` run where the config leaves them to it
+                (`runtime_with`); None: the defaults.
             ranks_share_jobs: under torchrun, whether every rank was given the same jobs (they then
                 cooperate: same latents, decode split by rows, rank 0 writes); False for a sharded batch, whose
                 ranks each stream their own jobs.
             on_result: called with each result when its video is written (or has failed, or was skipped).
 
         Raises:
+            InputError: run-time options that cannot run here (the preset's fp8 on the CPU), or no memory plan fits
+                (before anything loads).
             Pan2Error: a model failed to load (not a per-job failure).
+            Exception: anything not in `PER_JOB_FAILURES` raised by a job's run (a bug): the batch stops.
         """
-        results = [GenerationResult(job) for job in jobs]
+        states = [JobState(GenerationResult(job)) for job in jobs]
         shared = ranks_share_jobs and distributed.world_size() > 1
-        self.ranks_share_jobs = shared
-        self._batch_start = time.perf_counter() if self.clock_start is None else self.clock_start
+        self._ran, shapes = self._decide_batch([s.job.settings for s in states], preset, shared)
         # The text encoder's weights are read in the background while the tokenizer loads, and the
         # transformer's during 1 and 2 where the device holds both models (the threads end with the batch's
         # first failure or a Ctrl-C: `BackgroundLoad`).
-        self._plan_memory([r.job.settings for r in results if r.error is None])
         text_tensors = self._start_text_read()
-        transformer = self._start_transformer_load(after=text_tensors)
+        transformer = self._start_transformer_load(shapes, after=text_tensors)
         with text_tensors, transformer if transformer is not None else nullcontext():
             # 1. Text encoding
-            self._encode_texts(results, transformer, text_tensors)
+            self._encode_texts(states, transformer, text_tensors)
             # 2. Start images (image-to-video)
-            self._encode_images(results, transformer)
+            self._encode_images(states, transformer)
             # 3. The transformer
-            self._dit = self._load_dit(results, transformer)
+            self._dit = self._load_dit(states, transformer, len(shapes))
         # 4. Each video: denoised, decoded, written, handed over
         try:
-            self._make_videos(results, shared, on_result or (lambda result: None))
+            self._make_videos(states, on_result or (lambda result: None))
         finally:
             self._dit = None
             self._release()
-        return results
+        return [state.result for state in states]
 
-    # -- stages -----------------------------------------------------------------------------------------
+    # -- helpers of the stages ------------------------------------------------------------------------
     def _sync(self) -> None:
         # This thread's stream only: a device-wide sync would also wait for the transformer's copies, queued
         # by its reading threads on streams of their own (which synchronise them before handing the model over).
@@ -305,279 +324,30 @@ class VideoGenerator(BatchStream):
                 peak = torch.cuda.max_memory_allocated(self.device) / 2**30
                 result.peak_gpu_gib[stage] = max(result.peak_gpu_gib.get(stage, 0.0), peak)
 
-    def _run_job(self, result: GenerationResult, stage: str | None, work: Callable[[], None]) -> None:
-        """Run one job's stage, timed as `stage` (None: `work` times its own parts, or nothing); a failure is the
-        job's (recorded, the batch goes on), Ctrl-C is everyone's."""
-        if result.error is not None:
+    def _run_job(self, state: JobState, stage: str | None, work: Callable[[], None]) -> None:
+        """Run one job's stage, timed as `stage` (None: `work` times its own parts, or nothing). A failure in
+        `PER_JOB_FAILURES` is the job's (recorded, the batch goes on); anything else, Ctrl-C too, stops the batch."""
+        if state.failed:
             return
         try:
-            with self._timed(result, stage) if stage is not None else nullcontext():
+            with self._timed(state.result, stage) if stage is not None else nullcontext():
                 work()
-        except (Pan2Error, ValueError, RuntimeError, OSError) as exc:
-            if distributed.is_comm_error(exc):
-                raise
-            result.error = exc
+        except PER_JOB_FAILURES as exc:
+            if isinstance(exc, torch.OutOfMemoryError):  # outside a timed stage: said as pan2 says it
+                exc = out_of_memory(exc, f"during {stage or 'the decode'}")
+            state.result.error = exc
             self._release()
 
-    def _load_seconds(self, results: list[GenerationResult], stage: str, seconds: float, **overlap) -> None:
-        """A model loaded once for `results`: said once, as shared by them, not as a stage each one paid
+    def _load_seconds(self, states: list[JobState], stage: str, seconds: float, **overlap) -> None:
+        """A model loaded once for `states`: said once, as shared by them, not as a stage each one paid
         (`overlap`: `overlapped_with`, the stages it ran beside, and `waited`, the seconds they then waited)."""
-        for result in results:
-            result.shared_loads[stage] = {"seconds": seconds, "videos": len(results), **overlap}
-
-    def _start_text_read(self) -> BackgroundLoad:
-        """The text encoder's tensors read to the device in the background (`read_text_tensors`)."""
-        from pan2cli.text.checkpoint import read_text_tensors
-
-        folder = self.components.folder("text_encoder")
-        where = self._text_device()
-        return BackgroundLoad(
-            lambda tick: read_text_tensors(folder, where, on_tensor=tick),
-            self.device,
-            name="pan2-text-encoder-read",
-        )
-
-    def _text_device(self) -> torch.device:
-        """Where the text model is read: the device, or host memory when the plan streams some of its layers."""
-        plan = self.memory_plan
-        return torch.device("cpu") if plan is not None and plan.text_encoder.streamed else self.device
-
-    def _plan_memory(self, settings: list[GenerationSettings]) -> None:
-        """The batch's memory plan (`pan2cli.pipeline.memory_plan`), before anything loads: said in one line, the
-        cap applied; on the CPU none.
-
-        Raises:
-            InputError: no plan fits the GPU (or the cap), or the host lacks the memory it page-locks.
-        """
-        from pan2cli.dit.checkpoint import resolve_pan2_checkpoint
-        from pan2cli.pipeline.planning import apply_cap, make_plan
-
-        shapes = self._transformer_shapes = resolve_pan2_checkpoint(
-            self.components.folder("transformer")
-        ).shapes
-        self._transformer_tensors = len(shapes)  # the load's progress bar counts them
-        apply_cap(self.device, self.config.max_gpu_memory_gib)
-        self.memory_plan = make_plan(
-            self.config, self.device, settings, transformer_shapes=shapes,
-            text_folder=self.components.folder("text_encoder"), dit_config=self.dit_config, dtype=self.dtype,
-            vae_dtype=self.vae_dtype,
-        )  # fmt: skip
-        if self.memory_plan is not None:
-            self.info(self.memory_plan.line())
-
-    def _encode_texts(
-        self,
-        results: list[GenerationResult],
-        transformer: BackgroundLoad | None,
-        text_tensors: BackgroundLoad,
-    ) -> None:
-        from pan2cli.text.checkpoint import load_text_model, load_tokenizer
-        from pan2cli.text.encoder import PAN2TextEncoder
-
-        tokenizer = load_tokenizer(self.components.folder("tokenizer"))  # while the text read runs
-        text_model = load_text_model(
-            self.components.folder("text_encoder"),
-            dtype=self.dtype,
-            device=self._text_device(),
-            tensors=text_tensors.result(),
-        )
-        plan = self.memory_plan
-        if plan is not None and plan.text_encoder.streamed:  # some layers stream from host memory
-            from pan2cli.pipeline.offload import LayerStreamer, stream_layers
-
-            stream_layers(
-                text_model, "layers", self.device, LayerStreamer(self.device, plan.text_encoder.streamed)
-            )
-        encoder = PAN2TextEncoder(tokenizer, text_model)
-        text_model = None
-        seconds = time.perf_counter() - text_tensors.started  # from the read's start: one stage
-        self._load_seconds(results, "load_text_encoder", seconds)
-        todo = [r for r in results if r.error is None]
-        check = transformer.check if transformer is not None else (lambda: None)
-        check()  # a transformer that cannot be read stops the batch now, not after every prompt is encoded
-
-        def encode(prompt: str, what: str = "the prompt") -> torch.Tensor:
-            features, cut = encoder.encode(prompt)
-            if cut:  # the release keeps at most 1536 tokens after the chat template's user header
-                short = prompt if len(prompt) <= 40 else prompt[:40] + "…"
-                self.warn(
-                    f"{what} {short!r} is {cut} tokens over the text encoder's limit of {encoder.max_length}; its last {cut} tokens were cut."
-                )
-            return features
-
-        with self.progress("Encoding the prompts", len(todo), "prompts") as advance:
-            for result in todo:
-                settings = result.job.settings
-
-                def work(result=result, settings=settings):
-                    cond = encode(settings.prompt)
-                    uncond = (
-                        encode(settings.negative_prompt, "the negative prompt")
-                        if uses_guidance(settings.guidance)
-                        else None
-                    )
-                    result._text = (cond, uncond)
-
-                self._run_job(result, "text_encoding", work)
-                advance(1)
-                check()
-        encoder.release()
-        encoder = None  # frees the model (the closures above share this variable, so no `del`)
-        self._release()
-
-    def _encode_images(self, results: list[GenerationResult], transformer: BackgroundLoad | None) -> None:
-        todo = [r for r in results if r.error is None and r.job.settings.image is not None]
-        if not todo:
-            return
-        if transformer is not None:
-            transformer.check()
-        from pan2cli.vae.checkpoint import load_vae_encoder
-
-        start = time.perf_counter()
-        encoder = load_vae_encoder(self.components.folder("vae"), dtype=self.vae_dtype, device=self.device)
-        self._load_seconds(todo, "load_vae_encoder", time.perf_counter() - start)
-        for result in todo:
-            settings = result.job.settings
-
-            def work(result=result, settings=settings):
-                pixels = fit_image(load_start_image(settings.image), settings.height, settings.width)
-                result._image_latent = encode_image(encoder, pixels)  # [1, 48, 1, h, w] fp32, normalised
-
-            self._run_job(result, "image_encoding", work)
-        encoder = None  # frees the encoder (the closure above shares this variable, so no `del`)
-        self._release()
-
-    def _start_transformer_load(self, after: BackgroundLoad) -> BackgroundLoad | None:
-        """The transformer's load started in the background (`BackgroundLoad`) where the device has room for it
-        beside the text encoder, its reads from the end of `after`'s (the text encoder's); else None (it loads
-        after the text encoder is freed), said in one line."""
-        from pan2cli.dit.checkpoint import loaded_bytes
-
-        shapes = self._transformer_shapes  # read by `_plan_memory`
-        if self.config.offload:
-            self.info("Loading the transformer after the text encoder (--offload: one model at a time).")
-            return None
-        plan = self.memory_plan
-        if plan is not None and (plan.transformer.streamed or plan.text_encoder.streamed):
-            self.info(
-                "Loading the transformer after the text encoder (the memory plan streams: one model at a time)."
-            )
-            return None
-        dit_bytes = loaded_bytes(shapes, self.dtype, precision=self.config.precision)
-        text_bytes = sum(
-            p.stat().st_size for p in self.components.folder("text_encoder").glob("*.safetensors")
-        )
-        need = dit_bytes + text_bytes + OVERLAP_MARGIN_BYTES
-        free, where = free_memory(self.device)
-        if plan is not None and plan.cap_bytes is not None and free is not None and plan.cap_bytes < free:
-            free, where = plan.cap_bytes, "--max-gpu-memory"
-        if free is None or need > free:
-            have = f"{free / 2**30:.1f} GiB free" if free is not None else "free memory unknown"
-            self.info(
-                f"Loading the transformer after the text encoder: both need {need / 2**30:.1f} GiB, {where} has {have}."
-            )
-            return None
-        return BackgroundLoad(self._read_dit, self.device, name="pan2-transformer-load", after=after)
-
-    def _read_dit(self, on_tensor: Callable[[], None] | None = None):
-        """The transformer from its checkpoint, on the device but for the blocks the memory plan (or, on the CPU,
-        `offload`) streams from host memory."""
-        from pan2cli.dit.checkpoint import load_pan2_transformer
-        from pan2cli.pipeline.offload import LayerStreamer, enable_block_offload
-
-        cfg = self.config
-        folder = self.components.folder("transformer")
-        layers = self.dit_config.get("num_layers", 44)
-        if self.memory_plan is not None:
-            streamed = self.memory_plan.transformer.streamed
-        else:  # the CPU: the blocks are in host memory already; --offload streams them to the CPU all the same
-            streamed = range(layers) if cfg.offload else ()
-        # fp8: each block quantised on the GPU as it is read (the bf16 model is never whole there); a block that
-        # streams goes to host memory as soon as it is read (`LayerStreamer.stage`).
-        streamer = LayerStreamer(self.device, streamed) if streamed else None
-        model = load_pan2_transformer(
-            folder, dtype=self.dtype, device=self.device, precision=cfg.precision, on_tensor=on_tensor,
-            on_block=streamer.stage if streamer is not None else None,
-        )  # fmt: skip
-        if streamer is not None:
-            enable_block_offload(model, self.device, streamer=streamer).compact_resident()
-        return model
-
-    def _prepare_dit(self, model):
-        """The loaded transformer's kernels chosen (fused Triton ops where they run) and the fp8 attention named."""
-        from pan2cli.dit.fusions import set_fused_kernels, triton_available
-
-        cfg = self.config
-        if cfg.precision == "fp8":  # the fp8 attention chosen once for the run (built now where it is ours)
-            from pan2cli.dit.fp8_attention_choice import resolve_fp8_attention, use_fp8_attention
-
-            head_dim = self.dit_config.get("attention_head_dim", 128)
-            choice = resolve_fp8_attention(cfg.fp8_attention, self.device, head_dim)
-            use_fp8_attention(model, choice)
-            if choice.fallback:
-                self.info(f"fp8 attention: pan2's Triton kernel ({choice.reason}).")
-        fused = False
-        if cfg.dit_fused_kernels:
-            head_dim = self.dit_config.get("attention_head_dim", 128)
-            reason = None
-            if self.device.type != "cuda":
-                reason = None  # the reference ops are the CPU path; nothing to say
-            elif not triton_available():
-                reason = "Triton is not installed"
-            elif head_dim & (head_dim - 1):
-                reason = f"head_dim {head_dim} is not a power of two"
-            else:
-                fused = True
-            if reason:
-                self.info(f"Using the PyTorch DiT ops: {reason}.")
-        set_fused_kernels(model, fused)
-        self.dit_fused_kernels = fused  # what ran, for the sidecar
-        return model
-
-    def _load_dit(self, results: list[GenerationResult], transformer: BackgroundLoad | None):
-        """The transformer, ready to sample (None, and its background read cancelled, when no job is left)."""
-        todo = [r for r in results if r.error is None]
-        if not todo:
-            if transformer is not None:
-                transformer.cancel()  # nothing left to sample
-            return None
-        start = time.perf_counter()
-        with self.progress("Loading the transformer", self._transformer_tensors, "tensors") as advance:
-            if transformer is not None:  # read in the background since the batch began
-                transformer.wait(on_tick=advance)
-                # taken: the load keeps no reference, so the model goes when the batch releases it
-                model = transformer.take()
-                overlapped = ["load_text_encoder", "text_encoding"]
-                if any(r.job.settings.image is not None for r in results):
-                    overlapped += ["load_vae_encoder", "image_encoding"]
-                self._load_seconds(
-                    todo, "load_transformer", transformer.seconds,
-                    overlapped_with=overlapped, waited=time.perf_counter() - start,
-                )  # fmt: skip
-            else:
-                model = self._read_dit(on_tensor=lambda: advance(1))
-                self._load_seconds(todo, "load_transformer", time.perf_counter() - start)
-        return self._prepare_dit(model)
+        for state in states:
+            state.result.shared_loads[stage] = {"seconds": seconds, "videos": len(states), **overlap}
 
     def flow_shift(self, settings: GenerationSettings, given_by: str | None = None) -> tuple[float, str]:
         """The flow shift a sample of `settings` runs and where it comes from: the settings' (a preset's or a
         flag's, named by `given_by`) over the checkpoint's `scheduler_config.json` (`SchedulerConfig.resolve_shift`)."""
         return self.components.scheduler.resolve_shift(settings.flow_shift, given_by)
-
-    def _note_flow_shift(self, job: GenerationJob) -> None:
-        """One line (once per value and source) when the shift that runs overrides the checkpoint's, or is
-        diffusers' default because neither the settings nor the checkpoint set one."""
-        shift, source = self.flow_shift(job.settings, job.flow_shift_source)
-        checkpoint = self.components.scheduler
-        if checkpoint.shift is not None and shift != checkpoint.shift:
-            line = f"Flow shift {shift:g} from {source}; the checkpoint's {checkpoint.source} sets {checkpoint.shift:g}."
-        elif checkpoint.shift is None and job.settings.flow_shift is None:
-            line = f"Flow shift {shift:g}: {source}."
-        else:
-            return
-        if (shift, source) not in self._shift_notes:
-            self._shift_notes.add((shift, source))
-            self.info(line)
 
     @torch.inference_mode()
     def sample(
@@ -611,14 +381,12 @@ class VideoGenerator(BatchStream):
         condition = condition_latents(shape, image_latent).to(self.device, self.dtype)  # [1, 49, T, h, w]
         scheduler = self.components.scheduler
         sigmas = scheduler.sigmas(settings.steps, self.flow_shift(settings)[0]).tolist()
-        self.attention = self._attention_backend(model, shape, cond)
-        reset_fp8_attention_record(model)
+        reset_fp8_attention_record(model)  # what it ran is read after the sample (`fp8_attention_ran`)
         with attention_backends():  # cuDNN SDPA first, falling through to flash, efficient, math
             latents = denoise(
                 model, latents, condition, cond, uncond, sigmas, settings.guidance, scheduler.num_train_timesteps,
                 split=split, on_step=on_step,
             )  # fmt: skip
-        self.fp8_attention = fp8_attention_ran(model)  # what ran, not what was asked for
         if getattr(model, "precision", "bf16") == "fp8":  # a NaN/Inf activation gives NaN latents: say so
             from pan2cli.dit.fp8 import check_finite
 
@@ -626,7 +394,7 @@ class VideoGenerator(BatchStream):
         return latents.cpu()
 
     def _attention_backend(self, model, latent_shape, cond: torch.Tensor) -> str:
-        """The SDPA backend of this sample's joint attention ([video; text] tokens), for the sidecar."""
+        """The SDPA backend a sample's joint attention ([video; text] tokens) takes, for the sidecar."""
         config = model.config
         video_tokens = 1
         for size, patch in zip(latent_shape[2:], config.patch_size):
@@ -640,77 +408,13 @@ class VideoGenerator(BatchStream):
         )
 
     def _chunk_latent_frames(self) -> int:
-        """The decoder's chunk: the configured one, or the memory plan's where that is smaller."""
-        plan = self.memory_plan
-        return plan.chunk_latent_frames if plan is not None else self.config.chunk_latent_frames
+        """The decoder's chunk: the batch's, or the memory plan's where that is smaller."""
+        plan = self._ran.memory_plan
+        return plan.chunk_latent_frames if plan is not None else self._ran.config.chunk_latent_frames
 
     def sidecar(self, result: GenerationResult) -> dict:
-        """The JSON record of one video: settings (the start image by its absolute path), the job's metadata
-        (preset, overrides and where each came from), model, versions, the run-time options as given (`config`)
-        and what ran (`ran`: the DiT's fused kernels, the decoder), the processes and how they split the work,
-        this video's seconds and peak GPU memory per stage (`write`: the MP4's end and the latents file), and
-        the loads it shared with the other videos of the batch (`shared_loads`, each said once)."""
-        settings = asdict(result.job.settings)
-        settings["image"] = os.path.abspath(settings["image"]) if settings["image"] is not None else None
-        # The shift that ran (the settings' or the checkpoint's) and where it came from.
-        settings["flow_shift"], shift_source = self.flow_shift(
-            result.job.settings, result.job.flow_shift_source
-        )
-        return {
-            **settings,
-            "flow_shift_source": shift_source,
-            "crf": result.job.crf,  # the MP4's H.264 quality and x264's speed preset
-            "x264_preset": DEFAULT_X264_PRESET,
-            **result.job.metadata,
-            "model": self.components.model_id,
-            "revision": self.components.revision,
-            "pan2cli_version": __version__,
-            "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "config": asdict(self.config),
-            "generator_device": self.generator_device.type,  # where the initial noise was drawn
-            "attention": self.attention,  # the SDPA backend of the denoising (pan2cli.dit.attention)
-            # what stayed on the GPU and what streamed from host memory (pan2cli.pipeline.memory_plan); null on the CPU
-            "memory_plan": self.memory_plan.record() if self.memory_plan is not None else None,
-            "ran": {
-                "dit_fused_kernels": self.dit_fused_kernels,
-                "decoder": self.decoder_path,
-                "precision": self._ran_precision(),
-                "fp8_attention": self.fp8_attention,
-            },  # fmt: skip
-            "processes": self._processes(result.job.settings),
-            "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
-            "peak_gpu_memory_gib": {k: round(v, 2) for k, v in result.peak_gpu_gib.items()},
-            "shared_loads": {k: _rounded(v) for k, v in result.shared_loads.items()},
-            # to this video's first denoising step, from the command's start (or the batch's: `time_to_first_step_from`)
-            "time_to_first_step": round(result.time_to_first_step, 3)
-            if result.time_to_first_step is not None
-            else None,
-            "time_to_first_step_from": "batch start" if self.clock_start is None else "command start",
-        }
-
-    def _ran_precision(self) -> str:
-        """The DiT's arithmetic as it ran: "fp8", else its dtype ("bf16"; "float32" on the CPU, where
-        `--precision bf16` runs the float32 model)."""
-        if self.config.precision == "fp8":
-            return "fp8"
-        name = str(self.dtype).removeprefix("torch.")
-        return "bf16" if name == "bfloat16" else name
-
-    def _processes(self, settings: GenerationSettings) -> dict:
-        """How many processes made the batch (`--gpus N`, torchrun) and how they split this video's work."""
-        world = distributed.world_size()
-        if world == 1:
-            return {"count": 1}
-        if not self.ranks_share_jobs:  # a sharded prompt file: each process makes its own videos
-            return {"count": world, "split": "prompts", "rank": distributed.rank()}
-        heads = self.dit_config.get("num_attention_heads", 32)
-        groups = split_ranks(world, 2 if uses_guidance(settings.guidance) else 1)
-        return {
-            "count": world,
-            "split": "one video",
-            "cfg_parallel": len(groups) == 2,  # the two guidance passes on the two halves of the processes
-            # processes per pass that split its tokens (Ulysses; 1 where the heads do not divide evenly)
-            "sequence_parallel": [len(g) if len(g) >= 2 and heads % len(g) == 0 else 1 for g in groups],
-            "decode_rows_split": self.decode_rows_split,
-        }
+        """The JSON record of one video of the last batch (`pan2cli.pipeline.sidecar.sidecar`), as written beside it."""
+        return sidecar(
+            result, self._ran, components=self.components, device=self.device, dtype=self.dtype,
+            generator_device=self.generator_device, heads=self.dit_config.get("num_attention_heads", 32),
+        )  # fmt: skip

@@ -1,4 +1,5 @@
-"""One video to make (`GenerationJob`: checked settings and where they go) and what making it gave (`GenerationResult`)."""
+"""One video to make (`GenerationJob`: checked settings and where they go), what making it gave (`GenerationResult`),
+and the job on its way through a batch (`JobState`: its result and what the stages hand each other)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from typing import TYPE_CHECKING
 from pan2cli.config import GenerationSettings
 from pan2cli.constants import MAX_FRAMES
 from pan2cli.errors import InputError
-from pan2cli.outputs import DEFAULT_CRF
+from pan2cli.outputs import DEFAULT_CRF, check_output_path
 
 if TYPE_CHECKING:
     import torch
+
+    from pan2cli.scheduler import SchedulerConfig
 
 
 @dataclass
@@ -76,10 +79,53 @@ class GenerationResult:
     kept_latents: Path | None = None
     skipped: bool = False  # another process wrote the output meanwhile (`GenerationJob.skip_existing`)
     error: BaseException | None = None
+    # What ran for this video (the sidecar's): the SDPA backend of its denoising (`pan2cli.dit.attention`), what its fp8
+    # attention ran (`fp8_attention_ran`; None in bf16), and the decoder that made its frames ("compiled kernel" or
+    # "reference"); the rest is the batch's (`pan2cli.pipeline.sidecar.BatchRan`).
+    attention: str | None = None
+    fp8_attention: dict | None = None
+    decoder: str | None = None
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+def check_job_inputs(job: GenerationJob, scheduler: SchedulerConfig) -> None:
+    """What can be checked of `job` before any model loads (its settings are, on construction): its schedule with the
+    checkpoint's scheduler options, its start image, its output paths.
+
+    Raises:
+        InputError: the first problem found; it starts with `job.origin` when the job has one (a prompt-file record:
+            the batch reports it and makes the others).
+    """
+    try:
+        _check_inputs(job, scheduler)
+    except InputError as exc:
+        if job.origin is None:
+            raise
+        raise InputError(f"{job.origin}: {exc}", hint=exc.hint) from exc
+
+
+def _check_inputs(job: GenerationJob, scheduler: SchedulerConfig) -> None:
+    from pan2cli.pipeline.image import load_start_image
+
+    scheduler.sigmas(job.settings.steps, scheduler.resolve_shift(job.settings.flow_shift)[0])
+    if job.settings.image is not None:
+        load_start_image(job.settings.image, "--image" if job.origin is None else "'image'")
+    if job.skip_existing and job.output is not None and job.output.exists():
+        return  # written by another process since the batch was planned: skipped when its turn comes
+    if job.output is not None:
+        check_output_path(job.output, job.overwrite)
+    # The sidecar and latents beside an MP4 that does not exist are left from a run that did not finish (or whose
+    # video was deleted): redoing the video replaces them when the caller says so.
+    extras_overwrite = job.overwrite or (
+        job.redo_leftovers and job.output is not None and not job.output.exists()
+    )
+    if job.latents_path is not None:
+        check_output_path(job.latents_path, extras_overwrite)
+    if job.output is not None and job.sidecar:
+        check_output_path(sidecar_path(job.output), extras_overwrite)
 
 
 def sidecar_path(output: Path) -> Path:
@@ -91,3 +137,29 @@ def latents_path_for(output: Path) -> Path:
     """`video.mp4` → `video.latents.pt` (`--save-latents`, and where a video's latents are kept when it cannot be
     written)."""
     return output.with_name(f"{output.stem}.latents.pt")
+
+
+@dataclass
+class JobState:
+    """One job on its way through `VideoGenerator.generate_batch`: its result (what the caller gets) and what one
+    stage hands the next.
+
+    Attributes:
+        result: the job and what it has produced so far (its `error` set when it failed).
+        text: the prompt's and the negative prompt's features, `[1, L, text_dim]` each (the negative None without
+            guidance); from the text encoding to the denoising, then dropped.
+        image_latent: the start image's normalised latent `[1, 48, 1, h, w]` float32 (image-to-video), else None;
+            from the image encoding to the denoising, then dropped.
+    """
+
+    result: GenerationResult
+    text: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    image_latent: torch.Tensor | None = None
+
+    @property
+    def job(self) -> GenerationJob:
+        return self.result.job
+
+    @property
+    def failed(self) -> bool:
+        return self.result.error is not None

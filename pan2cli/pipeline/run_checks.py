@@ -5,6 +5,14 @@ from __future__ import annotations
 import torch
 
 from pan2cli.config import RuntimeConfig
+from pan2cli.presets import Preset, preset_label
+
+
+def precision_source(preset: Preset | None, given: RuntimeConfig) -> str:
+    """What asked for the precision that runs, for its errors: the option, or the preset that sets it."""
+    if given.precision is not None or preset is None or preset.precision is None:
+        return f"--precision {given.precision or 'bf16'}"
+    return f'preset {preset_label(preset)} sets precision = "{preset.precision}"'
 
 
 def check_run_options(

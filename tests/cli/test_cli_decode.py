@@ -19,7 +19,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import pan2cli.vae.decoder as decode_module  # the CLI imports decode_latents from here when it runs
+import pan2cli.decoding.files as decode_files_module  # where `pan2 decode` opens its decoder
+import pan2cli.decoding.write as decode_module  # where every video is decoded (`decode_latents`) and written
 from pan2cli.frames import frames_to_uint8
 from pan2cli.latents import unnormalize
 from pan2cli.vae.checkpoint import load_vae_decoder
@@ -714,7 +715,7 @@ def _no_vae_load(monkeypatch):
     def loaded(*args, **kwargs):
         raise AssertionError("the VAE was loaded before the inputs were checked")
 
-    monkeypatch.setattr(decode_module, "open_decoder", loaded)
+    monkeypatch.setattr(decode_files_module, "open_decoder", loaded)
 
 
 @pytest.mark.parametrize("fps", ["nan", "inf", "1e-9", "0.005", "1000.5", "1e9", "0", "-24"])

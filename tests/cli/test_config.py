@@ -17,6 +17,7 @@ from pan2cli.config import (
     SETTINGS_FIELDS,
     GenerationSettings,
     RuntimeConfig,
+    runtime_with,
     settings_with,
 )
 from pan2cli.errors import InputError
@@ -179,7 +180,8 @@ def test_settings_normalise_prompt_numbers_and_image():
 
 def test_runtime_config_defaults_and_checks():
     config = RuntimeConfig()
-    assert config.chunk_latent_frames == DEFAULT_CHUNK_LATENT_FRAMES == 4
+    assert config.chunk_latent_frames is None and config.precision is None  # the preset's, else the defaults
+    assert runtime_with(None, config).chunk_latent_frames == DEFAULT_CHUNK_LATENT_FRAMES == 4
     assert (
         config.decode_kernel,
         config.decode_kernel_parallel,
@@ -198,7 +200,7 @@ def test_runtime_config_defaults_and_checks():
         ({"vae_dtype": "fp16"}, "invalid 'vae_dtype'"),
         ({"decode_kernel": "on"}, "invalid 'decode_kernel' = 'on': must be one of: auto, off, require"),
         ({"chunk_latent_frames": 0}, "invalid 'chunk_latent_frames' = 0: must be >= 1"),
-        ({"chunk_latent_frames": None}, "'chunk_latent_frames' must be an integer"),
+        ({"chunk_latent_frames": "4"}, "'chunk_latent_frames' must be an integer"),
         ({"offload": 1}, "'offload' must be True or False"),
         ({"max_gpu_memory_gib": 0}, "invalid 'max_gpu_memory_gib' = 0: must be a finite number > 0"),
         ({"max_gpu_memory_gib": "24"}, "'max_gpu_memory_gib' must be a number of GiB"),
@@ -289,15 +291,17 @@ def test_video_generator_takes_preset_then_arguments(monkeypatch):
 
     components = SimpleNamespace(transformer_arguments={}, scheduler=SchedulerConfig())
     generator = VideoGenerator(components, RuntimeConfig(device="cpu"))
-    seen = []
+    seen, presets = [], []
 
-    def generate_batch(jobs):
+    def generate_batch(jobs, preset=None):
         seen.extend(jobs)
+        presets.append(preset)  # its run-time keys run where the config leaves them (`runtime_with`)
         return [SimpleNamespace(error=None, job=job) for job in jobs]
 
     monkeypatch.setattr(generator, "generate_batch", generate_batch)
     generator.generate("a cat", preset="pan2-5s", steps=2, seed=None, duration=1, fps=12.0)
     (job,) = seen
+    assert presets == [PRESET]
     assert job.settings == settings_with(PRESET, {"prompt": "a cat", "steps": 2, "duration": 1, "fps": 12.0})
     assert job.settings.seed == PRESET.seed and job.metadata == {"preset": "pan2-5s"}
     # A user's preset file is recorded by its absolute path (its stem is no preset `--preset` knows)

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from pan2cli.config import RuntimeConfig
+from pan2cli.config import RuntimeConfig, runtime_with
 from pan2cli.errors import InputError
 from pan2cli.presets import load_preset, preset_to_toml
 
@@ -16,7 +16,8 @@ CLI_SMALL = ("--size", "64x64", "--frames", 5, "--steps", 2, "--device", "cpu")
 
 
 def test_precision_is_a_checked_runtime_option():
-    assert RuntimeConfig().precision == "bf16"
+    assert RuntimeConfig().precision is None  # left to the preset, else bf16
+    assert runtime_with(None, RuntimeConfig()).precision == "bf16"
     assert RuntimeConfig(precision="fp8").precision == "fp8"
     with pytest.raises(InputError, match="'precision' = 'fp16'.*bf16, fp8"):
         RuntimeConfig(precision="fp16")

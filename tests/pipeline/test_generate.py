@@ -608,26 +608,28 @@ def test_sidecars_tell_what_ran(tiny_pan2, start_image, run_cli, tmp_path, monke
 def test_the_sidecar_names_the_split_over_processes(monkeypatch):
     """`processes` in the sidecar (`--gpus N`): a sharded batch names the rank that made the video; one video shared
     by the ranks names the guidance passes' halves, the sequence split of each and the decode's row split."""
-    from types import SimpleNamespace
-
-    import pan2cli.pipeline.generator as generator_module
+    import pan2cli.pipeline.sidecar as sidecar
     from pan2cli.config import settings_with
     from pan2cli.presets import load_preset
 
-    generator = VideoGenerator(
-        SimpleNamespace(transformer_arguments={"num_attention_heads": 4}), RuntimeConfig(device="cpu")
-    )
-    monkeypatch.setattr(generator_module.distributed, "world_size", lambda: 4)
-    monkeypatch.setattr(generator_module.distributed, "rank", lambda: 3)
+    def ran(shared: bool) -> sidecar.BatchRan:
+        return sidecar.BatchRan(
+            config=RuntimeConfig(device="cpu"), precision="bf16", dit_fused_kernels=False, ranks_share_jobs=shared,
+            decode_rows_split=shared, memory_plan=None, clock_start=0.0, clock_from="batch start",
+        )  # fmt: skip
+
+    monkeypatch.setattr(sidecar.distributed, "world_size", lambda: 4)
+    monkeypatch.setattr(sidecar.distributed, "rank", lambda: 3)
     guided, unguided = (settings_with(load_preset("pan2-5s"), {"guidance": g}) for g in (2.5, 1.0))
-    assert generator._processes(guided) == {"count": 4, "split": "prompts", "rank": 3}
-    generator.ranks_share_jobs, generator.decode_rows_split = True, True
-    assert generator._processes(guided) == {
+    assert sidecar.processes(guided, ran(False), heads=4) == {"count": 4, "split": "prompts", "rank": 3}
+    assert sidecar.processes(guided, ran(True), heads=4) == {
         "count": 4, "split": "one video", "cfg_parallel": True, "sequence_parallel": [2, 2], "decode_rows_split": True,
     }  # fmt: skip
-    monkeypatch.setattr(generator_module.distributed, "world_size", lambda: 3)
-    assert generator._processes(unguided)["sequence_parallel"] == [1]  # 4 heads do not split over 3 processes
-    assert generator._processes(guided)["sequence_parallel"] == [1, 2]
+    monkeypatch.setattr(sidecar.distributed, "world_size", lambda: 3)
+    assert sidecar.processes(unguided, ran(True), heads=4)["sequence_parallel"] == [
+        1
+    ]  # 4 heads do not split over 3
+    assert sidecar.processes(guided, ran(True), heads=4)["sequence_parallel"] == [1, 2]
 
 
 def test_generate_crf_reaches_the_encoder(tiny_pan2, run_cli, tmp_path):

@@ -1,5 +1,5 @@
 """The transformer read in the background while the text encoder loads and encodes (`pan2cli.pipeline.background`,
-`VideoGenerator._start_transformer_load`): that it overlaps, what the sidecar says of it, the one-line fallback,
+`ModelStages._start_transformer_load`): that it overlaps, what the sidecar says of it, the one-line fallback,
 and its failure paths (a transformer file that fails to read, Ctrl-C): one clear error or exit 130, nothing
 written, no thread left behind."""
 
@@ -16,6 +16,7 @@ import pan2cli.dit.checkpoint as dit_checkpoint
 from pan2cli.checkpoints.staged import StagedReader
 from pan2cli.errors import CheckpointError
 from pan2cli.pipeline import generator as generator_module
+from pan2cli.pipeline import loading
 from pan2cli.pipeline.background import BackgroundLoad, LoadCancelled
 from pan2cli.text.encoder import PAN2TextEncoder
 
@@ -221,7 +222,7 @@ def test_without_room_or_with_offload_the_loads_run_one_after_the_other_said_in_
     why, tiny_pan2, run_cli, tmp_path, monkeypatch
 ):
     if why == "no room":
-        monkeypatch.setattr(generator_module, "free_memory", lambda device: (2**20, "the GPU"))
+        monkeypatch.setattr(loading, "free_memory", lambda device: (2**20, "the GPU"))
     threads = set()
     _wrap_reader(monkeypatch, lambda key: threads.add(threading.current_thread().name))
     out = tmp_path / "cat.mp4"
