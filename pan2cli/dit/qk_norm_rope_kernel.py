@@ -81,6 +81,19 @@ def _normed_rows(
 
 
 @triton.jit
+def _rope_rows(COS, SIN, token64, mask, HALF: tl.constexpr, ROTATE: tl.constexpr):
+    """The RoPE cos/sin of the tokens `token64` (`[BLOCK_ROWS, HALF]`), or 1 and 0 where there is no rotation."""
+    if ROTATE:
+        table = token64[:, None] * HALF + tl.arange(0, HALF)[None, :]
+        c = tl.load(COS + table, mask=mask, other=1.0)
+        s = tl.load(SIN + table, mask=mask, other=0.0)
+    else:  # one return for both: Triton wants a function's returns of one type
+        c = 1.0
+        s = 0.0
+    return c, s
+
+
+@triton.jit
 def _whole_rows(o1, o2, HALF: tl.constexpr, BLOCK_ROWS: tl.constexpr, INTERLEAVED: tl.constexpr):
     """The pair members joined into `[BLOCK_ROWS, 2·HALF]` rows in channel order."""
     if INTERLEAVED:
@@ -173,13 +186,7 @@ def _qk_norm_rope_kernel(
         out_row = batch64 * stride_out_batch + (token64 + out_token_offset) * stride_out_token + head_off
         mean_row = batch64 * (n_heads * 2 * HALF) + head_off  # K_MEAN: [B, H, head_dim]
         mask = row_ok[:, None]
-        if ROTATE:
-            table = token64[:, None] * HALF + tl.arange(0, HALF)[None, :]
-            c = tl.load(COS + table, mask=mask, other=1.0)
-            s = tl.load(SIN + table, mask=mask, other=0.0)
-        else:
-            c = 1.0
-            s = 0.0
+        c, s = _rope_rows(COS, SIN, token64, mask, HALF, ROTATE)
         _norm_rope_tile(
             Q, Q_OUT, Q_WEIGHT, K_MEAN, q_row, out_row, mean_row, mask, c, s, eps, q_out_mult, signs,
             HALF, BLOCK_ROWS, ROTATE, INTERLEAVED, False, HADAMARD,
@@ -208,13 +215,7 @@ def _k_sums_kernel(
         token64 = (block * TOKENS_PER_PROGRAM + start + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         mask = (token64 < n_tokens)[:, None]
         k_row = batch.to(tl.int64) * stride_k_batch + token64 * stride_k_token + head * (2 * HALF)
-        if ROTATE:
-            table = token64[:, None] * HALF + tl.arange(0, HALF)[None, :]
-            c = tl.load(COS + table, mask=mask, other=1.0)
-            s = tl.load(SIN + table, mask=mask, other=0.0)
-        else:
-            c = 1.0
-            s = 0.0
+        c, s = _rope_rows(COS, SIN, token64, mask, HALF, ROTATE)
         o1, o2 = _normed_rows(K, K_WEIGHT, k_row, mask, c, s, eps, HALF, BLOCK_ROWS, ROTATE, INTERLEAVED)
         acc1 += tl.sum(tl.where(mask, o1, 0.0), axis=0)  # rows past the stream: 0 (even with eps = 0)
         acc2 += tl.sum(tl.where(mask, o2, 0.0), axis=0)
