@@ -78,7 +78,13 @@ def test_a_signal_ends_the_command_within_seconds_inside_a_long_op(tiny_pan2, tm
         while not mark.exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.1)
-        assert [p.name for p in out.iterdir()] == [f".cat.mp4.partial-{proc.pid}.mp4"]  # being written
+        partial = (
+            out / f".cat.mp4.partial-{proc.pid}.mp4"
+        )  # being written: ffmpeg opens it once it has a frame
+        while not partial.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        assert [p.name for p in out.iterdir()] == [partial.name]
         proc.send_signal(signum)
         # The main thread never comes back: only the watcher can end the process (a hang guard, not a timing).
         stdout, stderr = proc.communicate(timeout=60)
