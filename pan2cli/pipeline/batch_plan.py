@@ -146,9 +146,9 @@ def plan_jobs(
     if continue_from is not None:
         from pan2cli.pipeline.chain_frames import read_start_video  # torch, as the generation that follows
 
+        if flags.get("image") is not None:
+            raise InputError("--image and --continue-from both give the first frame: pass one of them")
         source = read_start_video(Path(continue_from))
-    if source is not None and flags.get("image") is not None:
-        raise InputError("--image and --continue-from both give the first frame: pass one of them")
     label = preset_label(preset)
     planned = []
     for record, out in entries:

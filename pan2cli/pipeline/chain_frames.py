@@ -178,10 +178,8 @@ class FrameTap:
         self.last: torch.Tensor | None = None
 
     def write(self, frames: torch.Tensor) -> None:
-        if frames.shape[0]:
-            self.last = frames[
-                -1
-            ].clone()  # the writer may hold the chunk until it is encoded: a copy of its own
+        if frames.shape[0]:  # a copy of its own: the writer may hold the chunk until it is encoded
+            self.last = frames[-1].clone()
         if self.part is not None:
             self.part.write(frames)
 
