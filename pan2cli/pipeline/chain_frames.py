@@ -100,8 +100,10 @@ def frame_image(frame: torch.Tensor):
 
 
 def save_frame_png(frame: torch.Tensor, path: Path) -> None:
-    """Write uint8 `[H, W, 3]` as a PNG (lossless: the same bytes come back)."""
-    frame_image(frame).save(path, format="PNG")
+    """Write uint8 `[H, W, 3]` as a PNG (lossless: the same bytes come back). zlib level 1: 0.06 s for a 704x1248
+    frame against level 6's 0.24 s (measured on this project's CPU host), about 1.2x the bytes; it is written
+    while the next round waits."""
+    frame_image(frame).save(path, format="PNG", compress_level=1)
 
 
 @dataclass(eq=False)

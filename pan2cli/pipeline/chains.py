@@ -85,6 +85,7 @@ def link_rounds(
 
 
 def _link_chain(chain: Chain, group: list[PlannedRecord], linked: LinkedRounds) -> None:
+    """One chain's rounds linked in order (`link_rounds`); from the first that cannot run, the rest not made."""
     from pan2cli.pipeline.chain_frames import last_frame_path
 
     source = chain.source
@@ -105,9 +106,8 @@ def _link_chain(chain: Chain, group: list[PlannedRecord], linked: LinkedRounds) 
                     RoundNotMade(f"{entry.origin} not made: it continues {stopped}, which cannot run")
                 )
             continue
-        if (
-            entry.problem is not None or settings is None
-        ):  # cannot run (its video may exist: not what it says now)
+        # cannot run (or its video exists, made with settings that are no longer valid)
+        if entry.problem is not None or settings is None:
             stopped = _label(entry)
             continue
         if source is not None and (settings.height, settings.width) != (source.height, source.width):

@@ -57,14 +57,14 @@ class ChainRounds:
         source = _source(job)
         if source is None or source.latents is None or source.latents.vae is None or source.checked:
             return
-        from pan2cli.vae.identity import identity_mismatch, vae_identity
+        from pan2cli.vae.identity import identity_mismatch
 
-        folder = self.components.folder("vae")
-        problem = identity_mismatch(source.latents.vae, vae_identity(folder, name=str(folder)))
+        ours = self._vae_record()  # None where it cannot be read: nothing to compare
+        problem = identity_mismatch(source.latents.vae, ours) if ours is not None else None
         if problem is not None:
             raise InputError(
                 f"--continue-from {source.path} holds latents made for the VAE {source.latents.vae.get('vae')}, and "
-                f"the model's ({folder}) is another: {problem}",
+                f"the model's ({self.components.folder('vae')}) is another: {problem}",
                 hint="continue it with the model that made it (--model), or from its MP4",
             )
         source.checked = True

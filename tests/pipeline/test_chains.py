@@ -136,6 +136,24 @@ def test_shard_keeps_each_chain_on_one_rank(tmp_path):
     assert [r.prompt for r in shard(plain, 1, 2)] == ["b", "d"]
 
 
+def test_image_starts_a_chain_and_its_rounds_start_from_the_round_before(tmp_path):
+    """`--image` is the start of each chain's first round only: a round's settings and sidecar overrides hold none."""
+    from pan2cli.pipeline.batch_plan import plan_jobs
+    from pan2cli.presets import load_preset
+
+    prompts, out = _write_rounds(tmp_path, ["a", {"prompt": "b", "continue": True}, "c"])
+    flags = {"image": tmp_path / "start.png", "steps": 1}
+    jobs, failures, *_ = plan_jobs(None, prompts, str(out), load_preset("pan2-5s"), flags)
+    assert not failures and [j.settings.image for j in jobs] == [
+        tmp_path / "start.png",
+        None,
+        tmp_path / "start.png",
+    ]
+    assert ["image" in j.metadata["overrides"] for j in jobs] == [True, False, True]
+    assert [j.chain.position if j.chain else None for j in jobs] == [0, 1, None]
+    assert jobs[1].chain.previous is jobs[0] and jobs[0].chain.chain is jobs[1].chain.chain
+
+
 # -- a chain ---------------------------------------------------------------------------------------------------------
 def test_three_rounds_start_from_the_exact_last_frames_and_stitch(
     tiny_pan2, run_cli, tmp_path, written, starts
@@ -291,6 +309,31 @@ def test_continue_from_an_mp4_and_a_latents_file(tiny_pan2, run_cli, tmp_path, w
     assert json.loads((tmp_path / "land.json").read_text())["continues"]["frame_file"] == str(
         tmp_path / "leap.last.png"
     )
+
+
+def test_continue_from_latents_of_another_vae_is_refused_before_any_model_loads(
+    tiny_pan2, run_cli, tmp_path, monkeypatch
+):
+    first = tmp_path / "first.mp4"
+    assert (
+        run_cli(
+            "generate", "a cat", "--model", tiny_pan2, *CLI_SMALL, "--save-latents", "-o", first
+        ).exit_code
+        == 0
+    )
+    payload = torch.load(tmp_path / "first.latents.pt", weights_only=True)
+    payload["vae"]["latent_statistics"] = "0" * 16
+    torch.save(payload, tmp_path / "other.latents.pt")
+    monkeypatch.setattr(VideoGenerator, "_read_dit", lambda *a, **k: pytest.fail("the transformer was read"))
+    res = run_cli(
+        "generate", "x", "--model", tiny_pan2, *CLI_SMALL, "--continue-from", tmp_path / "other.latents.pt",
+        "-o", tmp_path / "x.mp4",
+    )  # fmt: skip
+    assert res.exit_code == 2
+    assert _errors(res.stderr) == [
+        f"Error: --continue-from {tmp_path / 'other.latents.pt'} holds latents made for the VAE {tiny_pan2 / 'vae'}, "
+        f"and the model's ({tiny_pan2 / 'vae'}) is another: its latent statistics (latents_mean, latents_std) are others"
+    ]
 
 
 def test_continue_from_with_a_file_of_rounds(tiny_pan2, run_cli, tmp_path, written, starts):
