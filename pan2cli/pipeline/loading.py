@@ -177,8 +177,9 @@ class ModelStages:
             for state in todo:
                 work = lambda state=state: self._encode_start(state, self._start_image(state.job), todo)  # noqa: E731
                 self._run_job(state, "image_encoding", work)
-        later = any(s.job.chain is not None and s.job.chain.previous is not None for s in states)
-        if self._encoder is not None and not later:
+        if any(s.job.chain is not None and s.job.chain.previous is not None for s in states):
+            self._park_encoder()  # kept for the rounds that start later from one made in the batch
+        elif self._encoder is not None:
             self._encoder = None  # frees the encoder
             self._release()
 

@@ -126,6 +126,14 @@ def test_a_round_takes_no_image_and_a_bad_continue_is_its_records_problem(tmp_pa
     assert parsed[1].continues and not parsed[2].continues  # a problem record still belongs to its chain
 
 
+def test_help_says_how_rounds_and_gpus_go_together(run_cli):
+    text = " ".join(run_cli("generate", "--help").stdout.split())
+    assert (
+        "with --gpus N, whole chains go to the processes, a chain's rounds one after another on one" in text
+    )
+    assert '"continue": true (a text line starting with "+")' in text and "--continue-from VIDEO" in text
+
+
 def test_shard_keeps_each_chain_on_one_rank(tmp_path):
     """A chain's rounds wait for each other: the ranks share chains, not records."""
     (tmp_path / "w.txt").write_text("a\n+ a2\n+ a3\nb\nc\n+ c2\nd\n")
@@ -159,12 +167,27 @@ def test_three_rounds_start_from_the_exact_last_frames_and_stitch(
     tiny_pan2, run_cli, tmp_path, written, starts
 ):
     prompts, out = _write_rounds(tmp_path)
-    res = run_cli("generate", "--prompts", prompts, "--model", tiny_pan2, *CLI_SMALL, "--crf", 0, "-o", out)
+    res = run_cli(
+        "generate",
+        "--prompts",
+        prompts,
+        "--model",
+        tiny_pan2,
+        *CLI_SMALL,
+        "--crf",
+        0,
+        "--save-latents",
+        "-o",
+        out,
+    )
     assert res.exit_code == 0, res.stderr
     stitched = out / "000_forest.chain.mp4"
     assert res.stdout.split() == [*(str(out / f"{n}.mp4") for n in ROUND_NAMES), str(stitched)]
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        [stitched.name, *(f"{n}.{ext}" for n in ROUND_NAMES for ext in ("mp4", "json", "last.png"))]
+        [
+            stitched.name,
+            *(f"{n}.{ext}" for n in ROUND_NAMES for ext in ("mp4", "json", "last.png", "latents.pt")),
+        ]
     )
     rounds = [written(f"{n}.mp4") for n in ROUND_NAMES]
     assert [len(r) for r in rounds] == [5, 9, 5]
