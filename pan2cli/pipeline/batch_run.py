@@ -124,6 +124,8 @@ def run_batch(
         return opened[0]
 
     def stitch_failed(exc: BaseException) -> None:
+        if not plan.batch:  # one prompt's failure is the command's
+            raise exc
         outcome.failures.append(exc)
         report.failed(exc, None)
 
