@@ -39,18 +39,11 @@ from pan2cli.presets import DEFAULT_PRESET
 # two), the run-time options.
 _REQUEST_OPTIONS = (
     "prompt", "prompts_file", "output", "preset", "save_latents", "overwrite", "skip_existing", "crf", "max_frames",
+    "continue_from",
 )  # fmt: skip
 _SETTING_OPTIONS = (
-    "steps",
-    "guidance",
-    "flow_shift",
-    "seed",
-    "frames",
-    "duration",
-    "fps",
-    "negative_prompt",
-    "image",
-)
+    "steps", "guidance", "flow_shift", "seed", "frames", "duration", "fps", "negative_prompt", "image",
+)  # fmt: skip
 _RUNTIME_OPTIONS = (
     "device", "dtype", "decode_kernel", "decode_kernel_parallel", "dit_fused_kernels", "offload", "generator_device",
     "fp8_attention", "precision", "chunk_latent_frames",
@@ -64,9 +57,11 @@ _RUNTIME_OPTIONS = (
     "prompts_file",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="A prompt file: JSON (a list of records: prompt, negative_prompt, duration, image, seed, name), JSON Lines "
-    "(.jsonl, one record per line) or plain text (one prompt per line); image paths are relative to the file. A bad "
-    "record is reported with its number and the others run.",
+    help="A prompt file: JSON (a list of records: prompt, negative_prompt, duration, image, seed, name, continue), "
+    "JSON Lines (.jsonl, one record per line) or plain text (one prompt per line); image paths are relative to the "
+    'file. A record with "continue": true (a text line starting with "+") continues the one before it from its last '
+    "frame: rounds of one chain, with a stitched <name>.chain.mp4. A bad record is reported with its number and the "
+    "others run (the rounds after it in its chain are not made).",
 )
 @click.option(
     "-o",
@@ -149,16 +144,17 @@ _RUNTIME_OPTIONS = (
     help=f"Frame rate, {MIN_FPS:g} to {MAX_FPS:g}.  [default: the preset's, 24]",
 )
 @click.option(
-    "--negative-prompt",
-    default=None,
-    help="Negative prompt for classifier-free guidance.  [default: the preset's, empty]",
-)
+    "--negative-prompt", default=None, help="Negative prompt for classifier-free guidance.  [default: the preset's, empty]"
+)  # fmt: skip
 @click.option(
-    "--image",
-    type=click.Path(path_type=Path),
-    default=None,
+    "--image", type=click.Path(path_type=Path), default=None,
     help="Start image (image-to-video): resized and centre-cropped to the size, it becomes the first frame.",
-)
+)  # fmt: skip
+@click.option(
+    "--continue-from", type=click.Path(dir_okay=False, path_type=Path), default=None, metavar="VIDEO",
+    help="Continue a video (an MP4, or a --save-latents file) from its last frame: the prompt, or the first round of "
+    "each chain of --prompts, starts from it; <name>.chain.mp4 holds the video and what continues it.",
+)  # fmt: skip
 @click.option(
     "--save-latents",
     is_flag=True,
@@ -260,9 +256,11 @@ def generate_command(ctx, **options):
     guidance, the Wan2.2 VAE decode. Settings come from the preset; options override them. Each video
     is written as an MP4 with a JSON sidecar (settings, model, seconds per stage) as soon as it is denoised; the
     paths are printed on stdout. With --prompts, a failing prompt is reported and the batch goes on (exit 1 at
-    the end if any failed). A denoising step takes seconds on one H100/H200 and grows faster than the video's
-    length (the attention), so a 50-step video takes minutes; --precision fp8 takes less. The measured
-    figures, with the commands that reproduce them: docs/BENCHMARKS.md.
+    the end if any failed). Rounds of a chain run in order, each from the exact last frame of the one before
+    (<name>.last.png); with --gpus N, whole chains go to the processes, a chain's rounds one after another on
+    one. A denoising step takes seconds on one H100/H200 and grows faster than the video's length (the
+    attention), so a 50-step video takes minutes; --precision fp8 takes less. The measured figures, with the
+    commands that reproduce them: docs/BENCHMARKS.md.
 
     Seeds: the initial noise is drawn as IFM's vLLM-Omni runner and the diffusers reference draw it (float32,
     from a generator on the device that runs the model; --generator-device picks another) and the prompt
@@ -345,6 +343,7 @@ def _generate(
         if n_failed:
             click.echo(f"Error: {n_failed} prompt(s) failed (see above)", err=True)
 
-    report = BatchReport(warning=warn, failed=failure, skipped=skipped, written=written, summary=summary)
+    stitched = lambda path: (result(str(path)), info(f"{path}: the chain's rounds stitched", quiet_here))  # noqa: E731
+    report = BatchReport(warn, failure, skipped, written, stitched, summary)
     outcome = run_batch(request, given, open_generator, report)
     return 1 if outcome.failed_total else 0

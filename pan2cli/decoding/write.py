@@ -21,7 +21,7 @@ import torch
 from pan2cli import distributed
 from pan2cli.errors import InputError
 from pan2cli.outputs import DEFAULT_CRF, DEFAULT_X264_PRESET
-from pan2cli.vae.decoder import DecodeStats, decode_latents
+from pan2cli.vae.decoder import DecodeStats, FrameSink, decode_latents
 from pan2cli.vae.protocol import Decoder
 from pan2cli.video import open_video_writer
 
@@ -66,16 +66,19 @@ class WrittenVideo:
 
 
 class _FrameSink:
-    """Passes the decoder's host chunks on to the writer, keeping them when the caller wants the frames."""
+    """Passes the decoder's host chunks on to the writer (and the caller's `tap`), keeping them when the caller wants
+    the frames."""
 
-    def __init__(self, writer, keep: bool):
-        self.writer, self.keep, self.chunks = writer, keep, []
+    def __init__(self, writer, keep: bool, tap: FrameSink | None = None):
+        self.writer, self.keep, self.tap, self.chunks = writer, keep, tap, []
 
     def write(self, frames: torch.Tensor) -> None:
         if self.keep:
             self.chunks.append(frames)
         if self.writer is not None:
             self.writer.write(frames)
+        if self.tap is not None:
+            self.tap.write(frames)
 
     def frames(self) -> torch.Tensor | None:
         return torch.cat(self.chunks) if self.keep and self.chunks else None
@@ -98,6 +101,7 @@ def decode_and_write(
     progress: Progress = _no_progress,
     stage: Stage = lambda name: nullcontext(),
     before_commit: Callable[[], None] | None = None,
+    tap: FrameSink | None = None,
 ) -> WrittenVideo:
     """Decode `latents` into `target`, written whole or not at all.
 
@@ -113,6 +117,7 @@ def decode_and_write(
         stage: wraps the "decode" and the "write" (the file completed) stages.
         before_commit: called once the video is complete, before it shows (what goes beside it is written here);
             its failure leaves no video.
+        tap: also receives every chunk the writer does, as it does (a round's last frame, a chain's stitched video).
 
     Returns:
         A `WrittenVideo`.
@@ -129,7 +134,7 @@ def decode_and_write(
         )  # fmt: skip
     try:
         with distributed.partial_output(writer.tmp_path if writer is not None else None):
-            sink = _FrameSink(writer, keep_frames) if writer is not None or keep_frames else None
+            sink = _FrameSink(writer, keep_frames, tap) if writer is not None or keep_frames or tap else None
             total = decoder.config.frames_out(latents.shape[-3])  # T latent frames
             with stage("decode"), progress(total) as advance:
                 stats = decode_latents(

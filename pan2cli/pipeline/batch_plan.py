@@ -15,9 +15,10 @@ from typing import Any, Mapping, NamedTuple
 
 from pan2cli.config import RuntimeConfig, given_settings, runtime_given, runtime_with, settings_with
 from pan2cli.constants import MAX_FRAMES
-from pan2cli.errors import InputError
+from pan2cli.errors import InputError, Pan2Error
 from pan2cli.outputs import DEFAULT_CRF, check_not_stdout
-from pan2cli.pipeline.jobs import GenerationJob, latents_path_for
+from pan2cli.pipeline.chains import PlannedRecord, link_rounds
+from pan2cli.pipeline.jobs import Chain, GenerationJob, latents_path_for
 from pan2cli.pipeline.prompts import read_prompt_file, shard, slugify
 from pan2cli.presets import DEFAULT_PRESET, Preset, load_preset, preset_label
 
@@ -32,14 +33,16 @@ _FLAGS = {
 
 
 class JobPlan(NamedTuple):
-    """This process's share of the command: the jobs to make, the records that cannot run (each an InputError
-    naming the file and the record), the outputs skipped as existing, warnings, and whether it is a batch."""
+    """This process's share of the command: the jobs to make, the records that cannot run (each an error naming the
+    file and the record; a round whose chain stopped before it too), the outputs skipped as existing, warnings,
+    whether it is a batch, and the chains whose rounds all exist but whose stitched video does not."""
 
     jobs: list[GenerationJob]
-    failures: list[InputError]
+    failures: list[Pan2Error]
     skipped: list[Path]
     warnings: list[str]
     batch: bool
+    stitch: tuple[Chain, ...] = ()
 
 
 def overrides(flags: Mapping[str, Any], record=None, runtime_flags: Mapping[str, Any] | None = None) -> dict:
@@ -90,6 +93,7 @@ def plan_jobs(
     crf: int = DEFAULT_CRF,
     max_frames: int | None = MAX_FRAMES,
     runtime_flags: Mapping[str, Any] | None = None,
+    continue_from: Path | None = None,
     world: int = 1,
     rank: int = 0,
 ) -> JobPlan:
@@ -103,11 +107,14 @@ def plan_jobs(
         preset, flags: the settings (`settings_with`; a record's fields over the flags).
         max_frames: the longest video accepted (`--max-frames`).
         runtime_flags: the flags given for a preset's run-time keys, recorded in the sidecar's `overrides`.
-        world, rank: a prompt file's records are shared by the ranks (`shard`).
+        continue_from: the video the first round of each chain continues (`--continue-from`: an MP4 or a latents
+            file); records that continue each other are chains (`pan2cli.pipeline.chains`).
+        world, rank: a prompt file's chains are shared by the ranks (`shard`).
 
     Raises:
         InputError: both or neither of prompt and prompts_file, an unreadable prompt file, a bad flag, an output
-            that cannot be one, `--skip-existing` with `--overwrite`.
+            that cannot be one, `--skip-existing` with `--overwrite`, a `--continue-from` that cannot be read (or
+            with `--image`, or of another size).
     """
     if skip_existing and overwrite:
         raise InputError(
@@ -135,37 +142,53 @@ def plan_jobs(
                 )
             output = Path(output) / f"{slugify(prompt)}.mp4"
         entries = [(None, Path(output) if output is not None else Path.cwd() / f"{slugify(prompt)}.mp4")]
+    source = None
+    if continue_from is not None:
+        from pan2cli.pipeline.chain_frames import read_start_video  # torch, as the generation that follows
+
+        if flags.get("image") is not None:
+            raise InputError("--image and --continue-from both give the first frame: pass one of them")
+        source = read_start_video(Path(continue_from))
     label = preset_label(preset)
-    jobs, failures, skipped = [], [], []
+    planned = []
     for record, out in entries:
+        origin = f"{prompts_file}: prompt {record.index} ({record.stem})" if record is not None else None
+        entry = PlannedRecord(record, out, origin)
+        planned.append(entry)
         if record is not None and record.problem is not None:
-            failures.append(record.problem)
+            entry.problem = record.problem
             continue
         if out.suffix.lower() != ".mp4":
             raise InputError(f"-o {out}: pan2 generate writes MP4 files (.mp4)")
-        if skip_existing and out.exists():
-            skipped.append(out)
-            continue
-        metadata = {"preset": label, "overrides": overrides(flags, record, runtime_flags)}
-        origin = None
+        # A round that continues a video starts from its last frame, not from --image.
+        given = {k: v for k, v in flags.items() if k != "image"} if record and record.continues else flags
+        metadata = {"preset": label, "overrides": overrides(given, record, runtime_flags)}
         if record is not None:
-            origin = f"{prompts_file}: prompt {record.index} ({record.stem})"
             metadata.update(prompts_file=os.path.abspath(prompts_file), index=record.index, name=record.name)
         try:
-            settings = settings_with(preset, {**flags, "prompt": prompt}, record.settings() if record else {})
-            job = GenerationJob(
-                settings, output=out, latents_path=latents_path_for(out) if save_latents else None,
-                overwrite=overwrite, crf=crf, return_frames=False, metadata=metadata, redo_leftovers=skip_existing,
-                skip_existing=skip_existing, origin=origin, max_frames=max_frames,
-                flow_shift_source="--flow-shift" if "flow_shift" in flags else f"preset {label}",
-            )  # fmt: skip
+            if source is not None and record is not None and record.image is not None:
+                raise InputError("'image' and --continue-from both give the first frame: drop one of them")
+            entry.settings = settings_with(
+                preset, {**given, "prompt": prompt}, record.settings() if record else {}
+            )
+            if not (skip_existing and out.exists()):
+                entry.job = GenerationJob(
+                    entry.settings, output=out, latents_path=latents_path_for(out) if save_latents else None,
+                    overwrite=overwrite, crf=crf, return_frames=False, metadata=metadata, redo_leftovers=skip_existing,
+                    skip_existing=skip_existing, origin=origin, max_frames=max_frames,
+                    flow_shift_source="--flow-shift" if "flow_shift" in flags else f"preset {label}",
+                )  # fmt: skip
         except InputError as exc:
-            if record is None:
+            if record is None and not (skip_existing and out.exists()):
                 raise
-            failures.append(InputError(f"{origin}: {exc}", hint=exc.hint))
-            continue
-        jobs.append(job)
-    return JobPlan(jobs, failures, skipped, warnings, prompts_file is not None)
+            entry.problem = InputError(f"{origin}: {exc}", hint=exc.hint)
+        if skip_existing and out.exists():  # made before: skipped whatever its settings now
+            entry.skipped, entry.problem = True, None
+    linked = link_rounds(planned, source, skip_existing=skip_existing)
+    jobs = [e.job for e in planned if e.job is not None and id(e.job) not in linked.not_made]
+    failures = [e.problem for e in planned if e.problem is not None] + linked.failures
+    skipped = [e.output for e in planned if e.skipped]
+    return JobPlan(jobs, failures, skipped, warnings, prompts_file is not None, tuple(linked.stitch))
 
 
 @dataclass(frozen=True)
@@ -178,7 +201,7 @@ class BatchRequest:
             prompt file; None: the current folder.
         preset: a preset name, `.toml` path or `Preset`.
         settings: the settings given over the preset (`GenerationSettings` fields and `duration`; a record's win).
-        save_latents, overwrite, skip_existing, crf, max_frames: as `plan_jobs` takes them.
+        save_latents, overwrite, skip_existing, crf, max_frames, continue_from: as `plan_jobs` takes them.
     """
 
     prompt: str | None = None
@@ -191,6 +214,7 @@ class BatchRequest:
     skip_existing: bool = False
     crf: int = DEFAULT_CRF
     max_frames: int | None = MAX_FRAMES
+    continue_from: Path | None = None
 
     def resolve_preset(self) -> Preset:
         """The preset, read (a name or path) or as given."""
@@ -235,8 +259,8 @@ def prepare_batch(
     plan = plan_jobs(
         request.prompt, request.prompts_file, output, preset, request.settings, save_latents=request.save_latents,
         overwrite=request.overwrite, skip_existing=request.skip_existing, crf=request.crf,
-        max_frames=request.max_frames, runtime_flags=runtime_given(given), world=world if sharded else 1,
-        rank=rank if sharded else 0,
+        max_frames=request.max_frames, runtime_flags=runtime_given(given), continue_from=request.continue_from,
+        world=world if sharded else 1, rank=rank if sharded else 0,
     )  # fmt: skip
     device = check_run_options(runtime, precision_from=precision_source(preset, given))
     if world > 1 and distributed.env_local_world_size(world) == world:  # the generator's rule for a row split

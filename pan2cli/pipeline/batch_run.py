@@ -4,10 +4,12 @@
 1. Every input checked before any model loads (`prepare_batch`), on every rank: a bad option or file is the command's
    error (rank 0 says it once); a prompt-file record that cannot run is that record's failure, and the others run.
 2. The checkpoint located (`open_generator`: a download, once) and each job checked against it.
-3. The videos made (`VideoGenerator.generate_batch`), each handed over as soon as it is written. In a batch (a prompt
-   file) a prompt whose run fails (`PER_JOB_FAILURES`) is reported and the others go on, an output that appeared
-   meanwhile is skipped (`--skip-existing`); one prompt's failure is the command's (raised). Anything else raised
-   (a bug) stops the run.
+3. The videos made (`VideoGenerator.generate_batch`), each handed over as soon as it is written, and a chain's
+   stitched video after its last round (`pan2cli.pipeline.chains`; a resumed chain whose rounds all exist gets it
+   from their files, before). In a batch (a prompt file) a prompt whose run fails (`PER_JOB_FAILURES`) is reported
+   and the others go on (the rounds after it in its chain are not made), an output that appeared meanwhile is
+   skipped (`--skip-existing`); one prompt's failure is the command's (raised). Anything else raised (a bug) stops
+   the run.
 4. A batch's totals over every rank, said once by rank 0.
 
 What the run says goes through a `BatchReport` (the CLI prints it).
@@ -23,7 +25,8 @@ from pan2cli import distributed
 from pan2cli.config import RuntimeConfig
 from pan2cli.errors import InputError, Pan2Error
 from pan2cli.pipeline.batch_plan import BatchRequest, prepare_batch
-from pan2cli.pipeline.jobs import GenerationJob, GenerationResult
+from pan2cli.pipeline.chains import stitch_left
+from pan2cli.pipeline.jobs import GenerationJob, GenerationResult, RoundNotMade
 
 
 def _nothing(*args) -> None:
@@ -41,6 +44,7 @@ class BatchReport:
         skipped: `(output, appeared)`: an output that exists under `skip_existing`, found when planned or, with
             `appeared`, written by another process while this one ran.
         written: a video written (its result: `output`, `seconds`, ...), as soon as it is.
+        stitched: a chain's stitched video written (after its last round's `written`).
         summary: a batch's `BatchOutcome` at its end, its totals over every rank, on rank 0.
     """
 
@@ -48,6 +52,7 @@ class BatchReport:
     failed: Callable[[BaseException, str | None], None] = _nothing
     skipped: Callable[[Path, bool], None] = _nothing
     written: Callable[[GenerationResult], None] = _nothing
+    stitched: Callable[[Path], None] = _nothing
     summary: Callable[["BatchOutcome"], None] = _nothing
 
 
@@ -111,13 +116,33 @@ def run_batch(
         report.failed(failure, None)
     for path in plan.skipped:
         report.skipped(path, False)
+    opened: list = []  # the generator, opened once, when needed
+
+    def generator_once():
+        if not opened:
+            opened.append(open_generator())
+        return opened[0]
+
+    def stitch_failed(exc: BaseException) -> None:
+        if not plan.batch:  # one prompt's failure is the command's
+            raise exc
+        outcome.failures.append(exc)
+        report.failed(exc, None)
+
+    if (
+        plan.batch or distributed.is_main()
+    ):  # chains made before but for their stitched video (a latents source
+        stitch_left(  # is decoded by the checkpoint's VAE)
+            list(plan.stitch), lambda source: generator_once().decode_start_video(source), crf=request.crf,
+            overwrite=request.overwrite, done=report.stitched, failed=stitch_failed,
+        )  # fmt: skip
     if distributed.sum_all(len(plan.jobs)) == 0:  # nothing left to make on any rank: load nothing
         return _totals(outcome, report)
 
     # 2. The checkpoint located (a download, once) and the jobs checked against it.
     error, generator, jobs = None, None, []
     try:
-        generator = open_generator()
+        generator = generator_once()
         jobs = [job for job in plan.jobs if _checked(generator, job, outcome, report)]
     except Exception as exc:  # a Pan2Error or the unexpected: the other ranks must not wait either way
         error = exc
@@ -131,10 +156,14 @@ def run_batch(
         elif result.error is None:
             if result.output is not None:  # under a shared job, rank 0 writes
                 report.written(result)
+            if result.stitched is not None:
+                report.stitched(result.stitched)
         else:
             outcome.failures.append(result.error)
-            if plan.batch:
-                report.failed(result.error, result.job.origin)
+            if plan.batch:  # a round not made names itself
+                report.failed(
+                    result.error, None if isinstance(result.error, RoundNotMade) else result.job.origin
+                )
 
     if jobs:
         outcome.results = generator.generate_batch(

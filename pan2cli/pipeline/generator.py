@@ -50,6 +50,7 @@ from pan2cli.pipeline.batch_run import BatchOutcome, BatchReport, run_batch
 from pan2cli.pipeline.conditioning import condition_latents
 from pan2cli.pipeline.jobs import GenerationJob, GenerationResult, JobState, check_job_inputs
 from pan2cli.pipeline.loading import ModelStages
+from pan2cli.pipeline.rounds import ChainRounds
 from pan2cli.pipeline.sampling import denoise, initial_noise
 from pan2cli.pipeline.sidecar import BatchRan, sidecar
 from pan2cli.pipeline.streaming import BatchStream
@@ -74,7 +75,7 @@ def seconds_since_process_start() -> float | None:
         return None
 
 
-class VideoGenerator(ModelStages, BatchStream):
+class VideoGenerator(ModelStages, BatchStream, ChainRounds):
     """The PAN 2 pipeline. Build with `from_pretrained`, then call `generate` (one video), `generate_file` (a prompt
     file) or `generate_batch` (jobs).
 
@@ -186,6 +187,7 @@ class VideoGenerator(ModelStages, BatchStream):
         skip_existing: bool = False,
         crf: int = DEFAULT_CRF,
         max_frames: int | None = MAX_FRAMES,
+        continue_from: str | Path | None = None,
         on_result: Callable[[GenerationResult], None] | None = None,
         **settings,
     ) -> BatchOutcome:
@@ -201,6 +203,8 @@ class VideoGenerator(ModelStages, BatchStream):
             overwrite / skip_existing: replace existing outputs / skip them (not both).
             crf: the MP4's H.264 quality.
             max_frames: the longest video accepted (None: no bound).
+            continue_from: a video (MP4) or `--save-latents` file whose last frame each chain's first round starts
+                from (records that continue each other are chains: `pan2cli.pipeline.chains`).
             on_result: called with each video as soon as it is written.
 
         Returns:
@@ -214,6 +218,7 @@ class VideoGenerator(ModelStages, BatchStream):
         request = BatchRequest(
             prompts_file=Path(prompts_file), output=output, preset=preset, settings=settings,
             save_latents=save_latents, overwrite=overwrite, skip_existing=skip_existing, crf=crf, max_frames=max_frames,
+            continue_from=Path(continue_from) if continue_from is not None else None,
         )  # fmt: skip
         report = BatchReport(
             warning=self.warn,
@@ -229,6 +234,7 @@ class VideoGenerator(ModelStages, BatchStream):
             InputError: the first problem found, starting with `job.origin` when the job has one.
         """
         check_job_inputs(job, self.components.scheduler)
+        self._check_start_video(job)
 
     def generate_batch(
         self,
@@ -278,7 +284,8 @@ class VideoGenerator(ModelStages, BatchStream):
             self._encode_texts(states, transformer, text_tensors)
             # 2. Start images (image-to-video)
             self._encode_images(states, transformer)
-            # 3. The transformer
+            # 3. The transformer (read again only where a round needs its room for a decode: `_make_videos`)
+            self._dit_tensors = len(shapes)
             self._dit = self._load_dit(states, transformer, len(shapes))
         # 4. Each video: denoised, decoded, written, handed over
         try:

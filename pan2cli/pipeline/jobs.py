@@ -1,5 +1,6 @@
-"""One video to make (`GenerationJob`: checked settings and where they go), what making it gave (`GenerationResult`),
-and the job on its way through a batch (`JobState`: its result and what the stages hand each other)."""
+"""One video to make (`GenerationJob`: checked settings and where they go; a round of a chain, `ChainRound`), what
+making it gave (`GenerationResult`), and the job on its way through a batch (`JobState`: its result and what the
+stages hand each other)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,57 @@ from typing import TYPE_CHECKING
 
 from pan2cli.config import GenerationSettings
 from pan2cli.constants import MAX_FRAMES
-from pan2cli.errors import InputError
+from pan2cli.errors import InputError, Pan2Error
 from pan2cli.outputs import DEFAULT_CRF, check_output_path
 
 if TYPE_CHECKING:
     import torch
 
+    from pan2cli.pipeline.chain_frames import StartVideo
     from pan2cli.scheduler import SchedulerConfig
+
+
+class RoundNotMade(Pan2Error):
+    """A round not made because its chain stopped before it: its message names it and the round that stopped it."""
+
+
+@dataclass(eq=False)
+class Chain:
+    """Videos that continue each other, made in order by one process: the `--continue-from` video (if any), then the
+    rounds; and the stitched MP4 of them all, each seam frame once.
+
+    Attributes:
+        stitched: the stitched MP4 (`<first round's name>.chain.mp4`).
+        rounds: each round's MP4, in order.
+        source: the video the first round continues (`--continue-from`), or None.
+        write_stitched: False where the stitched MP4 exists and `--skip-existing` keeps it.
+        fps: the rounds' frame rate, the stitched video's.
+    """
+
+    stitched: Path
+    rounds: list[Path]
+    source: StartVideo | None = None
+    write_stitched: bool = True
+    fps: float = 24.0
+
+
+@dataclass(eq=False)
+class ChainRound:
+    """A job's place in its chain, and where its start frame comes from.
+
+    Attributes:
+        chain: the chain.
+        position: 0 for its first round.
+        previous: the round before, made in the same batch: its last frame is handed over in memory (`JobState`).
+        start_file: where the start frame is read when the round before was made earlier: its `.last.png` (the exact
+            frame), else its MP4's last frame. None with `previous`, and for a first round (whose start frame is
+            `chain.source`'s last, or its own image or none).
+    """
+
+    chain: Chain
+    position: int
+    previous: GenerationJob | None = None
+    start_file: Path | None = None
 
 
 @dataclass
@@ -39,6 +84,7 @@ class GenerationJob:
     flow_shift_source: str | None = None
     # the longest video accepted (`--max-frames`); None: no bound
     max_frames: int | None = MAX_FRAMES
+    chain: ChainRound | None = None  # a round of a chain (`pan2cli.pipeline.chains`)
 
     def __post_init__(self) -> None:
         # A preset's settings have no prompt; a job's must (bad input before any model loads). Whitespace alone
@@ -78,6 +124,7 @@ class GenerationResult:
     # where the latents were written beside the output while (or because) the video could not be written yet
     kept_latents: Path | None = None
     skipped: bool = False  # another process wrote the output meanwhile (`GenerationJob.skip_existing`)
+    stitched: Path | None = None  # the chain's stitched MP4, written after this round, its last here
     error: BaseException | None = None
     # What ran for this video (the sidecar's): the SDPA backend of its denoising (`pan2cli.dit.attention`), what its fp8
     # attention ran (`fp8_attention_ran`; None in bf16), and the decoder that made its frames ("compiled kernel" or
@@ -126,6 +173,24 @@ def _check_inputs(job: GenerationJob, scheduler: SchedulerConfig) -> None:
         check_output_path(job.latents_path, extras_overwrite)
     if job.output is not None and job.sidecar:
         check_output_path(sidecar_path(job.output), extras_overwrite)
+    if job.chain is not None:
+        _check_round(job, extras_overwrite)
+
+
+def _check_round(job: GenerationJob, extras_overwrite: bool) -> None:
+    """A round's own files: its `.last.png`, the frame it starts from when read from a file, and (for the first
+    round of its chain made here) the stitched MP4."""
+    from pan2cli.pipeline.chain_frames import last_frame_path, read_image_frame, read_last_frame
+
+    link = job.chain
+    if job.output is not None:
+        check_output_path(last_frame_path(job.output), extras_overwrite)
+    if link.start_file is not None and link.start_file.suffix.lower() == ".png":
+        read_image_frame(link.start_file, "the round before's last frame")
+    elif link.start_file is not None:
+        read_last_frame(link.start_file, "the round before")
+    if link.previous is None and link.chain.write_stitched:
+        check_output_path(link.chain.stitched, job.overwrite)
 
 
 def sidecar_path(output: Path) -> Path:
@@ -149,12 +214,16 @@ class JobState:
         text: the prompt's and the negative prompt's features, `[1, L, text_dim]` each (the negative None without
             guidance); from the text encoding to the denoising, then dropped.
         image_latent: the start image's normalised latent `[1, 48, 1, h, w]` float32 (image-to-video), else None;
-            from the image encoding to the denoising, then dropped.
+            from the image encoding to the denoising, then dropped. A round that continues one of the batch gets it
+            just before its denoising, from that round's `last_frame`.
+        last_frame: a round's last frame, uint8 `[H, W, 3]` on the host, the exact frame its writer received: from its
+            decode to the next round's start.
     """
 
     result: GenerationResult
     text: tuple[torch.Tensor, torch.Tensor | None] | None = None
     image_latent: torch.Tensor | None = None
+    last_frame: torch.Tensor | None = None
 
     @property
     def job(self) -> GenerationJob:

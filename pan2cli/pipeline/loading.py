@@ -20,7 +20,6 @@ import torch
 from pan2cli import distributed
 from pan2cli.config import GenerationSettings, runtime_with
 from pan2cli.pipeline.background import BackgroundLoad
-from pan2cli.pipeline.image import encode_image, fit_image, load_start_image
 from pan2cli.pipeline.jobs import JobState
 from pan2cli.pipeline.memory import free_memory
 from pan2cli.pipeline.run_checks import precision_source
@@ -167,27 +166,22 @@ class ModelStages:
         self._release()
 
     def _encode_images(self, states: list[JobState], transformer: BackgroundLoad | None) -> None:
-        """2. Every start image through the VAE encoder (`JobState.image_latent`); the encoder freed."""
-        todo = [s for s in states if not s.failed and s.job.settings.image is not None]
-        if not todo:
-            return
-        if transformer is not None:
-            transformer.check()
-        from pan2cli.vae.checkpoint import load_vae_encoder
-
-        start = time.perf_counter()
-        encoder = load_vae_encoder(self.components.folder("vae"), dtype=self.vae_dtype, device=self.device)
-        self._load_seconds(todo, "load_vae_encoder", time.perf_counter() - start)
-        for state in todo:
-            settings = state.job.settings
-
-            def work(state=state, settings=settings):
-                pixels = fit_image(load_start_image(settings.image), settings.height, settings.width)
-                state.image_latent = encode_image(encoder, pixels)  # [1, 48, 1, h, w] fp32, normalised
-
-            self._run_job(state, "image_encoding", work)
-        encoder = None  # frees the encoder (the closure above shares this variable, so no `del`)
-        self._release()
+        """2. Every start frame known before the denoising through the VAE encoder (`JobState.image_latent`): start
+        images, and a round's when it continues a file (`pan2cli.pipeline.rounds`); the encoder then freed, unless a
+        round starts later from one made in the batch."""
+        todo = [s for s in states if not s.failed and self._starts_from_file(s.job)]
+        if todo:
+            if transformer is not None:
+                transformer.check()
+            self._decode_start_videos(todo)
+            for state in todo:
+                work = lambda state=state: self._encode_start(state, self._start_image(state.job), todo)  # noqa: E731
+                self._run_job(state, "image_encoding", work)
+        if any(s.job.chain is not None and s.job.chain.previous is not None for s in states):
+            self._park_encoder()  # kept for the rounds that start later from one made in the batch
+        elif self._encoder is not None:
+            self._encoder = None  # frees the encoder
+            self._release()
 
     def _start_transformer_load(self, shapes: dict, after: BackgroundLoad) -> BackgroundLoad | None:
         """The transformer's load (its tensors' `shapes`) started in the background where the device has room for it

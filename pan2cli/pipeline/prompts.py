@@ -6,8 +6,12 @@ The format: a `.jsonl` (or `.ndjson`) file is JSON Lines; a `.json` file, or one
 - JSON Lines: one record per line; blank lines are skipped.
 - A record is a string or an object with `prompt` and optional `negative_prompt` (text, or a structured
   object rendered to text), `duration` (seconds), `image` (a start image; relative paths are relative to the
-  prompt file), `seed` and `name`. Unknown fields are reported (warnings) and ignored.
+  prompt file), `seed`, `name` and `continue`. Unknown fields are reported (warnings) and ignored.
 - Plain text: one prompt per line; blank lines and lines starting with `#` are skipped.
+- Rounds: a record with `"continue": true` (in plain text, a line starting with `+`, the prompt after it and one
+  space) continues the record before it: it starts from the last frame that record's video ends on. Records that
+  continue each other form a chain, made in order by one process (`chains`, `shard`); the first record of a file
+  continues nothing (an error).
 The text is UTF-8, or what a byte-order mark says (UTF-8, UTF-16, UTF-32: Windows tools write one), the mark dropped.
 Records are numbered from 0 in file order, the number starting their output names (`003_a-cat.mp4`). A
 record that cannot be used (not valid JSON on its line, another type, no prompt, a bad value) comes back with
@@ -30,6 +34,7 @@ from pan2cli.constants import valid_seed
 from pan2cli.errors import InputError
 
 RECORD_FIELDS = ("prompt", "negative_prompt", "duration", "image", "seed", "name")
+CONTINUE_FIELD = "continue"  # not a setting: the record continues the one before it (a round of a chain)
 _SLUG_CHARS = 48
 
 
@@ -48,6 +53,7 @@ class PromptRecord:
     problem: InputError | None = (
         None  # what makes the record unusable (it names the file and record), or None
     )
+    continues: bool = False  # a round that starts from the last frame of the record before it
 
     def settings(self) -> dict[str, Any]:
         """The settings this record gives, None where it gives none: the last layer of `settings_with`."""
@@ -108,14 +114,22 @@ def _record(raw: Any, where: str, source: Path, warnings: list[str]) -> dict[str
         raw = {"prompt": raw}
     if not isinstance(raw, dict):
         raise InputError(f"{where} is {_json_kind(raw)}; expected a string or an object with 'prompt'")
-    unknown = sorted(set(raw) - set(RECORD_FIELDS))
+    known = (*RECORD_FIELDS, CONTINUE_FIELD)
+    unknown = sorted(set(raw) - set(known))
     if unknown:
         warnings.append(
-            f"{where}: ignoring unknown field(s) {', '.join(unknown)} (known: {', '.join(RECORD_FIELDS)})"
+            f"{where}: ignoring unknown field(s) {', '.join(unknown)} (known: {', '.join(known)})"
         )
     prompt = raw.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise InputError(f"{where} has no 'prompt' text")
+    if not isinstance(raw.get(CONTINUE_FIELD, False), bool):
+        raise InputError(f"{where}: 'continue' must be true or false, got {raw[CONTINUE_FIELD]!r}")
+    if raw.get(CONTINUE_FIELD) and raw.get("image") is not None:
+        raise InputError(
+            f"{where} continues the record before it, so it starts from that video's last frame: it takes no 'image'",
+            hint="drop its 'image', or its 'continue' to start a new chain from the image",
+        )
     out: dict[str, Any] = {"prompt": prompt}  # as given: the text encoder sees its whitespace too
     if raw.get("negative_prompt") is not None:
         out["negative_prompt"] = render_negative(raw["negative_prompt"])
@@ -165,30 +179,52 @@ def read_prompt_file(path: str | Path) -> tuple[list[PromptRecord], list[str]]:
     text = read_prompt_text(path)
     warnings: list[str] = []
     if _is_json_lines(path, text):
-        raws = [_checked_record(item, where, path, warnings) for where, item in _json_lines(path, text)]
+        items = _json_lines(path, text)
     elif path.suffix.lower() == ".json" or text.lstrip().startswith(("[", "{")):
-        raws = [
-            _checked_record(item, f"{path}: prompt {i}", path, warnings)
-            for i, item in enumerate(_json_records(path, text))
-        ]
+        items = [(f"{path}: prompt {i}", item) for i, item in enumerate(_json_records(path, text))]
     else:
-        # Each line as written (without its line break), as the text encoder will see it.
-        lines = text.splitlines()
-        raws = [{"prompt": line} for line in lines if line.strip() and not line.lstrip().startswith("#")]
-    if not raws:
+        items = _text_lines(path, text)
+    if not items:
         raise InputError(f"--prompts {path} holds no prompts")
-    width = max(3, len(str(len(raws) - 1)))
+    width = max(3, len(str(len(items) - 1)))
     records = []
-    for i, raw in enumerate(raws):
+    for i, (where, item) in enumerate(items):
+        raw = _checked_record(item, where, path, warnings)
+        # Whether it continues the record before it is read even from a record that cannot run: its chain stops.
+        continues = isinstance(item, dict) and item.get(CONTINUE_FIELD) is True
         if isinstance(raw, InputError):
-            records.append(PromptRecord(index=i, prompt="", stem=f"{i:0{width}d}", problem=raw))
-        else:  # the number makes every stem distinct
             records.append(
-                PromptRecord(
-                    index=i, stem=f"{i:0{width}d}_{slugify(raw.get('name') or raw['prompt'])}", **raw
-                )
+                PromptRecord(index=i, prompt="", stem=f"{i:0{width}d}", problem=raw, continues=continues)
             )
+        else:  # the number makes every stem distinct
+            stem = f"{i:0{width}d}_{slugify(raw.get('name') or raw['prompt'])}"
+            records.append(PromptRecord(index=i, stem=stem, continues=continues, **raw))
+    if records[0].continues:
+        raise InputError(
+            f"--prompts {path}: prompt 0 continues the record before it, and there is none",
+            hint="the first record starts a chain: drop its \"continue\" (or the '+' of its line); to continue "
+            "a video made before, pass --continue-from VIDEO",
+        )
     return records, warnings
+
+
+def _text_lines(path: Path, text: str) -> list[tuple[str, Any]]:
+    """(where, record) of each prompt line of a plain-text file: the line as written (without its line break), as
+    the text encoder will see it; a line starting with `+` continues the prompt before it (the prompt after the
+    `+` and one space)."""
+    items = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        where = f"{path}: prompt {len(items)} (line {number})"
+        after = line.lstrip()[1:]
+        if line.lstrip().startswith("+"):
+            items.append(
+                (where, {"prompt": after[1:] if after.startswith(" ") else after, CONTINUE_FIELD: True})
+            )
+        else:
+            items.append((where, {"prompt": line}))
+    return items
 
 
 # Byte-order marks that Windows tools write, longest first (UTF-32 LE's starts with UTF-16 LE's), and the codec
@@ -294,6 +330,20 @@ def _checked_record(raw: Any, where: str, source: Path, warnings: list[str]) -> 
         return exc
 
 
+def chains(records: list[PromptRecord]) -> list[list[PromptRecord]]:
+    """The records grouped in chains, in file order: each record that continues the one before it joins its chain
+    (a record that continues nothing is a chain of one)."""
+    groups: list[list[PromptRecord]] = []
+    for record in records:
+        if record.continues and groups:
+            groups[-1].append(record)
+        else:
+            groups.append([record])
+    return groups
+
+
 def shard(records: list[PromptRecord], rank: int, world: int) -> list[PromptRecord]:
-    """The records of one rank when `world` ranks share a batch: every `world`-th, starting at `rank`."""
-    return records[rank::world]
+    """The records of one rank when `world` ranks share a batch: every `world`-th chain, starting at `rank`. A chain's
+    rounds wait for each other, so they stay together, on one rank, in order (a file without chains: every
+    `world`-th record)."""
+    return [record for chain in chains(records)[rank::world] for record in chain]

@@ -36,12 +36,20 @@ from pan2cli.vae.decoder import open_decoder
 class BatchStream:
     """Step 4 of `generate_batch` (module docstring); a base class of `VideoGenerator`, not used alone."""
 
-    def _make_videos(self, states: list[JobState], on_result) -> None:
-        """4. of `generate_batch`: each job denoised, decoded, written and handed to `on_result` in turn."""
+    def _make_videos(self, states: list[JobState], report) -> None:
+        """4. of `generate_batch`: each job denoised, decoded, written and handed to `report` in turn (a round of a
+        chain starting from the last frame of the round before: `pan2cli.pipeline.rounds`)."""
+
+        def on_result(result) -> None:
+            self._round_reported(result)
+            report(result)
+
         for state in states:
             if state.failed:  # failed in 1 or 2: said now, before the long part
                 on_result(state.result)
         todo = [s for s in states if not s.failed]
+        by_job = {id(s.job): s for s in states}
+        self._rounds_begin(todo)
         decoder = None  # loaded at the first decode, kept to the end
         beside = None  # whether the decoder stays beside the transformer; decided after the first denoising
         # denoised, their latents kept, decoded once the transformer is gone
@@ -51,6 +59,7 @@ class BatchStream:
                 if self._appeared(state):
                     on_result(state.result)
                     continue
+                self._start_round(state, by_job, todo[i:])
                 self._denoise(state)
                 last = i == len(todo) - 1
                 if last:
@@ -60,17 +69,30 @@ class BatchStream:
                     continue
                 if not last and beside is None:
                     beside = self._decoder_fits_beside_transformer(todo[i:])
-                if not last and not beside:
+                # a round that a later one starts from cannot wait for the transformer's end
+                link = state.job.chain
+                continued = link is not None and self._chain_last.get(id(link.chain)) is not state.job
+                if not last and not beside and not continued:
                     if (why := self._keep_latents(state)) is not None:
                         self.warn(f"the latents of {state.job.output} are kept in memory only: {why}")
                     waiting.append(state)
                     continue
+                if not last and not beside:  # decoded in the transformer's room, which is read again after
+                    self.info(
+                        f"Decoding {state.job.output.name} now, as the next round starts from it: the transformer is "
+                        "released for its decode and read again."
+                    )
+                    self._release_dit()
                 left = [*waiting, state, *todo[i + 1 :]]  # the videos the decoder is loaded for
                 for ready in [*waiting, state]:
                     decoder = decoder or self._open_decoder(left)
                     self._decode_and_write(decoder, ready)
                     on_result(ready.result)
                 waiting = []
+                if self._dit is None and not last:
+                    decoder = None
+                    self._release()
+                    self._dit = self._load_dit(todo[i + 1 :], None, self._dit_tensors)
             self._release_dit()
             for ready in waiting:  # the last job failed or was skipped
                 decoder = decoder or self._open_decoder(waiting)
@@ -80,6 +102,8 @@ class BatchStream:
         except BaseException:
             self._say_kept(waiting)
             raise
+        finally:
+            self._rounds_end()
 
     def _denoise(self, state: JobState) -> None:
         """One job's sample (`result.latents`, on the host; under a shared job rank 0's, broadcast to every rank) and
@@ -219,6 +243,8 @@ class BatchStream:
         elif result.error is None and result.kept_latents not in (None, state.job.latents_path):
             remove_quietly(result.kept_latents)  # the video is written: its latents were kept for nothing
             result.kept_latents = None
+        if writes and state.job.chain is not None:  # the stitched video, after its chain's last round here
+            self._run_job(state, None, lambda: self._finish_chain(state))
         if self._dit is not None:
             self._release()  # the decode's cached blocks go back before the next denoising needs the room
 
@@ -253,6 +279,8 @@ class BatchStream:
             )  # fmt: skip
         result.decoder = "compiled kernel" if isinstance(decoder, WanKernelDecoder) else "reference"
         written: list[Path] = []  # beside the video in this attempt: removed if the video is not committed
+        # a round's last frame and its frames to the stitched video (`pan2cli.pipeline.rounds`)
+        tap = self._round_tap(state) if target is not None and job.chain is not None else None
 
         def before_commit() -> None:
             if not writes:
@@ -262,6 +290,8 @@ class BatchStream:
                     save_latents(job.latents_path, latents_payload(result, self._vae_record()))
                 if job.latents_path is not None:
                     result.kept_latents = result.latents_path = job.latents_path
+                if tap is not None:
+                    written.append(self._save_last_frame(state, tap))
             if target is not None and job.sidecar:  # after the stages' seconds, before the video shows
                 path = sidecar_path(job.output)
                 replace_into(
@@ -275,7 +305,7 @@ class BatchStream:
                 decoder, result.latents, target, chunk_latent_frames=self._chunk_latent_frames(),
                 split_rows=self._ran.decode_rows_split, keep_frames=job.return_frames and writes,
                 progress=lambda total: self.progress("Decoding", total, "frames"),
-                stage=lambda name: self._timed(result, name), before_commit=before_commit,
+                stage=lambda name: self._timed(result, name), before_commit=before_commit, tap=tap,
             )  # fmt: skip
         except BaseException:
             for path in written:
@@ -283,6 +313,8 @@ class BatchStream:
             result.sidecar = None
             raise
         result.frames, result.skipped, result.output = video.frames, video.skipped, video.output
+        if tap is not None:
+            self._keep_last_frame(state, tap)
 
     def _vae_record(self) -> dict | None:
         """The identity of the pipeline's VAE for latents files (`pan2cli.vae.identity`), once; None when it cannot

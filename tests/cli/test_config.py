@@ -241,7 +241,7 @@ def test_pan2_generate_takes_preset_then_flags_then_record(tmp_path):
         {"prompt": "a dog"},
     ]))  # fmt: skip
     flags = {"negative_prompt": "blurry", "seed": 1, "frames": 9, "fps": 12.0, "steps": 2, "flow_shift": 3.0}
-    jobs, failures, skipped, warnings, batch = plan_jobs(None, prompts, str(tmp_path), PRESET, flags)
+    jobs, failures, skipped, warnings, batch, _ = plan_jobs(None, prompts, str(tmp_path), PRESET, flags)
     assert batch and not failures and not skipped and not warnings
     record, plain = (job.settings for job in jobs)
     assert plain == settings_with(PRESET, {**flags, "prompt": "a dog"})

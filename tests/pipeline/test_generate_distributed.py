@@ -168,3 +168,27 @@ def test_one_prompt_on_two_processes_matches_one(tiny_pan2, tmp_path):
         difference.float().mean().item(),
         difference.max().item(),
     )
+
+
+def test_chains_go_whole_to_the_processes(tiny_pan2, tmp_path):
+    """`--gpus 2` with a file of two chains: each chain's rounds on one process, one after another; the two chains
+    side by side, each with its stitched video."""
+    prompts = tmp_path / "world.txt"
+    prompts.write_text("a knight\n+ a torch\nb boat\n+ a storm\n+ a wreck\n")
+    out = tmp_path / "videos"
+    out.mkdir()
+    run = subprocess.run(
+        [sys.executable, "-m", "pan2cli", "generate", "--prompts", str(prompts), "--model", str(tiny_pan2), *SMALL,
+         "-o", str(out), "--gpus", "2"],
+        env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    ranks = {p.stem: json.loads(p.read_text())["processes"]["rank"] for p in out.glob("*[0-9a-z].json")}
+    assert ranks == {"000_a-knight": 0, "001_a-torch": 0, "002_b-boat": 1, "003_a-storm": 1, "004_a-wreck": 1}
+    assert (out / "000_a-knight.chain.mp4").is_file() and (out / "002_b-boat.chain.mp4").is_file()
+    written = (
+        run.stdout.split()
+    )  # each process prints its own, its rounds in order and its stitched video last
+    assert [w for w in written if "b-boat" in w or "storm" in w or "wreck" in w] == [
+        str(out / n) for n in ("002_b-boat.mp4", "003_a-storm.mp4", "004_a-wreck.mp4", "002_b-boat.chain.mp4")
+    ]
