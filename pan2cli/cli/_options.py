@@ -1,4 +1,5 @@
-"""Options shared by several commands (device, dtype, quiet, gpus); their values resolve in pan2cli.devices."""
+"""Options shared by several commands (device, dtype, decode kernel, MP4 quality, overwrite, quiet, gpus); their
+values resolve in pan2cli.devices and pan2cli.config."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ from pathlib import Path
 
 import click
 
+from pan2cli.config import DECODE_KERNEL_MODES
 from pan2cli.constants import DTYPE_NAMES
-from pan2cli.outputs import fps_problem
+from pan2cli.outputs import DEFAULT_CRF, fps_problem
 
 device_option = click.option(
     "--device",
@@ -29,6 +31,25 @@ gpus_option = click.option(
     metavar="N",
     help="Split the work across N GPUs (one process each, started through torch.distributed.run); "
     "with --device cpu, N CPU processes.  [default: 1]",
+)
+decode_kernel_option = click.option(
+    "--decode-kernel",
+    type=click.Choice(DECODE_KERNEL_MODES),
+    default="auto",
+    show_default=True,
+    help="The compiled CUDA decoder (bf16, sm_90a/sm_100a/sm_103a; built on first use and cached): auto uses it "
+    "where it applies and says why not on a GPU, off always runs the reference PyTorch decoder, require fails "
+    "when the kernel cannot run.",
+)
+crf_option = click.option(
+    "--crf",
+    type=click.IntRange(0, 51),
+    default=DEFAULT_CRF,
+    show_default=True,
+    help="H.264 quality for MP4 (0 lossless, 51 worst; 17 is visually lossless).",
+)
+overwrite_option = click.option(
+    "--overwrite", is_flag=True, help="Replace existing outputs (otherwise they are an error)."
 )
 quiet_option = click.option(
     "-q", "--quiet", is_flag=True, help="No progress bar and no summary on stderr (errors are still printed)."

@@ -16,17 +16,20 @@ import click
 
 from pan2cli.cli._options import (
     check_fps,
+    crf_option,
+    decode_kernel_option,
     device_option,
     dtype_option,
     gpus_option,
     ignored_revision,
+    overwrite_option,
     quiet_option,
 )
 from pan2cli.cli._output import gib, info, progress_bar, result, status, warn
-from pan2cli.config import DECODE_KERNEL_MODES, DEFAULT_CHUNK_LATENT_FRAMES, RuntimeConfig
+from pan2cli.config import DEFAULT_CHUNK_LATENT_FRAMES, RuntimeConfig
 from pan2cli.decoding.outputs import DEFAULT_FPS
 from pan2cli.distributed.run import run_on_ranks
-from pan2cli.outputs import DEFAULT_CRF, DEFAULT_X264_PRESET, MAX_FPS, MIN_FPS, OUTPUT_FORMATS, X264_PRESETS
+from pan2cli.outputs import DEFAULT_X264_PRESET, MAX_FPS, MIN_FPS, OUTPUT_FORMATS, X264_PRESETS
 from pan2cli.vae.config import DEFAULT_VAE_REPO
 
 
@@ -55,15 +58,7 @@ from pan2cli.vae.config import DEFAULT_VAE_REPO
 )
 @dtype_option
 @device_option
-@click.option(
-    "--decode-kernel",
-    type=click.Choice(DECODE_KERNEL_MODES),
-    default="auto",
-    show_default=True,
-    help="The compiled CUDA decoder (bf16, sm_90a/sm_100a/sm_103a; built on first use and cached): auto uses it "
-    "where it applies and says why not on a GPU, off always runs the reference PyTorch decoder, require fails "
-    "when the kernel cannot run.",
-)
+@decode_kernel_option
 @click.option(
     "--chunk-latent-frames",
     type=click.IntRange(min=1),
@@ -79,13 +74,7 @@ from pan2cli.vae.config import DEFAULT_VAE_REPO
     default=None,
     help=f"Frame rate of the video, {MIN_FPS:g} to {MAX_FPS:g}.  [default: the latents file's `fps`, else {DEFAULT_FPS:g}]",
 )
-@click.option(
-    "--crf",
-    type=click.IntRange(0, 51),
-    default=DEFAULT_CRF,
-    show_default=True,
-    help="H.264 quality for MP4 (0 lossless, 51 worst; 17 is visually lossless).",
-)
+@crf_option
 @click.option(
     "--x264-preset",
     type=click.Choice(X264_PRESETS),
@@ -107,7 +96,7 @@ from pan2cli.vae.config import DEFAULT_VAE_REPO
     is_flag=True,
     help="The latents are raw VAE latents: skip the un-normalisation (z·std + mean) applied to the DiT's output.",
 )
-@click.option("--overwrite", is_flag=True, help="Replace existing outputs (otherwise they are an error).")
+@overwrite_option
 @gpus_option
 @quiet_option
 @click.pass_context

@@ -19,19 +19,22 @@ import click
 
 from pan2cli.cli._options import (
     check_fps,
+    crf_option,
+    decode_kernel_option,
     device_option,
     dtype_option,
     gpus_option,
     ignored_revision,
+    overwrite_option,
     parse_size,
     quiet_option,
 )
 from pan2cli.cli._output import failure, info, progress_bar, result, warn
 from pan2cli.components.locate import DEFAULT_MODEL_REPO
-from pan2cli.config import DECODE_KERNEL_MODES, FP8_ATTENTIONS, GENERATOR_DEVICES, PRECISIONS, RuntimeConfig
+from pan2cli.config import FP8_ATTENTIONS, GENERATOR_DEVICES, PRECISIONS, RuntimeConfig
 from pan2cli.constants import MAX_FRAMES, MAX_SEED
 from pan2cli.distributed.run import run_on_ranks
-from pan2cli.outputs import DEFAULT_CRF, MAX_FPS, MIN_FPS
+from pan2cli.outputs import MAX_FPS, MIN_FPS
 from pan2cli.pipeline.batch_plan import BatchRequest, check_decode_split
 from pan2cli.presets import DEFAULT_PRESET
 
@@ -144,17 +147,24 @@ _RUNTIME_OPTIONS = (
     help=f"Frame rate, {MIN_FPS:g} to {MAX_FPS:g}.  [default: the preset's, 24]",
 )
 @click.option(
-    "--negative-prompt", default=None, help="Negative prompt for classifier-free guidance.  [default: the preset's, empty]"
-)  # fmt: skip
+    "--negative-prompt",
+    default=None,
+    help="Negative prompt for classifier-free guidance.  [default: the preset's, empty]",
+)
 @click.option(
-    "--image", type=click.Path(path_type=Path), default=None,
+    "--image",
+    type=click.Path(path_type=Path),
+    default=None,
     help="Start image (image-to-video): resized and centre-cropped to the size, it becomes the first frame.",
-)  # fmt: skip
+)
 @click.option(
-    "--continue-from", type=click.Path(dir_okay=False, path_type=Path), default=None, metavar="VIDEO",
+    "--continue-from",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    metavar="VIDEO",
     help="Continue a video (an MP4, or a --save-latents file) from its last frame: the prompt, or the first round of "
     "each chain of --prompts, starts from it; <name>.chain.mp4 holds the video and what continues it.",
-)  # fmt: skip
+)
 @click.option(
     "--save-latents",
     is_flag=True,
@@ -166,7 +176,7 @@ _RUNTIME_OPTIONS = (
     help="Skip prompts whose output MP4 exists, or appears while the batch runs (resume a batch, or share a folder "
     "with another batch). Not with --overwrite.",
 )
-@click.option("--overwrite", is_flag=True, help="Replace existing outputs (otherwise they are an error).")
+@overwrite_option
 @click.option(
     "--offload",
     is_flag=True,
@@ -191,13 +201,7 @@ _RUNTIME_OPTIONS = (
     show_default=True,
     help="Triton fusions in the DiT where they apply (CUDA with Triton).",
 )
-@click.option(
-    "--decode-kernel",
-    type=click.Choice(DECODE_KERNEL_MODES),
-    default="auto",
-    show_default=True,
-    help="The compiled CUDA VAE decoder: auto where it applies, off, or require.",
-)
+@decode_kernel_option
 @click.option(
     "--decode-kernel-parallel/--no-decode-kernel-parallel",
     default=True,
@@ -210,13 +214,7 @@ _RUNTIME_OPTIONS = (
     default=None,
     help="Latent frames per VAE decoder pass after the first; smaller uses less memory.  [default: the preset's, 4]",
 )
-@click.option(
-    "--crf",
-    type=click.IntRange(0, 51),
-    default=DEFAULT_CRF,
-    show_default=True,
-    help="H.264 quality (0 lossless, 17 visually lossless).",
-)
+@crf_option
 @click.option(
     "--generator-device",
     type=click.Choice(GENERATOR_DEVICES),
