@@ -2,11 +2,10 @@
 beside the transformer while a batch still has videos to denoise (`decoder_fits_beside_transformer`).
 
 The decoder's need is an estimate made before it loads: its weights (counted from its checkpoint) plus the
-activation peak of a decode, scaled from the peaks measured on an H200 for a 5 s 704x1248 video
-(docs/BENCHMARKS.md, 2026-12-02, decoder width 256): the compiled kernel path 5.80 GiB and the bf16 reference
-path 23.99 GiB at 4 latent frames per pass, each less the 1.03 GiB of the decoder's bf16 weights. The kernel
-path's peak grows with the frame's area, not the length; the reference's also with the frames per pass and the
-element size. The estimate is one function so that a cap on GPU memory can be added where the decision is made.
+activation peak of a decode, the memory plan's (`pan2cli.pipeline.memory_plan.decoder_bytes`: the peaks measured
+for 704x1248, less the decoder's weights) scaled by the decoder's width against the released one's (test
+decoders are narrower). The estimate is one function so that a cap on GPU memory can be added where the
+decision is made.
 """
 
 from __future__ import annotations
@@ -16,19 +15,18 @@ from dataclasses import dataclass
 
 import torch
 
-_MEASURED_PIXELS = 704 * 1248
+from pan2cli.host_memory import read_host_memory
+from pan2cli.pipeline.memory_plan import DECODER_WEIGHT_BYTES, decoder_bytes
+
 _MEASURED_WIDTH = 256  # decoder_base_dim of the measured VAE: activations grow with the channels
-_MEASURED_CHUNK = 4  # latent frames per pass of the measured reference decode
-_KERNEL_ACTIVATIONS = (5.80 - 1.03) * 2**30
-_REFERENCE_ACTIVATIONS_BF16 = (23.99 - 1.03) * 2**30
 # The allocator's slack (fragmentation, the CUDA context's growth) left free beside the estimate.
 DECODER_MARGIN_BYTES = 2**30
 
 
 def free_memory(device: torch.device, cap_gib: float | None = None) -> tuple[int | None, str]:
     """(bytes free for new tensors on `device`, how to name it): the GPU's free memory (under `--max-gpu-memory`,
-    no more than the cap less what this process holds), or the host's `MemAvailable` (None where it cannot be
-    read)."""
+    no more than the cap less what this process holds), or what the host has available (`MemAvailable` within the
+    cgroup's limit; None where it cannot be read)."""
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
         if cap_gib is None:
@@ -36,14 +34,8 @@ def free_memory(device: torch.device, cap_gib: float | None = None) -> tuple[int
         return min(
             free, int(cap_gib * 2**30) - torch.cuda.memory_reserved(device)
         ), "the --max-gpu-memory cap"
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "the host"
-    except OSError:
-        pass
-    return None, "the host"
+    host = read_host_memory()
+    return (host.available if host is not None else None), "the host"
 
 
 @dataclass(frozen=True)
@@ -77,14 +69,8 @@ def decoder_need(
         kernel: whether the compiled kernel path decodes (bf16, activations bounded per frame).
     """
     element = torch.empty(0, dtype=dtype).element_size()
-    scale = height * width / _MEASURED_PIXELS * decoder_width / _MEASURED_WIDTH
-    if kernel:
-        activations = _KERNEL_ACTIVATIONS * scale
-    else:
-        activations = (
-            _REFERENCE_ACTIVATIONS_BF16 * scale * chunk_latent_frames / _MEASURED_CHUNK * element / 2
-        )
-    return DecoderNeed(weight_elements * element, math.ceil(activations))
+    released = decoder_bytes(kernel, height * width, chunk_latent_frames, element) - DECODER_WEIGHT_BYTES
+    return DecoderNeed(weight_elements * element, math.ceil(released * decoder_width / _MEASURED_WIDTH))
 
 
 def decoder_fits_beside_transformer(
