@@ -108,7 +108,19 @@ def test_prompt_file_sharded_over_two_nodes(tiny_pan2, tmp_path, rendezvous_port
 def test_one_prompt_on_two_processes_matches_one(tiny_pan2, tmp_path):
     """One prompt under `--gpus 2` on the CPU (gloo): the latents and the decoded video of one process (the two
     ranks sample the same latents, then split the decode by rows; rank 0 writes)."""
-    common = ["-m", "pan2cli", "generate", "a cat", "--model", str(tiny_pan2), *SMALL, "--save-latents"]
+    # Lossless H.264 (--crf 0): the frames are compared, not how x264 spends its bits on a level of difference.
+    common = [
+        "-m",
+        "pan2cli",
+        "generate",
+        "a cat",
+        "--model",
+        str(tiny_pan2),
+        *SMALL,
+        "--save-latents",
+        "--crf",
+        "0",
+    ]
     one = subprocess.run(
         [sys.executable, *common, "-o", "one.mp4"],
         env=_env(),
