@@ -109,6 +109,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--caps", type=float, nargs="+", default=[80, 48, 32, 24, 16], help="--table's GPU memory caps, GiB"
     )
+    parser.add_argument(
+        "--warm-up", choices=["each", "first"], default="each",
+        help="--table's untimed step: before each row, or only before the first cap of each length (the compiles "
+        "and the streams' buffers then exist; saves a long step a row at 241 and 481 frames)",
+    )  # fmt: skip
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="a tiny config (dry run)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -239,8 +244,8 @@ def run_table(args, device: torch.device) -> list[dict]:
             uncond = torch.randn(1, 12, text, generator=generator, device=device).to(dtype)
             timestep = torch.tensor([900.0], device=device)
             shape = RunShape(precision, video_tokens, height * width, frames, hidden_size=hidden_size)
-            for cap in sorted(
-                args.caps, reverse=True
+            for position, cap in enumerate(
+                sorted(args.caps, reverse=True)
             ):  # largest first: blocks go to host memory, rarely back
                 row = {"frames": frames, "precision": precision, "cap_gib": cap}
                 cap_at(None)
@@ -272,7 +277,10 @@ def run_table(args, device: torch.device) -> list[dict]:
                 replan_s = time.perf_counter() - begin
                 cap_at(cap)
                 try:
-                    times = time_steps(model, hidden, timestep, cond, uncond, args.steps, sync, cuda, device)
+                    warm_up = args.warm_up == "each" or position == 0
+                    times = time_steps(
+                        model, hidden, timestep, cond, uncond, args.steps, sync, cuda, device, warm_up
+                    )
                 except torch.OutOfMemoryError as error:  # the plan's prediction was short: say so, go on
                     row["plan"] = f"{plan.line()} OUT OF MEMORY: {str(error).splitlines()[0]}"
                     rows.append(row)
@@ -291,7 +299,7 @@ def run_table(args, device: torch.device) -> list[dict]:
                     streamed_gb_per_step=round(plan.bytes_per_step / 1e9, 2),
                     gb_per_s_to_hide=round(plan.bytes_per_step / 1e9 / step, 1),
                     host_pinned_gib=round((streamer.host_bytes if streamer else 0) / 2**30, 2),
-                    replan_s=round(replan_s, 1), plan=plan.line(),
+                    replan_s=round(replan_s, 1), plan=plan.line(), warmed_up=warm_up,
                 )  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -302,10 +310,13 @@ def run_table(args, device: torch.device) -> list[dict]:
     return rows
 
 
-def time_steps(model, hidden, timestep, cond, uncond, steps: int, sync, cuda: bool, device) -> list[float]:
+def time_steps(
+    model, hidden, timestep, cond, uncond, steps: int, sync, cuda: bool, device, warm_up: bool = True
+) -> list[float]:
     """Seconds of `steps` CFG steps as `pan2 generate` runs them, after a warm-up; the peak counted from there."""
     with torch.inference_mode(), attention_backends():
-        guidance_passes(model, hidden, timestep, cond, uncond)  # warm-up
+        if warm_up:
+            guidance_passes(model, hidden, timestep, cond, uncond)
         sync()
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
