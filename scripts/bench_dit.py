@@ -48,10 +48,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pan2cli.cuda_allocator import configure_cuda_allocator  # noqa: E402
+
+configure_cuda_allocator()  # as `pan2` runs: before torch loads (the table's streamed 481-frame rows need it)
+
+import torch  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from pan2cli.dit import set_fused_kernels  # noqa: E402
 from pan2cli.dit.attention import attention_backends  # noqa: E402

@@ -24,7 +24,7 @@ LONG_MODELS = {"pan2cli/dit/model.py"}
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("basics", ("pan2cli.constants", "pan2cli.errors", "pan2cli.paths", "pan2cli.resources", "pan2cli.version",
                 "pan2cli.atomic", "pan2cli.host_memory", "pan2cli.triton_support", "pan2cli.outputs",
-                "pan2cli.frames", "pan2cli.kernel_build")),
+                "pan2cli.frames", "pan2cli.kernel_build", "pan2cli.cuda_allocator")),
     ("configuration", ("pan2cli.devices", "pan2cli.config", "pan2cli.presets")),
     ("processes", ("pan2cli.distributed",)),
     ("files", ("pan2cli.checkpoints", "pan2cli.latents", "pan2cli.ffmpeg", "pan2cli.video")),

@@ -33,6 +33,7 @@ from pan2cli.cli._output import failure, info, progress_bar, result, warn
 from pan2cli.components.locate import DEFAULT_MODEL_REPO
 from pan2cli.config import FP8_ATTENTIONS, GENERATOR_DEVICES, PRECISIONS, RuntimeConfig
 from pan2cli.constants import MAX_FRAMES, MAX_SEED
+from pan2cli.cuda_allocator import configure_cuda_allocator
 from pan2cli.distributed.run import run_on_ranks
 from pan2cli.outputs import MAX_FPS, MIN_FPS
 from pan2cli.pipeline.batch_plan import BatchRequest, check_decode_split
@@ -273,6 +274,7 @@ def generate_command(ctx, **options):
       pan2 generate "the door opens" --image door.png --duration 5 --max-gpu-memory 24
       pan2 generate --prompts prompts.json -o videos/ --skip-existing --gpus 8
     """
+    configure_cuda_allocator()  # before torch loads, which reads the allocator's settings (and ranks inherit them)
     settings = {name: options[name] for name in _SETTING_OPTIONS if options[name] is not None}
     if options["size"] is not None:
         settings["height"], settings["width"] = options["size"]

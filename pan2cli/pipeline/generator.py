@@ -41,6 +41,7 @@ from pan2cli import distributed
 from pan2cli.components.locate import PAN2Components, resolve_components
 from pan2cli.config import GenerationSettings, RuntimeConfig, settings_with
 from pan2cli.constants import MAX_FRAMES
+from pan2cli.cuda_allocator import configure_cuda_allocator
 from pan2cli.dit.attention import attention_backend, attention_backends, attention_order
 from pan2cli.dit.fp8_attention_choice import reset_fp8_attention_record
 from pan2cli.errors import Pan2Error, out_of_memory
@@ -104,6 +105,8 @@ class VideoGenerator(ModelStages, BatchStream, ChainRounds):
         self.vae_dtype = self.config.torch_vae_dtype(self.device)
         self.generator_device = self.config.torch_generator_device(self.device)  # where the noise is drawn
         self.config.check_precision(self.device)  # fp8 where it cannot run: bad input before anything loads
+        if self.device.type == "cuda":
+            configure_cuda_allocator()  # large blocks whole: a streamed plan's long videos fit their cap
         self.progress = progress or _no_progress
         self.info = info or (lambda line: None)
         self.warn = warn or (lambda line: warnings.warn(line, stacklevel=3))
