@@ -3,12 +3,17 @@
 A caller whose packages come from PYTHONPATH (a cluster's module, a container, a folder of wheels on a
 machine without network) must keep them in the child: the project root goes in front of the caller's
 entries, never in their place (a fresh PYTHONPATH once lost `imageio_ffmpeg` and `hatchling` on an H200
-host). Tests build a child's environment here only; `tests/test_subprocess_env.py` checks that.
+host). Tests build a child's environment here only; `tests/test_subprocess_env.py` checks that. Beside it, the
+two pieces of a test that stops a running command at a chosen moment: a hook every child Python runs at start
+(`hooked_env`), and the wait for the moment (`wait_while_running`).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,3 +53,20 @@ def python_env(*first: str | os.PathLike, with_project: bool = True, **extra: st
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))  # in order, each once
     env.update(extra)
     return env
+
+
+def hooked_env(tmp_path: os.PathLike, hook_code: str, **extra: str) -> dict[str, str]:
+    """`python_env` with a `sitecustomize.py` holding `hook_code` first on PYTHONPATH: every child Python (each
+    rank too) runs it at start. Its folder is `tmp_path / "hook"`, made here, where a hook may also leave files."""
+    hook = Path(tmp_path) / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(hook_code)
+    return python_env(hook, **extra)
+
+
+def wait_while_running(proc: subprocess.Popen, ready: Callable[[], bool], deadline: float) -> None:
+    """Poll `ready()` every 0.1 s until it holds; fail with the child's output if `proc` ends first or
+    `time.monotonic()` passes `deadline` (a hang guard, not a timing)."""
+    while not ready():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)

@@ -24,7 +24,7 @@ import pan2cli.decoding.write as decode_module  # where every video is decoded (
 from pan2cli.frames import frames_to_uint8
 from pan2cli.latents import unnormalize
 from pan2cli.vae.checkpoint import load_vae_decoder
-from tests.subprocess_env import python_env
+from tests.subprocess_env import hooked_env, python_env, wait_while_running
 
 
 def _frames_on_disk(folder: Path) -> list[str]:
@@ -333,11 +333,8 @@ model.WanVAEDecoder.decode_chunks = decode_chunks
 
 @pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
 def test_sigterm_removes_the_partial_output_and_exits_143(tiny_vae, latents_file, tmp_path):
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(_SLOW_DECODE)
     latents = latents_file((48, 3, 2, 2))
-    env = python_env(hook)
+    env = hooked_env(tmp_path, _SLOW_DECODE)
     cmd = [
         sys.executable,
         "-m",
@@ -355,12 +352,8 @@ def test_sigterm_removes_the_partial_output_and_exits_143(tiny_vae, latents_file
         cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        deadline = time.monotonic() + 60
-        while not any(
-            p.name.startswith(".out.mp4.partial") for p in tmp_path.iterdir()
-        ):  # writing has started
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
+        writing = lambda: any(p.name.startswith(".out.mp4.partial") for p in tmp_path.iterdir())
+        wait_while_running(proc, writing, time.monotonic() + 60)
         proc.send_signal(signal.SIGTERM)  # what `kill` and job schedulers send
         out, err = proc.communicate(timeout=60)
     finally:
@@ -518,11 +511,8 @@ atexit.register(lambda: open(os.environ["PAN2_TEST_MODULES"], "w").write(" ".joi
 
 def test_a_decode_imports_nothing_heavy(tiny_vae, latents_file, tmp_path):
     """`pan2 decode` stays lean: no transformers, and none of torch's compiler stack (3 s)."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(_REPORT_HEAVY_MODULES)
     report = tmp_path / "modules.txt"
-    env = python_env(hook, PAN2_TEST_MODULES=str(report))
+    env = hooked_env(tmp_path, _REPORT_HEAVY_MODULES, PAN2_TEST_MODULES=str(report))
     command = [
         sys.executable,
         "-m",

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.subprocess_env import python_env
+from tests.subprocess_env import hooked_env, wait_while_running
 
 CLI_SMALL = ("--steps", 1, "--frames", 9, "--size", "64x64", "--device", "cpu")
 
@@ -54,9 +54,6 @@ def test_without_a_terminal_each_step_says_it_started(tiny_pan2, run_cli, tmp_pa
     ids=["ctrl-c", "sigterm"],
 )
 def test_a_signal_ends_the_command_within_seconds_inside_a_long_op(tiny_pan2, tmp_path, signum, code, line):
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(_STUCK_IN_THE_DECODE)
     mark, out = tmp_path / "stuck", tmp_path / "out"
     out.mkdir()
     command = [
@@ -69,21 +66,21 @@ def test_a_signal_ends_the_command_within_seconds_inside_a_long_op(tiny_pan2, tm
         str(tiny_pan2),
         *map(str, CLI_SMALL),
     ]
+    env = hooked_env(tmp_path, _STUCK_IN_THE_DECODE, PAN2_TEST_MARK=str(mark))
     proc = subprocess.Popen(
-        [*command, "-o", str(out / "cat.mp4")], env=python_env(hook, PAN2_TEST_MARK=str(mark)),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [*command, "-o", str(out / "cat.mp4")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
-        while not mark.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
+        wait_while_running(proc, mark.exists, deadline)
         partial = (
             out / f".cat.mp4.partial-{proc.pid}.mp4"
         )  # being written: ffmpeg opens it once it has a frame
-        while not partial.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
+        wait_while_running(proc, partial.exists, deadline)
         assert [p.name for p in out.iterdir()] == [partial.name]
         proc.send_signal(signum)
         # The main thread never comes back: only the watcher can end the process (a hang guard, not a timing).

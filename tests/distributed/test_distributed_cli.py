@@ -15,7 +15,7 @@ import torch
 
 from pan2cli.distributed.protocol import EXIT_PEER_LOST
 from pan2cli.errors import EXIT_INTERRUPTED
-from tests.subprocess_env import python_env
+from tests.subprocess_env import hooked_env, python_env, wait_while_running
 
 # Loaded by every process through PYTHONPATH: makes one rank fail (or hang) after its first chunk.
 _FAILING_RANK = """
@@ -120,8 +120,12 @@ def _chosen_exit(folder: Path, rank: str) -> str | None:
     return path.read_text() if path.exists() else None
 
 
+# Every rank: one thread (two ranks share the CI's two cores), and a short wait for a peer that is gone.
+_RANK_VARIABLES = {"OMP_NUM_THREADS": "1", "PAN2_DIST_TIMEOUT": "60"}
+
+
 def _env(tmp_path: Path, *first: Path, **extra: str) -> dict[str, str]:
-    return python_env(*first, **{"OMP_NUM_THREADS": "1", "PAN2_DIST_TIMEOUT": "60", **extra})
+    return python_env(*first, **{**_RANK_VARIABLES, **extra})
 
 
 def _python(*args, env, cwd, **kwargs):
@@ -144,10 +148,7 @@ def _decode_args(latents, vae, *extra, device: str = "cpu") -> list[str]:
 def _hooked_env(tmp_path: Path, hook_code: str, **extra: str) -> tuple[Path, dict[str, str]]:
     """`_env` with a `sitecustomize.py` holding `hook_code` first on PYTHONPATH (every rank runs it); the hook
     folder is `tmp_path / "hook"`, where hooks may also leave files."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(hook_code)
-    return hook, _env(tmp_path, hook, **extra)
+    return tmp_path / "hook", hooked_env(tmp_path, hook_code, **{**_RANK_VARIABLES, **extra})
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -162,14 +163,12 @@ def _start(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
 
 def _wait_until_writing(proc: subprocess.Popen, folder: Path, pids: Path) -> None:
     """Until both ranks left their pid in `pids` (`_PAUSE_AFTER_THE_FIRST_CHUNK`) and rank 0 writes out.mp4."""
-    deadline = time.monotonic() + 60
-    while not (
+    both_writing = lambda: (
         (pids / "rank0").exists()
         and (pids / "rank1").exists()
         and any(p.name.startswith(".out.mp4.partial") for p in folder.iterdir())
-    ):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.1)
+    )
+    wait_while_running(proc, both_writing, time.monotonic() + 60)
 
 
 def _end_ranks(pids: Path) -> None:
@@ -308,10 +307,8 @@ def test_ctrl_c_stops_every_rank_and_removes_the_partial_output(
     proc = subprocess.Popen(
         cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    deadline = time.monotonic() + 60
-    while not any(p.name.startswith(".out.mp4.partial") for p in tmp_path.iterdir()):  # rank 0 is writing
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.1)
+    writing = lambda: any(p.name.startswith(".out.mp4.partial") for p in tmp_path.iterdir())  # rank 0 writes
+    wait_while_running(proc, writing, time.monotonic() + 60)
     proc.send_signal(signum)  # SIGINT: the terminal's Ctrl-C; SIGTERM: `kill`, a job scheduler
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
@@ -359,13 +356,11 @@ def test_a_rank_killed_stops_all_and_is_named(tiny_vae, latents_file, tmp_path, 
         cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        deadline = time.monotonic() + 60
         pid_file = hook / f"rank{victim}"
-        while not (
+        ready = lambda: (
             pid_file.exists() and any(p.name.startswith(".out.mp4.partial") for p in tmp_path.iterdir())
-        ):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
+        )
+        wait_while_running(proc, ready, time.monotonic() + 60)
         time.sleep(0.5)  # the other rank reaches its next collective (or its sleep, or its stuck wait)
         os.kill(int(pid_file.read_text()), signal.SIGKILL)
         out, err = proc.communicate(timeout=90)

@@ -18,7 +18,7 @@ import pan2cli.cli.generate as generate_cli
 import pan2cli.pipeline.memory as memory
 from pan2cli.pipeline.generator import VideoGenerator
 from pan2cli.video import VideoWriter
-from tests.subprocess_env import python_env
+from tests.subprocess_env import hooked_env, wait_while_running
 
 CLI_SMALL = ("--steps", 1, "--frames", 5, "--size", "64x64", "--device", "cpu")
 NAMES = ["000_p-one", "001_p-two", "002_p-three"]
@@ -290,9 +290,6 @@ if os.environ.get("PAN2_TEST_MARK"):
 @pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
 def test_sigterm_keeps_every_finished_video_with_its_sidecar(tiny_pan2, three, tmp_path):
     prompts, out = three
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(_WAIT_AT_THE_THIRD)
     mark = tmp_path / "third"
     command = [
         sys.executable,
@@ -305,15 +302,10 @@ def test_sigterm_keeps_every_finished_video_with_its_sidecar(tiny_pan2, three, t
         str(tiny_pan2),
     ]
     command += [*map(str, CLI_SMALL), "-o", str(out)]
-    proc = subprocess.Popen(
-        command, env=python_env(hook, PAN2_TEST_MARK=str(mark)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
+    env = hooked_env(tmp_path, _WAIT_AT_THE_THIRD, PAN2_TEST_MARK=str(mark))
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not mark.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
+        wait_while_running(proc, mark.exists, time.monotonic() + 120)
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=60)
     finally:

@@ -717,17 +717,17 @@ def test_generate_imports_neither_transformers_nor_diffusers(tiny_pan2, tmp_path
     import subprocess
     import sys
 
-    from tests.subprocess_env import python_env
+    from tests.subprocess_env import hooked_env
 
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(_REPORT_MODULES)
     report = tmp_path / "modules.txt"
     out = tmp_path / "cat.mp4"
     command = [sys.executable, "-m", "pan2cli", "generate", "a cat", "--model", str(tiny_pan2)]
     command += [str(a) for a in (*CLI_SMALL, "--steps", 1, "-q", "-o", out)]
     done = subprocess.run(
-        command, env=python_env(hook, PAN2_TEST_MODULES=str(report)), capture_output=True, text=True
+        command,
+        env=hooked_env(tmp_path, _REPORT_MODULES, PAN2_TEST_MODULES=str(report)),
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr
     assert out.is_file() and report.read_text() == ""
