@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from pan2cli.cuda_allocator import SETTINGS, configure_cuda_allocator
+from tests.subprocess_env import python_env
 
 
 def test_unset_environment_gets_the_setting():
@@ -53,7 +54,9 @@ def test_generate_sets_it_before_torch_loads():
         "    pass\n"
         "print(seen['torch_loaded'], seen['conf'])\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    env = python_env()  # the caller's PYTHONPATH behind the project, as every test's child
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        env.pop(name, None)
     result = subprocess.run(
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
     )
