@@ -15,10 +15,10 @@ namespace {
 using at::Tensor;
 
 // softmax(Q·Kᵀ/√128)·V into `out`: q, k [B, S, H, 128] e4m3, v_t [B, H, 128, S_pad] e4m3 (keys in the wgmma
-// order with `tma`), qk_descale [1] and v_descale [H] fp32, out [B, S, H, 128] bf16.
+// order with `tma`), qk_descale [1] and v_descale [H] fp32, out [B, S, H, 128] bf16; `key_tile` 128 or 224.
 void fp8_attention(const Tensor& q, const Tensor& k, const Tensor& v_t, const Tensor& qk_descale,
                    const Tensor& v_descale, Tensor out, double sm_scale_log2, double p_shift, int64_t stages,
-                   bool ping_pong, bool tma) {
+                   bool ping_pong, bool tma, int64_t key_tile) {
     const auto fp8 = at::ScalarType::Float8_e4m3fn;
     for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v_t, "v_t"}}) {
         TORCH_CHECK(t->is_cuda() && t->scalar_type() == fp8 && t->is_contiguous(), name,
@@ -53,8 +53,9 @@ void fp8_attention(const Tensor& q, const Tensor& k, const Tensor& v_t, const Te
         reinterpret_cast<const uint8_t*>(v_t.data_ptr()), qk_descale.data_ptr<float>(), v_descale.data_ptr<float>(),
         reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), static_cast<int>(batch), static_cast<int>(tokens),
         static_cast<int>(heads), static_cast<int>(v_t.size(3)), static_cast<float>(sm_scale_log2),
-        static_cast<float>(p_shift), static_cast<int>(stages), ping_pong, tma, c10::cuda::getCurrentCUDAStream());
-    TORCH_CHECK(error == cudaSuccess, "fp8_attention (", q.sizes(), ", stages ", stages, "): ",
+        static_cast<float>(p_shift), static_cast<int>(stages), ping_pong, tma, static_cast<int>(key_tile),
+        c10::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(error == cudaSuccess, "fp8_attention (", q.sizes(), ", stages ", stages, ", key tile ", key_tile, "): ",
                 cudaGetErrorString(error));
 }
 
@@ -64,5 +65,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "pan2's fp8 attention for Hopper (sm_90a): warp-specialised wgmma, e4m3 in, bf16 out";
     m.def("fp8_attention", &fp8_attention, "softmax(Q K^T / sqrt(128)) V, e4m3 in, bf16 `out`", py::arg("q"),
           py::arg("k"), py::arg("v_t"), py::arg("qk_descale"), py::arg("v_descale"), py::arg("out"),
-          py::arg("sm_scale_log2"), py::arg("p_shift"), py::arg("stages"), py::arg("ping_pong"), py::arg("tma"));
+          py::arg("sm_scale_log2"), py::arg("p_shift"), py::arg("stages"), py::arg("ping_pong"), py::arg("tma"),
+          py::arg("key_tile"));
 }

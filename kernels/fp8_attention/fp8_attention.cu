@@ -1,11 +1,11 @@
 // fp8 attention for Hopper (sm_90a): softmax(Q·Kᵀ/√D)·V with e4m3 Q, K, V, no mask, head dim 128, bf16 out.
 // The fp8 tier's default attention on sm_90 with head dim 128 (`pan2cli.dit.cuda_fp8_attention` picks one of
-// the twelve instantiations by GPU and token count, from measurements); its own extension (binding.cpp).
+// the fourteen instantiations by GPU and token count, from measurements); its own extension (binding.cpp).
 //
 // One CTA takes 128 query rows of one (batch, head): two consumer warpgroups of 64 rows each, and a producer
-// warpgroup that fills a ring of shared-memory stages with K and Vᵀ tiles of 128 keys, in the 128-byte
-// swizzle wgmma reads (an mbarrier pair per stage), either by cp.async (the whole warpgroup, 16-byte chunks)
-// or by TMA (one thread, three copies a tile). setmaxnreg gives the registers to the consumers. Each
+// warpgroup that fills a ring of shared-memory stages with K and Vᵀ tiles of 128 keys (or 224, below), in
+// the 128-byte swizzle wgmma reads (an mbarrier pair per stage), either by cp.async (the whole warpgroup,
+// 16-byte chunks) or by TMA (one thread, three copies a tile). setmaxnreg gives the registers to the consumers. Each
 // consumer issues P(j-1)·V(j-1) and S(j) = Q·K(j)ᵀ back to back, then runs the softmax of S(j); with the
 // ping-pong schedule (named barriers) the two warpgroups take turns at the MMAs, so one's softmax overlaps
 // the other's MMAs (FlashAttention-3's schedule; the exponentials are as much work as the MMAs, so
@@ -23,6 +23,15 @@
 //                    (Hopper's fp8 MMA keeps fewer bits in its accumulator; over 10⁵ keys that would show).
 // The row sum is taken from the float32 P (before its cast), as in the Triton kernel (fp8_attention_kernel.py).
 //
+// Wide key tiles (TMA, three stages; FlashAttention-3's configuration for fp8 at head dim 128): 224 keys a
+// tile, so that the fixed costs of a tile (row maxima across a quad, α, O's rescale, the barriers) are paid
+// 1.75x less often. The registers this needs come from O: it is accumulated in the tensor core across tiles
+// (O·α first, then P·V onto it), which keeps the error where the float32 sum has it (0.0191 against 0.0190
+// at 104,118 tokens, outlier channels 0.0285 both, measured on an H100). S is one m64n224k32 wgmma a k-step;
+// Vᵀ comes as two 128-key boxes (a 128-byte swizzle span holds 128 keys; the second box's last 32 are read
+// and not used). Its order is FlashAttention-3's: S(j) issued, O·α(j-1), P(j-1)·V(j-1) issued, the softmax
+// of S(j) while P(j-1)·V(j-1) runs.
+//
 // Layouts: q, k `[B, S, H, 128]` e4m3 contiguous; v_t `[B, H, 128, S_pad]` e4m3 (keys contiguous, S_pad a
 // multiple of 16, the padding zero); out `[B, S, H, 128]` bf16. Keys past S take no weight (masked in the
 // last tile), query rows past S are computed on zeros and not stored.
@@ -36,7 +45,7 @@
 
 #include "fp8_attention.h"
 #include "fp8_attention_layout.h"
-#include "wgmma_m64n128k32_e4m3.cuh"
+#include "wgmma_e4m3.cuh"
 
 namespace pan2_fp8_attention {
 namespace {
@@ -45,22 +54,34 @@ constexpr int kHeadDim = 128;
 constexpr int kRowsPerWarpgroup = 64;
 constexpr int kConsumers = 2;
 constexpr int kBlockM = kRowsPerWarpgroup * kConsumers;
-constexpr int kBlockN = 128;
-constexpr int kTileBytes = 128 * 128;  // a 128x128 e4m3 tile: Q's rows, a K tile or a Vᵀ tile
+constexpr int kTileBytes = 128 * 128;  // a 128x128 e4m3 tile: Q's rows, a Vᵀ box of 128 keys
 constexpr int kConsumerThreads = 128 * kConsumers;
 constexpr int kThreads = kConsumerThreads + 128;  // + the producer warpgroup
-// Registers a thread, set with setmaxnreg once the roles split (the launch gives each 65536 / 384 = 168):
-// the producer needs few, the consumers hold S, O and P·V's accumulators (3 x 64) and P (16).
-constexpr int kProducerRegisters = 40;
-constexpr int kConsumerRegisters = 232;
-static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= 65536, "register file");
+constexpr int kNarrow = 128, kWide = 224;     // keys a tile
 
-template <int kStages>
+// What a key tile of kBlockN keys takes: K's rows (128 bytes each), Vᵀ's 128-key boxes, a thread's S
+// accumulators, P·V's k32 steps, and the registers a thread, set with setmaxnreg once the roles split (the
+// launch gives each 65536 / 384 = 168): the producer needs few; the consumers hold S (kBlockN / 2), O (64),
+// P (kBlockN / 8) and, with 128-key tiles, P·V's own accumulators (64).
+template <int kBlockN>
+struct KeyTile {
+    static_assert(kBlockN == kNarrow || kBlockN == kWide, "128 or 224 keys a tile");
+    static constexpr int kKeyBytes = kBlockN * 128;
+    static constexpr int kValueBoxes = (kBlockN + 127) / 128;
+    static constexpr int kValueBytes = kValueBoxes * kTileBytes;
+    static constexpr int kScores = kBlockN / 2;
+    static constexpr int kKeyBlocks = kBlockN / 32;
+    static constexpr int kProducerRegisters = kBlockN == kNarrow ? 40 : 24;
+    static constexpr int kConsumerRegisters = kBlockN == kNarrow ? 232 : 240;
+    static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= 65536, "register file");
+};
+
+template <int kStages, int kBlockN>
 struct SharedStorage {
     static constexpr int kQ = 0;
     static constexpr int kK = kTileBytes;
-    static constexpr int kV = kK + kStages * kTileBytes;
-    static constexpr int kBarriers = kV + kStages * kTileBytes;  // full[kStages], empty[kStages]
+    static constexpr int kV = kK + kStages * KeyTile<kBlockN>::kKeyBytes;
+    static constexpr int kBarriers = kV + kStages * KeyTile<kBlockN>::kValueBytes;  // full[kStages], empty[kStages]
     static constexpr int kBytes = kBarriers + 2 * kStages * 8 + 1024;  // + room to align the base to 1024
 };
 
@@ -137,9 +158,10 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 // Pins the accumulators in place around an asynchronous wgmma: the compiler may not move their reads or
 // writes across this point (CUTLASS's warpgroup_fence_operand), whatever it can prove about the waits.
-__device__ __forceinline__ void fence_registers(float (&x)[64]) {
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&x)[N]) {
 #pragma unroll
-    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(x[i])::"memory");
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(x[i])::"memory");
 }
 
 template <int kPending>  // wait until at most kPending committed groups of wgmma are still running
@@ -149,9 +171,9 @@ __device__ __forceinline__ void wgmma_wait() {
 
 struct Params {
     // The TMA variant's tensor maps (encoded on the host; unused by the cp.async variant), 4-D, innermost
-    // first: Q and K (128 bytes, H, S tokens, B) in boxes of 128 tokens of one head, Vᵀ (S_pad keys in wgmma
-    // order, see values_fp8; 128 channels, H, B) in boxes of 128 keys; 128-byte swizzled, tokens and keys
-    // out of range read as zeros.
+    // first: Q and K (128 bytes, H, S tokens, B) in boxes of 128 tokens (K: of a key tile's) of one head, Vᵀ
+    // (S_pad keys in wgmma order, see values_fp8; 128 channels, H, B) in boxes of 128 keys; 128-byte
+    // swizzled, tokens and keys out of range read as zeros.
     CUtensorMap q_map, k_map, v_map;
     const uint8_t* q;
     const uint8_t* k;
@@ -166,21 +188,28 @@ struct Params {
     float p_shift;
 };
 
-// The TMA producer: one thread issues three copies a tile (Q once, with the first tile).
-template <int kStages>
+// The TMA producer: one thread issues a copy of K and one of Vᵀ a tile, two with wide tiles (Q once, with the
+// first tile).
+template <int kStages, int kBlockN>
 __device__ __forceinline__ void produce_tma(const Params& p, uint8_t* smem, int batch, int head, int start_m,
                                             int n_tiles) {
-    using Smem = SharedStorage<kStages>;
+    using Smem = SharedStorage<kStages, kBlockN>;
+    using Tile = KeyTile<kBlockN>;
     if (threadIdx.x != kConsumerThreads) return;
     const uint32_t base = smem_address(smem);
     const uint32_t full = base + Smem::kBarriers, empty = full + kStages * 8;
     for (int tile = 0; tile < n_tiles; ++tile) {
         const int stage = tile % kStages, start_n = tile * kBlockN;
         if (tile >= kStages) barrier_wait(empty + stage * 8, ((tile / kStages) - 1) & 1);
-        barrier_expect_bytes(full + stage * 8, (tile == 0 ? 3 : 2) * kTileBytes);
+        // A box counts in full, the parts out of range (zeros) too.
+        barrier_expect_bytes(full + stage * 8, (tile == 0 ? kTileBytes : 0) + Tile::kKeyBytes + Tile::kValueBytes);
         if (tile == 0) tma_load(base + Smem::kQ, p.q_map, 0, head, start_m, batch, full);
-        tma_load(base + Smem::kK + stage * kTileBytes, p.k_map, 0, head, start_n, batch, full + stage * 8);
-        tma_load(base + Smem::kV + stage * kTileBytes, p.v_map, start_n, 0, head, batch, full + stage * 8);
+        tma_load(base + Smem::kK + stage * Tile::kKeyBytes, p.k_map, 0, head, start_n, batch, full + stage * 8);
+        const uint32_t v_tile = base + Smem::kV + stage * Tile::kValueBytes;
+#pragma unroll
+        for (int box = 0; box < Tile::kValueBoxes; ++box) {
+            tma_load(v_tile + box * kTileBytes, p.v_map, start_n + 128 * box, 0, head, batch, full + stage * 8);
+        }
     }
 }
 
@@ -188,7 +217,8 @@ __device__ __forceinline__ void produce_tma(const Params& p, uint8_t* smem, int 
 template <int kStages>
 __device__ __forceinline__ void produce(const Params& p, uint8_t* smem, int batch, int head, int start_m,
                                         int n_tiles) {
-    using Smem = SharedStorage<kStages>;
+    using Smem = SharedStorage<kStages, kNarrow>;
+    constexpr int kBlockN = kNarrow;
     const int thread = threadIdx.x - kConsumerThreads;  // 0..127: one warp on each of the SM's 4 schedulers
     const uint32_t base = smem_address(smem);
     const size_t row_stride = static_cast<size_t>(p.n_heads) * kHeadDim;  // bytes between tokens
@@ -258,13 +288,13 @@ __device__ __forceinline__ void pass_turn(int warpgroup) {
 // updated (the sum rescaled by α, which is returned per row for the output).
 // kKeysInRowOrder: K's shared-memory rows hold keys in `key_of_row` order (the cp.async producer), else in
 // their own order (TMA; V carries the permutation then).
-template <bool kKeysInRowOrder>
-__device__ __forceinline__ void softmax_tile(float (&s)[64], float (&row_max)[2], float (&row_sum)[2],
+template <bool kKeysInRowOrder, int kBlockN>
+__device__ __forceinline__ void softmax_tile(float (&s)[kBlockN / 2], float (&row_max)[2], float (&row_sum)[2],
                                              float (&alpha)[2], float qk_scale, float p_shift, int quad,
                                              int keys_left) {
     if (keys_left < kBlockN) {  // the last tile: keys past the sequence take no weight
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
+        for (int i = 0; i < kBlockN / 8; ++i) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int column = 8 * i + 2 * quad + e;
@@ -276,7 +306,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], float (&row_max)[2]
     // Row maxima of the raw scores (qk_scale > 0), over the 4 lanes of a quad that share a row.
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < kBlockN / 8; ++i) {
         tile_max[0] = fmaxf(tile_max[0], fmaxf(s[4 * i], s[4 * i + 1]));
         tile_max[1] = fmaxf(tile_max[1], fmaxf(s[4 * i + 2], s[4 * i + 3]));
     }
@@ -292,10 +322,38 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], float (&row_max)[2]
         row_sum[r] *= alpha[r];
     }
 #pragma unroll
-    for (int i = 0; i < 64; ++i) {
+    for (int i = 0; i < kBlockN / 2; ++i) {
         const int r = (i >> 1) & 1;
         s[i] = exp2f(fmaf(s[i], qk_scale, -bias[r]));
         row_sum[r] += s[i];
+    }
+}
+
+// O / row sum · V's descale → the warpgroup's 64 rows of `out` (bf16), the rows past the sequence left out.
+__device__ __forceinline__ void store_output(const Params& p, const float (&o)[64], float (&row_sum)[2], int batch,
+                                             int head, int start_m) {
+    const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
+    const int quad = lane & 3, group = lane >> 2;
+    const float v_descale = __ldg(p.v_descale + head);
+    float out_scale[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        row_sum[r] += __shfl_xor_sync(0xffffffff, row_sum[r], 1);
+        row_sum[r] += __shfl_xor_sync(0xffffffff, row_sum[r], 2);
+        out_scale[r] = v_descale / row_sum[r];  // the row sum carries P's 2^P_SHIFT
+    }
+    const size_t row_stride = static_cast<size_t>(p.n_heads) * kHeadDim;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int token = start_m + warpgroup * kRowsPerWarpgroup + warp * 16 + group + 8 * r;
+        if (token >= p.n_tokens) continue;
+        __nv_bfloat16* row = p.out + (static_cast<size_t>(batch) * p.n_tokens + token) * row_stride + head * kHeadDim;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const __nv_bfloat162 pair =
+                    __floats2bfloat162_rn(o[4 * i + 2 * r] * out_scale[r], o[4 * i + 2 * r + 1] * out_scale[r]);
+            *reinterpret_cast<__nv_bfloat162*>(row + 8 * i + 2 * quad) = pair;
+        }
     }
 }
 
@@ -306,10 +364,10 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], float (&row_max)[2]
 template <int kStages, bool kPingPong, bool kTma>
 __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, int batch, int head, int start_m,
                                         int n_tiles) {
-    using Smem = SharedStorage<kStages>;
+    using Smem = SharedStorage<kStages, kNarrow>;
+    constexpr int kBlockN = kNarrow;
     const uint32_t base = smem_address(smem);
-    const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
-    const int quad = lane & 3, group = lane >> 2;
+    const int warpgroup = threadIdx.x / 128, quad = threadIdx.x & 3;
     const float qk_scale = p.sm_scale_log2 * __ldg(p.qk_descale);
     const uint32_t q_tile = base + Smem::kQ + warpgroup * kRowsPerWarpgroup * 128;
     const uint32_t full = base + Smem::kBarriers, empty = full + kStages * 8;
@@ -346,7 +404,8 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, int batc
     };
     auto softmax_and_pack = [&](int tile) {
         fence_registers(s);
-        softmax_tile<!kTma>(s, row_max, row_sum, alpha, qk_scale, p.p_shift, quad, p.n_tokens - tile * kBlockN);
+        softmax_tile<!kTma, kNarrow>(s, row_max, row_sum, alpha, qk_scale, p.p_shift, quad,
+                                     p.n_tokens - tile * kBlockN);
         // Registers {row g, row g+8} x {k 4q.., k 16+4q..}, 4 consecutive k each, lowest byte first.
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
@@ -390,33 +449,123 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, int batc
         fold_values(t, (n_tiles - 1) % kStages);
     }
 
-    const float v_descale = __ldg(p.v_descale + head);
-    float out_scale[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        row_sum[r] += __shfl_xor_sync(0xffffffff, row_sum[r], 1);
-        row_sum[r] += __shfl_xor_sync(0xffffffff, row_sum[r], 2);
-        out_scale[r] = v_descale / row_sum[r];  // the row sum carries P's 2^P_SHIFT
-    }
-    const size_t row_stride = static_cast<size_t>(p.n_heads) * kHeadDim;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int token = start_m + warpgroup * kRowsPerWarpgroup + warp * 16 + group + 8 * r;
-        if (token >= p.n_tokens) continue;
-        __nv_bfloat16* row = p.out + (static_cast<size_t>(batch) * p.n_tokens + token) * row_stride + head * kHeadDim;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const __nv_bfloat162 pair =
-                    __floats2bfloat162_rn(o[4 * i + 2 * r] * out_scale[r], o[4 * i + 2 * r + 1] * out_scale[r]);
-            *reinterpret_cast<__nv_bfloat162*>(row + 8 * i + 2 * quad) = pair;
-        }
-    }
+    store_output(p, o, row_sum, batch, head, start_m);
 }
 
-template <int kStages, bool kPingPong, bool kTma>
+// The same with wide key tiles (TMA, three stages; the header): phase j issues S(j) = Q·K(j)ᵀ, rescales O by
+// α(j-1), issues P(j-1)·V(j-1) onto O in the tensor core, runs the softmax of S(j) while that runs, waits for
+// it and makes P(j) the A fragments. With kPingPong the two warpgroups take turns at issuing their MMAs.
+template <bool kPingPong>
+__device__ __forceinline__ void consume_wide(const Params& p, uint8_t* smem, int batch, int head, int start_m,
+                                             int n_tiles) {
+    constexpr int kStages = 3;
+    using Smem = SharedStorage<kStages, kWide>;
+    using Tile = KeyTile<kWide>;
+    const uint32_t base = smem_address(smem);
+    const int warpgroup = threadIdx.x / 128, quad = threadIdx.x & 3;
+    const float qk_scale = p.sm_scale_log2 * __ldg(p.qk_descale);
+    const uint32_t q_tile = base + Smem::kQ + warpgroup * kRowsPerWarpgroup * 128;
+    const uint32_t full = base + Smem::kBarriers, empty = full + kStages * 8;
+
+    float o[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f}, alpha[2] = {0.f, 0.f};
+    uint32_t a[Tile::kKeyBlocks][4];  // P of the previous tile as the A fragments of its k32 steps
+    float s[Tile::kScores];
+
+    // Each is one commit group.
+    auto issue_scores = [&](int stage) {
+        fence_registers(s);
+        wgmma_fence();
+        const uint32_t k_tile = base + Smem::kK + stage * Tile::kKeyBytes;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_ss_n224(s, descriptor(q_tile, kk * 32), descriptor(k_tile, kk * 32), kk);
+        wgmma_commit();
+    };
+    auto issue_values = [&](int stage) {  // O += P·V, k32 step b reading keys 32b.. of the tile's Vᵀ boxes
+        fence_registers(o);
+        wgmma_fence();
+        const uint32_t v_tile = base + Smem::kV + stage * Tile::kValueBytes;
+#pragma unroll
+        for (int b = 0; b < Tile::kKeyBlocks; ++b) {
+            wgmma_rs(o, a[b], descriptor(v_tile + (b / 4) * kTileBytes, (b % 4) * 32), 1);
+        }
+        wgmma_commit();
+    };
+    auto rescale = [&] {  // O·α of the softmax that made the P about to be multiplied
+        fence_registers(o);
+#pragma unroll
+        for (int i = 0; i < 64; ++i) o[i] *= alpha[(i >> 1) & 1];
+    };
+    auto softmax = [&](int tile) {
+        fence_registers(s);
+        softmax_tile<false, kWide>(s, row_max, row_sum, alpha, qk_scale, p.p_shift, quad, p.n_tokens - tile * kWide);
+    };
+    auto pack = [&] {
+#pragma unroll
+        for (int b = 0; b < Tile::kKeyBlocks; ++b) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                a[b][r] = pack_e4m3(s[p_source(b, r, 0)], s[p_source(b, r, 1)], s[p_source(b, r, 2)],
+                                    s[p_source(b, r, 3)]);
+            }
+        }
+    };
+    // Keeps P's registers live and in place until the P·V that reads them has completed (the compiler would
+    // otherwise reuse them once the asynchronous wgmma is issued).
+    auto hold_p = [&] {
+#pragma unroll
+        for (int b = 0; b < Tile::kKeyBlocks; ++b) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a[b][r])::"memory");
+        }
+    };
+
+    // Phase 0: S(0) alone. Warpgroup 0 takes the first turn.
+    if (kPingPong && warpgroup == 1) pass_turn(warpgroup);
+    barrier_wait(full, 0);
+    if (kPingPong) wait_turn(warpgroup);
+    issue_scores(0);
+    if (kPingPong) pass_turn(warpgroup);
+    wgmma_wait<0>();
+    softmax(0);
+    pack();
+    for (int tile = 1; tile < n_tiles; ++tile) {
+        const int stage = tile % kStages, previous = (tile - 1) % kStages;
+        barrier_wait(full + stage * 8, (tile / kStages) & 1);
+        if (kPingPong) wait_turn(warpgroup);
+        issue_scores(stage);
+        rescale();  // O is not in flight: P(j-2)·V(j-2) has completed
+        issue_values(previous);
+        if (kPingPong) pass_turn(warpgroup);
+        wgmma_wait<1>();  // groups complete in order: S(j) is done, P(j-1)·V(j-1) may still run
+        softmax(tile);
+        fence_registers(s);
+        asm volatile("fence.acq_rel.cta;" ::: "memory");  // keeps ptxas from hoisting the wait above the softmax
+        wgmma_wait<0>();
+        hold_p();
+        fence_registers(o);
+        barrier_arrive(empty + previous * 8);  // this warpgroup is done with the stage
+        pack();
+    }
+    // The last P·V. Warpgroup 1 passes no turn after it: warpgroup 0 has no more.
+    if (kPingPong) wait_turn(warpgroup);
+    rescale();
+    issue_values((n_tiles - 1) % kStages);
+    if (kPingPong && warpgroup == 0) pass_turn(warpgroup);
+    wgmma_wait<0>();
+    hold_p();
+    fence_registers(o);
+    store_output(p, o, row_sum, batch, head, start_m);
+}
+
+template <int kStages, bool kPingPong, bool kTma, int kBlockN>
 __global__ void __launch_bounds__(kThreads, 1) fp8_attention_kernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma: sm_90a only (the launcher refuses other GPUs)
-    using Smem = SharedStorage<kStages>;
+    static_assert(kBlockN == kNarrow || (kTma && kStages == 3), "wide key tiles: TMA, three stages");
+    using Smem = SharedStorage<kStages, kBlockN>;
+    using Tile = KeyTile<kBlockN>;
     extern __shared__ uint8_t raw_smem[];
     uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
     const int start_m = blockIdx.x * kBlockM;
@@ -432,15 +581,19 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_attention_kernel(const __grid
     }
     __syncthreads();
     if (threadIdx.x >= kConsumerThreads) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
-        if (kTma) {
-            produce_tma<kStages>(p, smem, batch, head, start_m, n_tiles);
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Tile::kProducerRegisters));
+        if constexpr (kTma) {
+            produce_tma<kStages, kBlockN>(p, smem, batch, head, start_m, n_tiles);
         } else {
             produce<kStages>(p, smem, batch, head, start_m, n_tiles);
         }
     } else {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
-        consume<kStages, kPingPong, kTma>(p, smem, batch, head, start_m, n_tiles);
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Tile::kConsumerRegisters));
+        if constexpr (kBlockN == kWide) {
+            consume_wide<kPingPong>(p, smem, batch, head, start_m, n_tiles);
+        } else {
+            consume<kStages, kPingPong, kTma>(p, smem, batch, head, start_m, n_tiles);
+        }
     }
 #endif
 }
@@ -484,7 +637,7 @@ bool encode_tiles(CUtensorMap* map, const void* data, const cuuint64_t (&dims)[4
 cudaError_t pan2_fp8_attention_launch(const uint8_t* q, const uint8_t* k, const uint8_t* v_t, const float* qk_descale,
                                       const float* v_descale, __nv_bfloat16* out, int batch, int n_tokens,
                                       int n_heads, int s_pad, float sm_scale_log2, float p_shift, int stages,
-                                      bool ping_pong, bool tma, cudaStream_t stream) {
+                                      bool ping_pong, bool tma, int key_tile, cudaStream_t stream) {
     using namespace pan2_fp8_attention;
     Params params{};
     params.q = q;
@@ -498,19 +651,21 @@ cudaError_t pan2_fp8_attention_launch(const uint8_t* q, const uint8_t* k, const 
     params.s_pad = s_pad;
     params.sm_scale_log2 = sm_scale_log2;
     params.p_shift = p_shift;
+    if (key_tile != kNarrow && (key_tile != kWide || !tma || stages != 3)) return cudaErrorInvalidValue;
     if (tma) {
-        // Q, K: (128 bytes, H, S, B) in boxes of one head's 128 tokens; Vᵀ: (S_pad, 128, H, B) in boxes of
-        // 128 keys of all 128 channels. Either way a box lands as 128 rows of 128 bytes.
+        // Q, K: (128 bytes, H, S, B) in boxes of one head's 128 tokens (K: key_tile tokens); Vᵀ: (S_pad, 128,
+        // H, B) in boxes of 128 keys of all 128 channels. Either way a box lands as rows of 128 bytes.
         const cuuint64_t heads = n_heads, tokens = n_tokens, keys = s_pad, row = heads * kHeadDim;
         const cuuint64_t token_dims[4] = {kHeadDim, heads, tokens, cuuint64_t(batch)};
         const cuuint64_t token_strides[3] = {kHeadDim, row, tokens * row};
-        const cuuint32_t token_box[4] = {kHeadDim, 1, kBlockN, 1};
+        const cuuint32_t query_box[4] = {kHeadDim, 1, kBlockM, 1};
+        const cuuint32_t key_box[4] = {kHeadDim, 1, cuuint32_t(key_tile), 1};
         const cuuint64_t key_dims[4] = {keys, kHeadDim, heads, cuuint64_t(batch)};
         const cuuint64_t key_strides[3] = {keys, keys * kHeadDim, keys * kHeadDim * heads};
-        const cuuint32_t key_box[4] = {kBlockN, kHeadDim, 1, 1};
-        if (!encode_tiles(&params.q_map, q, token_dims, token_strides, token_box) ||
-            !encode_tiles(&params.k_map, k, token_dims, token_strides, token_box) ||
-            !encode_tiles(&params.v_map, v_t, key_dims, key_strides, key_box)) {
+        const cuuint32_t value_box[4] = {128, kHeadDim, 1, 1};
+        if (!encode_tiles(&params.q_map, q, token_dims, token_strides, query_box) ||
+            !encode_tiles(&params.k_map, k, token_dims, token_strides, key_box) ||
+            !encode_tiles(&params.v_map, v_t, key_dims, key_strides, value_box)) {
             return cudaErrorInvalidValue;
         }
     }
@@ -523,15 +678,20 @@ cudaError_t pan2_fp8_attention_launch(const uint8_t* q, const uint8_t* k, const 
     };
     // Three stages at least: a consumer holds two (K of tile j, V of tile j-1) and the cp.async producer
     // signals a tile once the next one's copies are issued, so with two stages each would wait for the other.
+    if (key_tile == kWide) {  // three stages of 60 KB (K 28, Vᵀ 32): a fourth would not fit
+        constexpr int bytes = SharedStorage<3, kWide>::kBytes;
+        return ping_pong ? launch(fp8_attention_kernel<3, true, true, kWide>, bytes)
+                         : launch(fp8_attention_kernel<3, false, true, kWide>, bytes);
+    }
 #define PAN2_FP8_ATTENTION_CASE(STAGES)                                                                       \
     if (stages == STAGES) {                                                                                   \
-        constexpr int bytes = SharedStorage<STAGES>::kBytes;                                                  \
+        constexpr int bytes = SharedStorage<STAGES, kNarrow>::kBytes;                                         \
         if (tma) {                                                                                            \
-            return ping_pong ? launch(fp8_attention_kernel<STAGES, true, true>, bytes)                        \
-                             : launch(fp8_attention_kernel<STAGES, false, true>, bytes);                      \
+            return ping_pong ? launch(fp8_attention_kernel<STAGES, true, true, kNarrow>, bytes)               \
+                             : launch(fp8_attention_kernel<STAGES, false, true, kNarrow>, bytes);             \
         }                                                                                                     \
-        return ping_pong ? launch(fp8_attention_kernel<STAGES, true, false>, bytes)                           \
-                         : launch(fp8_attention_kernel<STAGES, false, false>, bytes);                         \
+        return ping_pong ? launch(fp8_attention_kernel<STAGES, true, false, kNarrow>, bytes)                  \
+                         : launch(fp8_attention_kernel<STAGES, false, false, kNarrow>, bytes);                \
     }
     PAN2_FP8_ATTENTION_CASE(3)
     PAN2_FP8_ATTENTION_CASE(4)

@@ -4,11 +4,13 @@ The fp8 tier's default joint attention on sm_90 GPUs (H100, H200) with head dim 
 with the Triton kernel's inputs (Q, K `[B, S, H, 128]` e4m3, V transposed `[B, H, 128, S_pad]` with one
 descale per head) and output (bf16), written as FlashAttention-3 is: warp-specialised (a producer warpgroup
 copies K/V tiles, two consumer warpgroups take turns at the wgmma MMAs so that one's softmax overlaps the
-other's MMAs), P handed from the S accumulators to the P·V MMA in registers, each tile's P·V summed in float32
-(the kernel's header says how). Twelve instantiations are compiled: 3, 4 or 5 K/V stages in shared memory,
-the ping-pong schedule on or off, and two producers: cp.async by the whole producer warpgroup (V in key
-order, K's rows permuted as they are copied), or TMA by one thread (V's keys permuted instead, by
-`values_fp8(..., key_order="wgmma")`: `Instantiation.v_key_order` says which V to make).
+other's MMAs), P handed from the S accumulators to the P·V MMA in registers (the kernel's header says how).
+Fourteen instantiations are compiled. With key tiles of 128 keys (each tile's P·V summed into O in float32):
+3, 4 or 5 K/V stages in shared memory, the ping-pong schedule on or off, and two producers: cp.async by the
+whole producer warpgroup (V in key order, K's rows permuted as they are copied), or TMA by one thread (V's
+keys permuted instead, by `values_fp8(..., key_order="wgmma")`: `Instantiation.v_key_order` says which V to
+make). With wide key tiles of 224 keys (FlashAttention-3's configuration for fp8; O accumulated in the tensor
+core): TMA, three stages, ping-pong on or off.
 
 Which instantiation runs is `choose_instantiation` (GPU, joint token count): a table of the fastest measured,
 with where each row was measured; `scripts/bench_kernels.py fp8-attention` times every instantiation and
@@ -34,22 +36,27 @@ ARCH = "sm_90a"  # wgmma and TMA: Hopper only (sm_100a has no wgmma)
 HEAD_DIM = 128
 STAGES = (3, 4, 5)  # K/V stages in shared memory the kernel is instantiated for (32 KiB each)
 PRODUCERS = ("cp.async", "tma")
+KEY_TILES = (128, 224)  # keys a tile; 224 with TMA and three stages only (60 KiB a stage)
 
 
 @dataclass(frozen=True)
 class Instantiation:
     """One compiled form of the kernel: `stages` K/V tiles in shared memory, the consumers' `ping_pong`
-    schedule, and the `producer` of the tiles ("cp.async" or "tma")."""
+    schedule, the `producer` of the tiles ("cp.async" or "tma") and the `key_tile` (keys a tile)."""
 
     stages: int
     ping_pong: bool
     producer: str
+    key_tile: int = 128
 
     def __post_init__(self) -> None:
-        if self.stages not in STAGES or self.producer not in PRODUCERS:
+        if self.stages not in STAGES or self.producer not in PRODUCERS or self.key_tile not in KEY_TILES:
             raise ValueError(
-                f"no instantiation of {self.stages} stages with {self.producer}: {STAGES} x {PRODUCERS}"
+                f"no instantiation of {self.stages} stages with {self.producer} and {self.key_tile}-key tiles: "
+                f"{STAGES} x {PRODUCERS} x {KEY_TILES}"
             )
+        if self.key_tile != 128 and (self.producer != "tma" or self.stages != 3):
+            raise ValueError(f"{self.key_tile}-key tiles come by TMA in three stages only")
 
     @property
     def tma(self) -> bool:
@@ -62,24 +69,28 @@ class Instantiation:
 
     @property
     def name(self) -> str:
-        return f"s{self.stages}-{'pingpong' if self.ping_pong else 'free'}-{self.producer}"
+        wide = "" if self.key_tile == 128 else f"-k{self.key_tile}"
+        return f"s{self.stages}-{'pingpong' if self.ping_pong else 'free'}-{self.producer}{wide}"
 
     def record(self) -> dict:
         """As the sidecar records it."""
-        return {"stages": self.stages, "ping_pong": self.ping_pong, "producer": self.producer}
+        return {"stages": self.stages, "ping_pong": self.ping_pong, "producer": self.producer,
+                "key_tile": self.key_tile}  # fmt: skip
 
 
-INSTANTIATIONS = tuple(Instantiation(s, p, t) for t in PRODUCERS for s in STAGES for p in (True, False))
+INSTANTIATIONS = tuple(Instantiation(s, p, t) for t in PRODUCERS for s in STAGES for p in (True, False)) + tuple(
+    Instantiation(3, p, "tma", 224) for p in (True, False)
+)
 
 # The instantiation that runs, per GPU (a substring of its name) and joint token count (video + text): rows of
 # (up to this many tokens, or None for any), first match wins, from `scripts/bench_kernels.py fp8-attention`.
-# H100 80GB HBM3, 32 heads of 128, two runs on two machines: 2026-12-06 at 5b9e390, s4 free TMA the fastest
-# of the twelve at 481 frames (104,118 tokens: 206.1 ms; the next 207.7) and at 121 (26,898: 13.65 ms; s3
-# ping-pong TMA 13.73, s3 free TMA 13.89; cuDNN fp8 13.46 there); the same day at e918a66, s4 free TMA again
-# the fastest at 481 (206.8) and within 1 % of the fastest at 121 (s3 ping-pong TMA, 13.28). One instantiation
-# for every length, then. Other sm_90 GPUs (H200, H800, GH200) take the H100's rows until they are measured.
+# H100 80GB HBM3, 32 heads of 128, 2026-12-06: the wide tiles (224 keys, three stages, TMA) without ping-pong
+# at 121 frames (26,898 tokens) 12.17 ms against 12.59 with ping-pong and 13.90 for the fastest 128-key tiles
+# (s4 free TMA, the pick before), at 481 frames (104,118) 188.8 ms against 186.4 with ping-pong (within the
+# spread of the rounds, 182-189) and 207.5. One instantiation for every length, then. Other sm_90 GPUs (H200,
+# H800, GH200) take the H100's rows until they are measured.
 CHOICE_TABLE: dict[str, tuple[tuple[int | None, Instantiation], ...]] = {
-    "H100": ((None, Instantiation(4, False, "tma")),),
+    "H100": ((None, Instantiation(3, False, "tma", 224)),),
 }
 DEFAULT_GPU = "H100"  # the rows a GPU without its own takes
 
@@ -159,7 +170,7 @@ def cuda_fp8_attention(
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     extension_ops(q.device).fp8_attention(
         q, k, v_t, qk_descale, v_descale, out, math.log2(math.e) / math.sqrt(HEAD_DIM), float(P_SHIFT),
-        instantiation.stages, instantiation.ping_pong, instantiation.tma,
+        instantiation.stages, instantiation.ping_pong, instantiation.tma, instantiation.key_tile,
     )  # fmt: skip
     return out
 

@@ -137,7 +137,7 @@ def reset_fp8_attention_record(model: torch.nn.Module) -> None:
 def fp8_attention_ran(model: torch.nn.Module) -> dict | None:
     """What the fp8 attention calls of `model` ran since the last reset, for the sidecar: `kernel` (several
     joined by "+" if they differed), `why` (the choice's reason), `calls`, and for the CUDA kernel its
-    `instantiations` (stages, ping_pong, producer and calls each); None where no fp8 attention ran."""
+    `instantiations` (stages, ping_pong, producer, key_tile and calls each); None where no fp8 attention ran."""
     calls: Counter[tuple[str, object]] = Counter()
     reasons = []
     for run in _runs(model):

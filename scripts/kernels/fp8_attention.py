@@ -15,7 +15,8 @@ same inputs (`git show REV:pan2cli/dit/fp8_attention_kernel.py > /tmp/old_kernel
 
 On an sm_90 GPU, pan2's CUDA fp8 attention (`pan2cli/dit/cuda_fp8_attention.py`, the tier's default there)
 runs too, in each of its instantiations (`--cuda-configs`: K/V stages x ping-pong on/off x cp.async or TMA
-copies), as "cuda_fp8_s<stages>_<pingpong|free>_<cp.async|tma>", and each length's row names the one its table
+copies with 128-key tiles, and TMA with 224-key tiles), as "cuda_fp8_s<stages>_<pingpong|free>_<cp.async|tma>"
+(with "_k224" for the wide tiles), and each length's row names the one its table
 picks for this GPU ("cuda_fp8_table_pick"); V is quantised for it in both key orders ("values_fp8_ms",
 "values_fp8_wgmma_ms": the TMA producer's order should cost the same). Elsewhere the results say why not.
 The last lines are a markdown table per length: every kernel's milliseconds and error, the pick marked.
@@ -75,7 +76,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--cuda-configs", default="all",
         help="the CUDA kernel's instantiations: 'all', 'table' (the table's pick), 'none', or "
-        "stages,pingpong(0|1),producer(cp.async|tma);...",
+        "stages,pingpong(0|1),producer(cp.async|tma)[,key_tile(128|224)];...",
     )  # fmt: skip
     parser.add_argument(
         "--compare-kernel",
@@ -125,7 +126,7 @@ def cuda_candidates(spec: str, device: torch.device) -> tuple[list[Instantiation
     if spec == "table":
         return None, "built"
     configs = [c.split(",") for c in spec.split(";")]
-    return [Instantiation(int(s), bool(int(p)), t) for s, p, t in configs], "built"
+    return [Instantiation(int(c[0]), bool(int(c[1])), c[2], *map(int, c[3:])) for c in configs], "built"
 
 
 def load_kernel_file(path: Path):

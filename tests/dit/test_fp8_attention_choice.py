@@ -103,7 +103,7 @@ def test_the_record_says_what_the_calls_ran_not_what_was_asked():
         "why": "the default on sm_90 GPUs with head dim 128",
         "calls": 3,
         "instantiations": [
-            {"stages": 3, "ping_pong": True, "producer": "tma", "calls": 2},
-            {"stages": 4, "ping_pong": False, "producer": "tma", "calls": 1},
+            {"stages": 3, "ping_pong": True, "producer": "tma", "key_tile": 128, "calls": 2},
+            {"stages": 4, "ping_pong": False, "producer": "tma", "key_tile": 128, "calls": 1},
         ],
     }

@@ -1,7 +1,7 @@
 """pan2's CUDA fp8 attention (kernels/fp8_attention, pan2cli/dit/cuda_fp8_attention.py).
 
 Without a GPU: its index math against CuTe's definitions of the wgmma fragments (a host program built with
-nvcc), its compile for sm_90a (twelve instantiations, no spills, wgmma not serialised by ptxas) and sm_100a
+nvcc), its compile for sm_90a (fourteen instantiations, no spills, wgmma not serialised by ptxas) and sm_100a
 (empty kernels there), its extension apart from the decode kernel's, and the table that picks an
 instantiation. On an H100/H200 (`gpu` marker): its output against the emulation of the fp8 attention and
 float64 in every instantiation and at every tile edge (fewer tokens than a tile, one tile, partial tiles,
@@ -49,9 +49,9 @@ def test_the_index_math_agrees_with_cutes_wgmma_fragments(tmp_path):
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_the_kernel_compiles_without_spills_or_serialised_wgmma(tmp_path, arch):
-    """With its extension's flags (and torch's): sm_90a gets the twelve instantiations (3-5 stages x ping-pong x
-    cp.async or TMA copies) in registers with the wgmma pipeline intact; sm_100a, which has no wgmma, compiles
-    the empty kernels."""
+    """With its extension's flags (and torch's): sm_90a gets the fourteen instantiations (3-5 stages x ping-pong
+    x cp.async or TMA copies with 128-key tiles, and ping-pong or not with 224-key tiles) in registers with the
+    wgmma pipeline intact; sm_100a, which has no wgmma, compiles the empty kernels."""
     torch_flags = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
                    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]  # fmt: skip
     command = ["nvcc", *cuda.extension_spec(arch).cuda_flags, *torch_flags, "--resource-usage"]
@@ -60,10 +60,10 @@ def test_the_kernel_compiles_without_spills_or_serialised_wgmma(tmp_path, arch):
     output = built.stdout + built.stderr
     assert built.returncode == 0, output[-4000:]
     entries = [line for line in output.splitlines() if "Compiling entry function" in line]
-    assert len(entries) == len(INSTANTIATIONS) == 12, output[-2000:]
+    assert len(entries) == len(INSTANTIATIONS) == 14, output[-2000:]
     assert all("fp8_attention_kernel" in e for e in entries), output[-2000:]
     if arch == "sm_90a":
-        assert output.count(" 0 bytes spill stores") == 12, output[-4000:]
+        assert output.count(" 0 bytes spill stores") == 14, output[-4000:]
         for warning in ("C7510", "C7512", "C7514", "C7517"):  # wgmma serialised, or a wait injected by ptxas
             assert warning not in output, output[-4000:]
 
@@ -81,12 +81,12 @@ def test_the_fp8_attention_is_its_own_extension_with_its_own_sources():
 
 
 def test_the_table_picks_the_fastest_measured_instantiation_for_each_gpu_and_length():
-    """The rows filled from the H100 measurements (the module's comment): TMA, four stages without ping-pong,
-    the fastest at 481 frames in both runs and within 1 % of the fastest at 121; other sm_90 GPUs take the
-    H100's rows until measured; every row is a compiled instantiation and every GPU's rows cover any count."""
+    """The rows filled from the H100 measurements (the module's comment): the wide key tiles without ping-pong,
+    the fastest at 121 frames and within the spread at 481; other sm_90 GPUs take the H100's rows until
+    measured; every row is a compiled instantiation and every GPU's rows cover any count."""
     h100 = "NVIDIA H100 80GB HBM3"
     for tokens in (100, TOKENS_121_FRAMES, TOKENS_481_FRAMES):
-        assert choose_instantiation(h100, tokens) == Instantiation(4, False, "tma")
+        assert choose_instantiation(h100, tokens) == Instantiation(3, False, "tma", 224)
     for gpu in ("NVIDIA H200", "NVIDIA GH200 480GB", "NVIDIA H800"):
         for tokens in (100, TOKENS_121_FRAMES, TOKENS_481_FRAMES):
             assert choose_instantiation(gpu, tokens) == choose_instantiation(h100, tokens)
@@ -96,8 +96,16 @@ def test_the_table_picks_the_fastest_measured_instantiation_for_each_gpu_and_len
         assert limits == sorted(limits)
     assert Instantiation(3, True, "tma").v_key_order == "wgmma"
     assert Instantiation(4, True, "cp.async").v_key_order == "natural"
+    assert Instantiation(3, False, "tma", 224).v_key_order == "wgmma"
     with pytest.raises(ValueError):
         Instantiation(2, True, "tma")
+    for stages, producer in ((4, "tma"), (3, "cp.async")):  # wide tiles: TMA, three stages only
+        with pytest.raises(ValueError, match="224-key tiles"):
+            Instantiation(stages, True, producer, 224)
+    with pytest.raises(ValueError):
+        Instantiation(3, True, "tma", 256)
+    assert Instantiation(3, True, "tma", 224).name == "s3-pingpong-tma-k224"
+    assert Instantiation(3, True, "tma").name == "s3-pingpong-tma"
 
 
 def test_it_runs_on_sm90_with_head_dim_128_only(monkeypatch):
