@@ -26,11 +26,14 @@
 // Wide key tiles (TMA, three stages; FlashAttention-3's configuration for fp8 at head dim 128): 224 keys a
 // tile, so that the fixed costs of a tile (row maxima across a quad, α, O's rescale, the barriers) are paid
 // 1.75x less often. The registers this needs come from O: it is accumulated in the tensor core across tiles
-// (O·α first, then P·V onto it), which keeps the error where the float32 sum has it (0.0191 against 0.0190
-// at 104,118 tokens, outlier channels 0.0285 both, measured on an H100). S is one m64n224k32 wgmma a k-step;
-// Vᵀ comes as two 128-key boxes (a 128-byte swizzle span holds 128 keys; the second box's last 32 are read
-// and not used). Its order is FlashAttention-3's: S(j) issued, O·α(j-1), P(j-1)·V(j-1) issued, the softmax
-// of S(j) while P(j-1)·V(j-1) runs.
+// (O·α first, then P·V onto it). That is as accurate as the float32 sum where V's tokens average to about
+// zero (random V: 0.0191 against 0.0190 at 104,118 tokens, on an H100), not in the full model: its velocity
+// went from 5.0 % off bf16 to 12.6 %. The likely cause (inferred, not measured apart): a DiT's V has a part
+// every token shares (AdaLN's shift), so the accumulator grows with the keys and each tile's P·V loses bits
+// against it. So the table does not pick these instantiations (`pan2cli.dit.cuda_fp8_attention`).
+// S is one m64n224k32 wgmma a k-step; Vᵀ comes as two 128-key boxes (a 128-byte swizzle span holds 128
+// keys; the second box's last 32 are read and not used). Its order is FlashAttention-3's: S(j) issued,
+// O·α(j-1), P(j-1)·V(j-1) issued, the softmax of S(j) while P(j-1)·V(j-1) runs.
 //
 // Layouts: q, k `[B, S, H, 128]` e4m3 contiguous; v_t `[B, H, 128, S_pad]` e4m3 (keys contiguous, S_pad a
 // multiple of 16, the padding zero); out `[B, S, H, 128]` bf16. Keys past S take no weight (masked in the

@@ -10,7 +10,8 @@ Fourteen instantiations are compiled. With key tiles of 128 keys (each tile's PÂ
 whole producer warpgroup (V in key order, K's rows permuted as they are copied), or TMA by one thread (V's
 keys permuted instead, by `values_fp8(..., key_order="wgmma")`: `Instantiation.v_key_order` says which V to
 make). With wide key tiles of 224 keys (FlashAttention-3's configuration for fp8; O accumulated in the tensor
-core): TMA, three stages, ping-pong on or off.
+core): TMA, three stages, ping-pong on or off; faster, but not picked: they fail the full model's accuracy
+(`CHOICE_TABLE`).
 
 Which instantiation runs is `choose_instantiation` (GPU, joint token count): a table of the fastest measured,
 with where each row was measured; `scripts/bench_kernels.py fp8-attention` times every instantiation and
@@ -84,13 +85,17 @@ INSTANTIATIONS = tuple(Instantiation(s, p, t) for t in PRODUCERS for s in STAGES
 
 # The instantiation that runs, per GPU (a substring of its name) and joint token count (video + text): rows of
 # (up to this many tokens, or None for any), first match wins, from `scripts/bench_kernels.py fp8-attention`.
-# H100 80GB HBM3, 32 heads of 128, 2026-12-06: the wide tiles (224 keys, three stages, TMA) without ping-pong
-# at 121 frames (26,898 tokens) 12.17 ms against 12.59 with ping-pong and 13.90 for the fastest 128-key tiles
-# (s4 free TMA, the pick before), at 481 frames (104,118) 188.8 ms against 186.4 with ping-pong (within the
-# spread of the rounds, 182-189) and 207.5. One instantiation for every length, then. Other sm_90 GPUs (H200,
-# H800, GH200) take the H100's rows until they are measured.
+# H100 80GB HBM3, 32 heads of 128, two runs on two machines: 2026-12-06 at 5b9e390, s4 free TMA the fastest
+# of the 128-key tiles at 481 frames (104,118 tokens: 206.1 ms; the next 207.7) and at 121 (26,898: 13.65 ms;
+# s3 ping-pong TMA 13.73, s3 free TMA 13.89; cuDNN fp8 13.46 there); the same day at e918a66, s4 free TMA again
+# the fastest at 481 (206.8) and within 1 % of the fastest at 121 (s3 ping-pong TMA, 13.28). One instantiation
+# for every length, then. Other sm_90 GPUs (H200, H800, GH200) take the H100's rows until they are measured.
+# Not picked: the wide tiles (224 keys), faster alone (11.80 against 13.69 ms at 121 frames, 189.3 against
+# 209.4 at 481, same H100 and run, 8eeb667) and on the synthetic suite as accurate, but in the full model they
+# took the velocity from 5.0 % off bf16 to 12.6 % (`scripts/fp8_accuracy.py --full`): O summed across tiles in
+# the fp8 MMA's accumulator loses bits once V has a part that its tokens share (the kernel's header).
 CHOICE_TABLE: dict[str, tuple[tuple[int | None, Instantiation], ...]] = {
-    "H100": ((None, Instantiation(3, False, "tma", 224)),),
+    "H100": ((None, Instantiation(4, False, "tma")),),
 }
 DEFAULT_GPU = "H100"  # the rows a GPU without its own takes
 
