@@ -79,9 +79,9 @@ class Instantiation:
                 "key_tile": self.key_tile}  # fmt: skip
 
 
-INSTANTIATIONS = tuple(Instantiation(s, p, t) for t in PRODUCERS for s in STAGES for p in (True, False)) + tuple(
-    Instantiation(3, p, "tma", 224) for p in (True, False)
-)
+INSTANTIATIONS = tuple(
+    Instantiation(s, p, t) for t in PRODUCERS for s in STAGES for p in (True, False)
+) + tuple(Instantiation(3, p, "tma", 224) for p in (True, False))
 
 # The instantiation that runs, per GPU (a substring of its name) and joint token count (video + text): rows of
 # (up to this many tokens, or None for any), first match wins, from `scripts/bench_kernels.py fp8-attention`.
