@@ -5,11 +5,11 @@
 // One CTA takes 128 query rows of one (batch, head): two consumer warpgroups of 64 rows each, and a producer
 // warpgroup that fills a ring of shared-memory stages with K and Vᵀ tiles of 128 keys (or 224, below), in
 // the 128-byte swizzle wgmma reads (an mbarrier pair per stage), either by cp.async (the whole warpgroup,
-// 16-byte chunks) or by TMA (one thread, three copies a tile). setmaxnreg gives the registers to the consumers. Each
-// consumer issues P(j-1)·V(j-1) and S(j) = Q·K(j)ᵀ back to back, then runs the softmax of S(j); with the
-// ping-pong schedule (named barriers) the two warpgroups take turns at the MMAs, so one's softmax overlaps
-// the other's MMAs (FlashAttention-3's schedule; the exponentials are as much work as the MMAs, so
-// overlapping them is the point).
+// 16-byte chunks) or by TMA (one thread: a copy of K and of each 128-key box of Vᵀ a tile). setmaxnreg gives
+// the registers to the consumers. Each consumer issues P(j-1)·V(j-1) and S(j) = Q·K(j)ᵀ back to back, then
+// runs the softmax of S(j); with the ping-pong schedule (named barriers) the two warpgroups take turns at the
+// MMAs, so one's softmax overlaps the other's MMAs (FlashAttention-3's schedule; the exponentials are as
+// much work as the MMAs, so overlapping them is the point).
 //
 // Per key tile, in a consumer warpgroup:
 //   S = Q·Kᵀ         wgmma m64n128k32 e4m3, both operands in shared memory, float32 accumulators;
@@ -679,13 +679,13 @@ cudaError_t pan2_fp8_attention_launch(const uint8_t* q, const uint8_t* k, const 
         kernel<<<grid, kThreads, bytes, stream>>>(params);
         return cudaGetLastError();
     };
-    // Three stages at least: a consumer holds two (K of tile j, V of tile j-1) and the cp.async producer
-    // signals a tile once the next one's copies are issued, so with two stages each would wait for the other.
     if (key_tile == kWide) {  // three stages of 60 KB (K 28, Vᵀ 32): a fourth would not fit
         constexpr int bytes = SharedStorage<3, kWide>::kBytes;
         return ping_pong ? launch(fp8_attention_kernel<3, true, true, kWide>, bytes)
                          : launch(fp8_attention_kernel<3, false, true, kWide>, bytes);
     }
+    // Three stages at least: a consumer holds two (K of tile j, V of tile j-1) and the cp.async producer
+    // signals a tile once the next one's copies are issued, so with two stages each would wait for the other.
 #define PAN2_FP8_ATTENTION_CASE(STAGES)                                                                       \
     if (stages == STAGES) {                                                                                   \
         constexpr int bytes = SharedStorage<STAGES, kNarrow>::kBytes;                                         \
