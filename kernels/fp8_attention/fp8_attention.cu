@@ -183,6 +183,7 @@ struct Params {
     const uint8_t* v_t;
     const float* qk_descale;  // [1]
     const float* v_descale;   // [H]
+    const float* v_mean;      // [B, H·128] or null: added to the output (V smoothed, `values_fp8`'s mean)
     __nv_bfloat16* out;
     int n_tokens;
     int n_heads;
@@ -332,7 +333,8 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kBlockN / 2], float (&ro
     }
 }
 
-// O / row sum · V's descale → the warpgroup's 64 rows of `out` (bf16), the rows past the sequence left out.
+// O / row sum · V's descale (+ V's mean) → the warpgroup's 64 rows of `out` (bf16), the rows past the
+// sequence left out.
 __device__ __forceinline__ void store_output(const Params& p, const float (&o)[64], float (&row_sum)[2], int batch,
                                              int head, int start_m) {
     const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
@@ -346,6 +348,7 @@ __device__ __forceinline__ void store_output(const Params& p, const float (&o)[6
         out_scale[r] = v_descale / row_sum[r];  // the row sum carries P's 2^P_SHIFT
     }
     const size_t row_stride = static_cast<size_t>(p.n_heads) * kHeadDim;
+    const float* mean = p.v_mean == nullptr ? nullptr : p.v_mean + static_cast<size_t>(batch) * row_stride + head * kHeadDim;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int token = start_m + warpgroup * kRowsPerWarpgroup + warp * 16 + group + 8 * r;
@@ -353,8 +356,10 @@ __device__ __forceinline__ void store_output(const Params& p, const float (&o)[6
         __nv_bfloat16* row = p.out + (static_cast<size_t>(batch) * p.n_tokens + token) * row_stride + head * kHeadDim;
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
-            const __nv_bfloat162 pair =
-                    __floats2bfloat162_rn(o[4 * i + 2 * r] * out_scale[r], o[4 * i + 2 * r + 1] * out_scale[r]);
+            const float2 shift = mean == nullptr ? make_float2(0.f, 0.f)
+                                                 : __ldg(reinterpret_cast<const float2*>(mean + 8 * i + 2 * quad));
+            const __nv_bfloat162 pair = __floats2bfloat162_rn(fmaf(o[4 * i + 2 * r], out_scale[r], shift.x),
+                                                              fmaf(o[4 * i + 2 * r + 1], out_scale[r], shift.y));
             *reinterpret_cast<__nv_bfloat162*>(row + 8 * i + 2 * quad) = pair;
         }
     }
@@ -638,7 +643,7 @@ bool encode_tiles(CUtensorMap* map, const void* data, const cuuint64_t (&dims)[4
 }  // namespace
 
 cudaError_t pan2_fp8_attention_launch(const uint8_t* q, const uint8_t* k, const uint8_t* v_t, const float* qk_descale,
-                                      const float* v_descale, __nv_bfloat16* out, int batch, int n_tokens,
+                                      const float* v_descale, const float* v_mean, __nv_bfloat16* out, int batch, int n_tokens,
                                       int n_heads, int s_pad, float sm_scale_log2, float p_shift, int stages,
                                       bool ping_pong, bool tma, int key_tile, cudaStream_t stream) {
     using namespace pan2_fp8_attention;
@@ -648,6 +653,7 @@ cudaError_t pan2_fp8_attention_launch(const uint8_t* q, const uint8_t* k, const 
     params.v_t = v_t;
     params.qk_descale = qk_descale;
     params.v_descale = v_descale;
+    params.v_mean = v_mean;
     params.out = out;
     params.n_tokens = n_tokens;
     params.n_heads = n_heads;

@@ -14,10 +14,11 @@
 // (3, 4 or 5) K/V stages in shared memory; `ping_pong` the two consumer warpgroups take turns at the MMAs;
 // `tma` the tiles come by TMA, and then v_t's keys must be in wgmma order (column key_of_row(c) of each
 // 32-key block holds key c: values_fp8(..., key_order="wgmma")), else by cp.async with v_t in key order.
-// `key_tile` keys a tile: 128, or 224 (with TMA and three stages only).
+// `key_tile` keys a tile: 128, or 224 (with TMA and three stages only). `v_mean` [B, H·128] float32 or null:
+// added to out (V was quantised less its mean over the tokens).
 // Returns the launch's error (cudaErrorInvalidValue for another stage count or key tile, or a tensor map the
 // driver refuses); sm_90a only (the binding checks).
 cudaError_t pan2_fp8_attention_launch(const uint8_t* q, const uint8_t* k, const uint8_t* v_t, const float* qk_descale,
-                                      const float* v_descale, __nv_bfloat16* out, int batch, int n_tokens,
+                                      const float* v_descale, const float* v_mean, __nv_bfloat16* out, int batch, int n_tokens,
                                       int n_heads, int s_pad, float sm_scale_log2, float p_shift, int stages,
                                       bool ping_pong, bool tma, int key_tile, cudaStream_t stream);

@@ -64,6 +64,12 @@ class Instantiation:
         return self.producer == "tma"
 
     @property
+    def smooth_v(self) -> bool:
+        """Whether V is quantised less its mean over the tokens (added back to the output): the wide tiles sum
+        O across tiles in the fp8 MMA's accumulator, which loses bits once V's tokens share a part."""
+        return self.key_tile != 128
+
+    @property
     def v_key_order(self) -> str:
         """The `key_order` of `values_fp8` that this producer needs for its V."""
         return "wgmma" if self.tma else "natural"
@@ -163,11 +169,13 @@ def cuda_fp8_attention(
     out: torch.Tensor | None = None,
     *,
     instantiation: Instantiation,
+    v_mean: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(Q·Kᵀ/√128)·V from e4m3 inputs and their descales, no mask → `out` (bf16 `[B, S, H, 128]`).
 
     Args: as `fp8_attention_kernel.fp8_attention` (head dim 128 only; v_t's keys in `instantiation.v_key_order`),
-    plus `instantiation` (`choose_instantiation`, or any of `INSTANTIATIONS`).
+    plus `instantiation` (`choose_instantiation`, or any of `INSTANTIATIONS`) and `v_mean` (`[B, H·128]`
+    float32, added to the output: `values_fp8(..., mean=)` quantised V less it).
     """
     from pan2cli.dit.fp8 import P_SHIFT
 
@@ -175,7 +183,7 @@ def cuda_fp8_attention(
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     extension_ops(q.device).fp8_attention(
         q, k, v_t, qk_descale, v_descale, out, math.log2(math.e) / math.sqrt(HEAD_DIM), float(P_SHIFT),
-        instantiation.stages, instantiation.ping_pong, instantiation.tma, instantiation.key_tile,
+        instantiation.stages, instantiation.ping_pong, instantiation.tma, instantiation.key_tile, v_mean,
     )  # fmt: skip
     return out
 

@@ -245,9 +245,14 @@ def _attend_fused(
         from pan2cli.dit.cuda_fp8_attention import choose_instantiation, cuda_fp8_attention
 
         instantiation = choose_instantiation(torch.cuda.get_device_name(q8.device), n_tokens)
-        values_fp8(v_streams, heads, v_t, v_descale, key_order=instantiation.v_key_order)
+        v_mean = None
+        if instantiation.smooth_v:
+            v_mean = torch.empty(batch, heads * head_dim, dtype=torch.float32, device=q8.device)
+        values_fp8(v_streams, heads, v_t, v_descale, key_order=instantiation.v_key_order, mean=v_mean)
         run.ran("cuda", instantiation)
-        return cuda_fp8_attention(q8, k8, v_t, qk_descale, v_descale, instantiation=instantiation)
+        return cuda_fp8_attention(
+            q8, k8, v_t, qk_descale, v_descale, instantiation=instantiation, v_mean=v_mean
+        )
     values_fp8(v_streams, heads, v_t, v_descale)
     run.ran("triton")
     return fp8_attention(q8, k8, v_t, qk_descale, v_descale)

@@ -1,8 +1,13 @@
 """Triton kernels: V of the joint attention in e4m3 with one scale per head, laid out for the fp8 attention.
 
 V comes from two projections (video `to_v`, text `add_v_proj`), each `[B, n, H·D]` bf16, whose tokens the
-attention reads end to end (video first). Two passes:
+attention reads end to end (video first). Two passes (three with `mean`):
 
+0. With `mean` (V smoothed), `_channel_sum_kernel` first: each channel's sum over both streams' tokens, per
+   batch item, by atomic add into `mean` (`[B, H·D]` float32), then divided by the token count; the passes
+   below then work on V − mean. The attention adds the mean back to its output: exact, since a softmax row
+   sums to 1. It keeps the P·V sums of the CUDA kernel's wide tiles, which accumulate across tiles in the fp8
+   MMA's accumulator, from growing with the keys where V's tokens share a part.
 1. `_head_amax_kernel`: each head's absolute maximum over both streams and the batch, by atomic max into a
    `[H]` float32 buffer (absolute values are non-negative, so float order is integer order; a NaN or Inf
    makes the head's maximum Inf, hence a NaN scale downstream, never a silent wrong value). With
@@ -35,19 +40,39 @@ from pan2cli.triton_support import triton_interpreting
 
 
 @triton.jit
-def _head_amax_kernel(
-    V, AMAX, n_tokens, stride_batch, stride_token,
+def _channel_sum_kernel(
+    V, SUM, n_tokens, stride_batch, stride_token, width,
     BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
-    """AMAX[head] = max(AMAX[head], max |V| over this program's `[BLOCK_T, HEAD_DIM]` tile of the head; NaN → Inf).
-    Grid: (token block, head, batch)."""
+    """SUM[batch, head·D + d] += Σ V over this program's `[BLOCK_T, HEAD_DIM]` tile (float32). Grid: (token
+    block, head, batch)."""
     head = tl.program_id(1)
     batch = tl.program_id(2)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rows = batch.to(tl.int64) * stride_batch + tokens.to(tl.int64) * stride_token
     cols = head * HEAD_DIM + tl.arange(0, HEAD_DIM)
     v = tl.load(V + rows[:, None] + cols[None, :], mask=(tokens < n_tokens)[:, None], other=0.0)
-    magnitude = tl.abs(v.to(tl.float32))
+    tl.atomic_add(SUM + batch.to(tl.int64) * width + cols, tl.sum(v.to(tl.float32), axis=0))
+
+
+@triton.jit
+def _head_amax_kernel(
+    V, MEAN, AMAX, n_tokens, stride_batch, stride_token, width,
+    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, SMOOTH: tl.constexpr,
+):  # fmt: skip
+    """AMAX[head] = max(AMAX[head], max |V (− MEAN)| over this program's `[BLOCK_T, HEAD_DIM]` tile of the head;
+    NaN → Inf). Grid: (token block, head, batch)."""
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = batch.to(tl.int64) * stride_batch + tokens.to(tl.int64) * stride_token
+    cols = head * HEAD_DIM + tl.arange(0, HEAD_DIM)
+    in_range = tokens < n_tokens
+    v = tl.load(V + rows[:, None] + cols[None, :], mask=in_range[:, None], other=0.0).to(tl.float32)
+    if SMOOTH:
+        mean = tl.load(MEAN + batch.to(tl.int64) * width + cols)
+        v = tl.where(in_range[:, None], v - mean[None, :], 0.0)
+    magnitude = tl.abs(v)
     magnitude = tl.where(magnitude == magnitude, magnitude, float("inf"))  # NaN → Inf
     tl.atomic_max(AMAX + head, tl.max(tl.max(magnitude, axis=1), axis=0))
 
@@ -63,12 +88,13 @@ def _wgmma_key_of_column(column):
 
 @triton.jit
 def _quantize_values_kernel(
-    V0, V1, AMAX, OUT, n0, n1, n_columns, stride0_batch, stride0_token, stride1_batch, stride1_token,
-    stride_out_batch, stride_out_head, stride_out_dim, stride_out_key,
-    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, WGMMA_KEY_ORDER: tl.constexpr,
+    V0, V1, MEAN, AMAX, OUT, n0, n1, n_columns, stride0_batch, stride0_token, stride1_batch, stride1_token,
+    stride_out_batch, stride_out_head, stride_out_dim, stride_out_key, width,
+    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, WGMMA_KEY_ORDER: tl.constexpr, SMOOTH: tl.constexpr,
 ):  # fmt: skip
-    """OUT's `[BLOCK_T columns, HEAD_DIM]` tile of one head = e4m3(V · 448 / AMAX[head]) of the keys those columns
-    hold: keys < n0 from V0 (video), the next n1 from V1 (text), zeros after. Grid: (column block, head, batch)."""
+    """OUT's `[BLOCK_T columns, HEAD_DIM]` tile of one head = e4m3((V − MEAN) · 448 / AMAX[head]) of the keys those
+    columns hold: keys < n0 from V0 (video), the next n1 from V1 (text), zeros after (MEAN with SMOOTH only).
+    Grid: (column block, head, batch)."""
     head = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
     columns = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -84,9 +110,13 @@ def _quantize_values_kernel(
     rows1 = batch * stride1_batch + (keys - n0).to(tl.int64) * stride1_token
     v = tl.load(V0 + rows0[:, None] + cols, mask=in0[:, None], other=0.0)
     v = tl.where(in1[:, None], tl.load(V1 + rows1[:, None] + cols, mask=in1[:, None], other=0.0), v)
+    v = v.to(tl.float32)
+    if SMOOTH:
+        mean = tl.load(MEAN + batch * width + cols)
+        v = tl.where((in0 | in1)[:, None], v - mean, 0.0)
     amax = tl.load(AMAX + head)
     inverse = tl.where(amax > 0.0, 448.0 / tl.maximum(amax, 1e-30), 1.0)
-    v8 = tl.minimum(tl.maximum(v.to(tl.float32) * inverse, -448.0), 448.0).to(OUT.dtype.element_ty)
+    v8 = tl.minimum(tl.maximum(v * inverse, -448.0), 448.0).to(OUT.dtype.element_ty)
     out = (
         OUT + batch * stride_out_batch + head.to(tl.int64) * stride_out_head
         + columns.to(tl.int64)[:, None] * stride_out_key + dims[None, :] * stride_out_dim
@@ -103,6 +133,7 @@ def values_fp8(
     transposed: bool = True,
     per_tensor: bool = False,
     key_order: str = "natural",
+    mean: torch.Tensor | None = None,
 ) -> None:
     """Quantise the V streams (video first) into `out` with one descale per head (module docstring).
 
@@ -115,6 +146,8 @@ def values_fp8(
         transposed: the layout of `out`.
         per_tensor: one scale for all heads (the largest head's), for attention kernels with one V descale.
         key_order: "natural", or "wgmma" (transposed only; the module docstring).
+        mean: `[B, H·D]` float32, or None: written with each channel's mean over the tokens, and V − mean is
+            what is quantised (V smoothed; the attention adds it back).
     """
     batch, _, width = streams[0].shape
     head_dim = width // n_heads
@@ -144,21 +177,35 @@ def values_fp8(
     for s in streams:
         assert s.shape[0] == batch and s.shape[2] == width and s.stride(2) == 1, "streams: [B, n, H·D] rows"
     block_t = 64
+    smooth = mean is not None
+    if smooth:
+        assert mean.shape == (batch, width) and mean.dtype == torch.float32 and mean.is_contiguous(), (
+            "mean: [B, H·D] float32, contiguous"
+        )
+        mean.zero_()
+        for s in streams:
+            if s.shape[1]:
+                grid = (triton.cdiv(s.shape[1], block_t), n_heads, batch)
+                _channel_sum_kernel[grid](
+                    s, mean, s.shape[1], s.stride(0), s.stride(1), width, BLOCK_T=block_t, HEAD_DIM=head_dim
+                )
+        mean.div_(max(n_total, 1))
     amax = torch.zeros(n_heads, dtype=torch.float32, device=out.device)
     for s in streams:
         if s.shape[1]:
             grid = (triton.cdiv(s.shape[1], block_t), n_heads, batch)
             _head_amax_kernel[grid](
-                s, amax, s.shape[1], s.stride(0), s.stride(1), BLOCK_T=block_t, HEAD_DIM=head_dim
-            )
+                s, mean if smooth else amax, amax, s.shape[1], s.stride(0), s.stride(1), width,
+                BLOCK_T=block_t, HEAD_DIM=head_dim, SMOOTH=smooth,
+            )  # fmt: skip
     if per_tensor:
         amax.copy_(amax.amax().expand(n_heads))
     video, text = streams[0], streams[-1]
     n_text = text.shape[1] if len(streams) == 2 else 0
     grid = (triton.cdiv(n_columns, block_t), n_heads, batch)
     _quantize_values_kernel[grid](
-        video, text, amax, out, video.shape[1], n_text, n_columns,
-        video.stride(0), video.stride(1), text.stride(0), text.stride(1), *out_strides,
-        BLOCK_T=block_t, HEAD_DIM=head_dim, WGMMA_KEY_ORDER=key_order == "wgmma",
+        video, text, mean if smooth else amax, amax, out, video.shape[1], n_text, n_columns,
+        video.stride(0), video.stride(1), text.stride(0), text.stride(1), *out_strides, width,
+        BLOCK_T=block_t, HEAD_DIM=head_dim, WGMMA_KEY_ORDER=key_order == "wgmma", SMOOTH=smooth,
     )  # fmt: skip
     torch.where(amax > 0, amax / 448.0, torch.ones_like(amax), out=descale)

@@ -258,6 +258,35 @@ def test_values_quantise_per_head_into_the_attention_layout(transposed):
         assert torch.all(out[..., n:].float() == 0)
 
 
+def test_smoothed_values_are_quantised_less_their_mean_over_the_tokens():
+    """With `mean`: each batch item's channel means over both streams' tokens are written, and V − mean is what
+    is quantised (its own per-head scale, the padding zero), so that mean + dequantised V gives V back within
+    one rounding, though V's tokens share a part 20x their own."""
+    from pan2cli.dit.fp8_attention_kernel import padded_keys
+    from pan2cli.dit.fp8_values_kernel import values_fp8
+
+    gen = _gen(5)
+    heads, head_dim, n_video, n_text = 2, 64, 45, 6
+    shared = torch.randn(2, 1, heads * head_dim, generator=gen, device=DEVICE) * 20
+    video = (shared + torch.randn(2, n_video, heads * head_dim, generator=gen, device=DEVICE)).bfloat16()
+    text = (shared + torch.randn(2, n_text, heads * head_dim, generator=gen, device=DEVICE)).bfloat16()
+    n = n_video + n_text
+    out = torch.full((2, heads, head_dim, padded_keys(n)), 99.0, device=DEVICE).to(FP8)
+    descale, mean = torch.empty(heads, device=DEVICE), torch.full((2, heads * head_dim), 7.0, device=DEVICE)
+    values_fp8([video, text], heads, out, descale, mean=mean)
+    joint = torch.cat([video, text], dim=1).double()
+    torch.testing.assert_close(mean.double(), joint.mean(dim=1), rtol=1e-5, atol=1e-5)
+    centred = (joint - mean.double()[:, None]).view(2, n, heads, head_dim)
+    torch.testing.assert_close(
+        descale.double(), centred.abs().amax(dim=(0, 1, 3)) / E4M3_MAX, rtol=1e-5, atol=0
+    )
+    assert descale.max() < joint.abs().amax() / E4M3_MAX / 5  # the shared part no longer sets the scale
+    got = out[..., :n].permute(0, 3, 1, 2).double() * descale.double()[None, None, :, None]
+    scale = descale.double()[None, None, :].expand(2, n, heads)
+    assert _within_rounding(got, centred, scale, ulps=1.01)
+    assert torch.all(out[..., n:].float() == 0)
+
+
 def wgmma_key_columns(n_keys: int) -> list[int]:
     """Column of each key in the wgmma key order (the CUDA fp8 attention's `key_of_row`, written out from its
     definition: within each 32-key block, key c = 8i + 2q + e sits at 16(i // 2) + 4q + 2(i % 2) + e)."""

@@ -149,9 +149,14 @@ def _check_against_emulation_and_float64(batch, tokens, heads, instantiation, ro
     v_descale = torch.empty(heads, device="cuda")
     values_fp8([v.reshape(batch, tokens, heads * 128)], heads, v_t, v_descale)
     v8 = v_t[..., :tokens].permute(0, 3, 1, 2).clone()
-    if instantiation.tma:  # the TMA producer reads V with its keys in the wgmma order
-        values_fp8([v.reshape(batch, tokens, heads * 128)], heads, v_t, v_descale, key_order="wgmma")
-    out = cuda.cuda_fp8_attention(q8, k8, v_t, qk, v_descale, instantiation=instantiation)
+    v_mean = torch.empty(batch, heads * 128, device="cuda") if instantiation.smooth_v else None
+    if (
+        instantiation.tma
+    ):  # the TMA producer reads V with its keys in the wgmma order (less its mean: wide tiles)
+        values_fp8(
+            [v.reshape(batch, tokens, heads * 128)], heads, v_t, v_descale, key_order="wgmma", mean=v_mean
+        )
+    out = cuda.cuda_fp8_attention(q8, k8, v_t, qk, v_descale, instantiation=instantiation, v_mean=v_mean)
     assert out.dtype == torch.bfloat16 and out.shape == shape and torch.isfinite(out).all()
     rows = rows or tokens
     emulated = attention_reference(q8[:, :rows], k8, v8, float(qk), v_descale).double()
@@ -185,6 +190,66 @@ def test_the_tables_pick_at_real_lengths(on_sm90, tokens):
     and just past its first row's limit; 256 query rows of 2 heads checked against float64 over every key."""
     instantiation = choose_instantiation(torch.cuda.get_device_name(), tokens)
     _check_against_emulation_and_float64(1, tokens, 2, instantiation, rows=256)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key_tile", [128, 224])
+def test_the_mean_of_v_is_added_to_the_output(on_sm90, key_tile):
+    """`v_mean` (V smoothed) adds each batch item's channel means to its rows, to bf16 rounding."""
+    from pan2cli.dit.fp8 import FP8
+
+    instantiation = Instantiation(3, False, "tma", key_tile)
+    gen = torch.Generator("cuda").manual_seed(3)
+    q8, k8 = (torch.randn(2, 300, 2, 128, generator=gen, device="cuda").to(FP8) for _ in "qk")
+    v_t = torch.randn(2, 2, 128, 304, generator=gen, device="cuda").to(FP8)
+    scales = torch.tensor([0.05], device="cuda"), torch.full((2,), 0.1, device="cuda")
+    mean = torch.randn(2, 256, generator=gen, device="cuda") * 4
+    plain = cuda.cuda_fp8_attention(q8, k8, v_t, *scales, instantiation=instantiation)
+    shifted = cuda.cuda_fp8_attention(q8, k8, v_t, *scales, instantiation=instantiation, v_mean=mean)
+    want = plain.double() + mean.double().view(2, 1, 2, 128)
+    torch.testing.assert_close(shifted.double(), want, rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "instantiation", [i for i in INSTANTIATIONS if i.tma and i.stages == 3], ids=lambda i: i.name
+)
+def test_values_that_every_token_shares_in_part_at_the_121_frame_length(on_sm90, instantiation):
+    """V = a part every token shares (per head and channel, 10x the rest) + N(0, 1), as AdaLN's shift gives a
+    DiT's V. The wide tiles sum O across tiles in the fp8 MMA's accumulator, which loses bits as that sum grows
+    with the keys; with V smoothed (its mean out before the cast, added back after) they must be as close to
+    float64 as the 128-key tiles, whose per-tile sums are added in float32. 256 query rows of 2 heads."""
+    from pan2cli.dit.fp8 import E4M3_MAX, FP8
+    from pan2cli.dit.fp8_attention_kernel import padded_keys
+    from pan2cli.dit.fp8_values_kernel import values_fp8
+
+    tokens, heads, rows = TOKENS_121_FRAMES, 2, 256
+    gen = torch.Generator("cuda").manual_seed(11)
+    shape = (1, tokens, heads, 128)
+    q, k = (
+        torch.nn.functional.rms_norm(torch.randn(shape, generator=gen, device="cuda"), (128,)) for _ in "qk"
+    )
+    v = torch.randn(shape, generator=gen, device="cuda") + 10 * torch.randn(
+        1, 1, heads, 128, generator=gen, device="cuda"
+    )
+    bound = math.sqrt(128)
+    q8, k8 = ((t * (E4M3_MAX / bound)).to(FP8) for t in (q, k))
+    qk = torch.tensor([(bound / E4M3_MAX) ** 2], device="cuda")
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        *(t.double().transpose(1, 2) for t in (q[:, :rows], k, v))
+    ).transpose(1, 2)
+
+    def error(inst):
+        v_t = torch.empty(1, heads, 128, padded_keys(tokens), dtype=FP8, device="cuda")
+        v_descale = torch.empty(heads, device="cuda")
+        v_mean = torch.empty(1, heads * 128, device="cuda") if inst.smooth_v else None
+        values_fp8([v.reshape(1, tokens, -1)], heads, v_t, v_descale, key_order=inst.v_key_order, mean=v_mean)
+        out = cuda.cuda_fp8_attention(q8, k8, v_t, qk, v_descale, instantiation=inst, v_mean=v_mean)
+        return float((out[:, :rows].double() - exact).norm() / exact.norm())
+
+    narrow = error(Instantiation(4, False, "tma"))
+    assert narrow < 0.02, narrow
+    assert error(instantiation) < 1.25 * narrow + 2e-3, (error(instantiation), narrow)
 
 
 @pytest.mark.gpu
