@@ -1,22 +1,24 @@
 """Triton kernels: V of the joint attention in e4m3 with one scale per head, laid out for the fp8 attention.
 
 V comes from two projections (video `to_v`, text `add_v_proj`), each `[B, n, H·D]` bf16, whose tokens the
-attention reads end to end (video first). Two passes (three with `mean`):
+attention reads end to end (video first). Three kernels, two passes over V:
 
-0. With `mean` (V smoothed), `_channel_sum_kernel` first: each channel's sum over both streams' tokens, per
-   batch item, by atomic add into `mean` (`[B, H·D]` float32), then divided by the token count; the passes
-   below then work on V − mean. The attention adds the mean back to its output: exact, since a softmax row
-   sums to 1. It keeps the P·V sums of the CUDA kernel's wide tiles, which accumulate across tiles in the fp8
-   MMA's accumulator, from growing with the keys where V's tokens share a part.
-1. `_head_amax_kernel`: each head's absolute maximum over both streams and the batch, by atomic max into a
-   `[H]` float32 buffer (absolute values are non-negative, so float order is integer order; a NaN or Inf
-   makes the head's maximum Inf, hence a NaN scale downstream, never a silent wrong value). With
-   `per_tensor` every head then takes the largest (cuDNN's fp8 attention applies one V descale to all heads).
-2. `_quantize_values_kernel`: one program per `[BLOCK_T keys, D]` tile of the output of one head: each output
-   key column gathers its token's row of V (from whichever stream holds it; zeros past the last token),
-   multiplied by 448/amax, clamped to ±448, rounded once to e4m3 and stored transposed, `[B, H, D, S_pad]`,
-   as the fp8 attention's P·V wants it (keys along the contiguous axis), or as `[B, S, H, D]`
-   (`transposed=False`).
+1. `_channel_stats_kernel`: each program reads 512 tokens of one head of one stream and writes their sum,
+   maximum and minimum per channel (float32) to its own row of a buffer, no atomics.
+2. `_head_amax_kernel`, one program a head: the rows reduced in a fixed order (the same result on every run)
+   to each head's absolute maximum over both streams and the batch; a NaN or Inf makes it Inf, hence a NaN
+   scale downstream, never a silent wrong value. With `mean` (V smoothed) each channel's mean over the tokens
+   of its batch item is written to `mean` first and the maximum is that of |V − mean| (the channel's maximum
+   and minimum less the mean): the pass below then quantises V − mean, and the attention adds the mean back
+   to its output, exact since a softmax row sums to 1. It keeps the P·V sums of the CUDA kernel's wide tiles,
+   which accumulate across tiles in the fp8 MMA's accumulator, from growing with the keys where V's tokens
+   share a part. With `per_tensor` every head then takes the largest (cuDNN's fp8 attention applies one V
+   descale to all heads).
+3. `_quantize_values_kernel`: one program per `[BLOCK_T keys, D]` tile of the output of one head: each output
+   key column gathers its token's row of V (from whichever stream holds it; zeros past the last token), less
+   the mean with `mean`, multiplied by 448/amax, clamped to ±448, rounded once to e4m3 and stored transposed,
+   `[B, H, D, S_pad]`, as the fp8 attention's P·V wants it (keys along the contiguous axis), or as
+   `[B, S, H, D]` (`transposed=False`).
 
 The key order. With `key_order="wgmma"` (transposed only) the keys of each 32-key block are stored in the
 order the CUDA fp8 attention's TMA producer reads them (`kernels/fp8_attention/fp8_attention_layout.h`,
@@ -38,43 +40,77 @@ import triton.language as tl
 
 from pan2cli.triton_support import triton_interpreting
 
+# Tokens of one head each program of `_channel_stats_kernel` reads: 512 gives 53 programs a head at 121 frames
+# (26,898 video tokens), 1,696 in all, one wave of an H100's 132 SMs at 4 warps a program.
+STATS_TOKENS_PER_PROGRAM = 512
+
 
 @triton.jit
-def _channel_sum_kernel(
-    V, SUM, n_tokens, stride_batch, stride_token, width,
-    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _channel_stats_kernel(
+    V, STATS, n_tokens, block_offset, n_batch, plane, stride_batch, stride_token, width,
+    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS_PER_PROGRAM: tl.constexpr,
 ):  # fmt: skip
-    """SUM[batch, head·D + d] += Σ V over this program's `[BLOCK_T, HEAD_DIM]` tile (float32). Grid: (token
-    block, head, batch)."""
+    """STATS[0, 1, 2][block_offset + program, batch, head·D + d] = the sum, maximum and minimum of V over this
+    program's `TOKENS_PER_PROGRAM` tokens of one head, per channel, in float32 (a NaN counts as +Inf in the
+    maximum and −Inf in the minimum); `plane` = the elements of one statistic. Grid: (token block, head, batch)."""
+    block = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    rows = batch.to(tl.int64) * stride_batch + tokens.to(tl.int64) * stride_token
     cols = head * HEAD_DIM + tl.arange(0, HEAD_DIM)
-    v = tl.load(V + rows[:, None] + cols[None, :], mask=(tokens < n_tokens)[:, None], other=0.0)
-    tl.atomic_add(SUM + batch.to(tl.int64) * width + cols, tl.sum(v.to(tl.float32), axis=0))
+    # Element-wise over the tiles, reduced across the tokens once at the end: a reduction a tile would cross
+    # the warps (shared memory and a barrier) three times a tile.
+    total = tl.zeros([BLOCK_T, HEAD_DIM], tl.float32)
+    high = tl.full([BLOCK_T, HEAD_DIM], float("-inf"), tl.float32)
+    low = tl.full([BLOCK_T, HEAD_DIM], float("inf"), tl.float32)
+    for start in range(0, TOKENS_PER_PROGRAM, BLOCK_T):
+        tokens = block * TOKENS_PER_PROGRAM + start + tl.arange(0, BLOCK_T)
+        in_range = (tokens < n_tokens)[:, None]
+        rows = batch.to(tl.int64) * stride_batch + tokens.to(tl.int64) * stride_token
+        v = tl.load(V + rows[:, None] + cols[None, :], mask=in_range, other=0.0).to(tl.float32)
+        total += v
+        number = v == v
+        high = tl.maximum(high, tl.where(in_range, tl.where(number, v, float("inf")), float("-inf")))
+        low = tl.minimum(low, tl.where(in_range, tl.where(number, v, float("-inf")), float("inf")))
+    row = ((block_offset + block).to(tl.int64) * n_batch + batch) * width + cols
+    tl.store(STATS + row, tl.sum(total, axis=0))
+    tl.store(STATS + plane + row, tl.max(high, axis=0))
+    tl.store(STATS + 2 * plane + row, tl.min(low, axis=0))
 
 
 @triton.jit
 def _head_amax_kernel(
-    V, MEAN, AMAX, n_tokens, stride_batch, stride_token, width,
-    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, SMOOTH: tl.constexpr,
+    STATS, MEAN, AMAX, n_blocks, n_batch, plane, width, n_total,
+    HEAD_DIM: tl.constexpr, BLOCKS: tl.constexpr, SMOOTH: tl.constexpr,
 ):  # fmt: skip
-    """AMAX[head] = max(AMAX[head], max |V (− MEAN)| over this program's `[BLOCK_T, HEAD_DIM]` tile of the head;
-    NaN → Inf). Grid: (token block, head, batch)."""
-    head = tl.program_id(1)
-    batch = tl.program_id(2)
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    rows = batch.to(tl.int64) * stride_batch + tokens.to(tl.int64) * stride_token
+    """AMAX[head] = max |V − MEAN| (|V| without SMOOTH) over the head's tokens, batch items and channels, from
+    `_channel_stats_kernel`'s STATS; with SMOOTH, MEAN[batch, head·D + d] = the channel's mean over the tokens
+    first (the blocks' sums added in a fixed order: the same mean on every run). NaN → Inf. Grid: (head,)."""
+    head = tl.program_id(0)
     cols = head * HEAD_DIM + tl.arange(0, HEAD_DIM)
-    in_range = tokens < n_tokens
-    v = tl.load(V + rows[:, None] + cols[None, :], mask=in_range[:, None], other=0.0).to(tl.float32)
-    if SMOOTH:
-        mean = tl.load(MEAN + batch.to(tl.int64) * width + cols)
-        v = tl.where(in_range[:, None], v - mean[None, :], 0.0)
-    magnitude = tl.abs(v)
-    magnitude = tl.where(magnitude == magnitude, magnitude, float("inf"))  # NaN → Inf
-    tl.atomic_max(AMAX + head, tl.max(tl.max(magnitude, axis=1), axis=0))
+    amax = tl.zeros([HEAD_DIM], tl.float32)
+    for batch in range(n_batch):
+        total = tl.zeros([HEAD_DIM], tl.float32)
+        high = tl.full([HEAD_DIM], float("-inf"), tl.float32)
+        low = tl.full([HEAD_DIM], float("inf"), tl.float32)
+        for first in range(0, n_blocks, BLOCKS):
+            blocks = first + tl.arange(0, BLOCKS)
+            present = (blocks < n_blocks)[:, None]
+            rows = ((blocks.to(tl.int64) * n_batch + batch) * width)[:, None] + cols[None, :]
+            total += tl.sum(tl.load(STATS + rows, mask=present, other=0.0), axis=0)
+            high = tl.maximum(
+                high, tl.max(tl.load(STATS + plane + rows, mask=present, other=float("-inf")), 0)
+            )
+            low = tl.minimum(
+                low, tl.min(tl.load(STATS + 2 * plane + rows, mask=present, other=float("inf")), 0)
+            )
+        if SMOOTH:
+            mean = total / n_total
+            tl.store(MEAN + batch * width + cols, mean)
+            magnitude = tl.maximum(high - mean, mean - low)
+        else:
+            magnitude = tl.maximum(high, -low)
+        amax = tl.maximum(amax, tl.where(magnitude == magnitude, magnitude, float("inf")))  # NaN → Inf
+    tl.store(AMAX + head, tl.max(amax, axis=0))
 
 
 @triton.jit
@@ -182,22 +218,20 @@ def values_fp8(
         assert mean.shape == (batch, width) and mean.dtype == torch.float32 and mean.is_contiguous(), (
             "mean: [B, H·D] float32, contiguous"
         )
-        mean.zero_()
-        for s in streams:
-            if s.shape[1]:
-                grid = (triton.cdiv(s.shape[1], block_t), n_heads, batch)
-                _channel_sum_kernel[grid](
-                    s, mean, s.shape[1], s.stride(0), s.stride(1), width, BLOCK_T=block_t, HEAD_DIM=head_dim
-                )
-        mean.div_(max(n_total, 1))
-    amax = torch.zeros(n_heads, dtype=torch.float32, device=out.device)
-    for s in streams:
-        if s.shape[1]:
-            grid = (triton.cdiv(s.shape[1], block_t), n_heads, batch)
-            _head_amax_kernel[grid](
-                s, mean if smooth else amax, amax, s.shape[1], s.stride(0), s.stride(1), width,
-                BLOCK_T=block_t, HEAD_DIM=head_dim, SMOOTH=smooth,
+    blocks = [triton.cdiv(s.shape[1], STATS_TOKENS_PER_PROGRAM) for s in streams]
+    stats = torch.empty(3, sum(blocks), batch, width, dtype=torch.float32, device=out.device)
+    plane = stats[0].numel()
+    for s, n_blocks, offset in zip(streams, blocks, (0, blocks[0])):
+        if n_blocks and batch:
+            _channel_stats_kernel[(n_blocks, n_heads, batch)](
+                s, stats, s.shape[1], offset, batch, plane, s.stride(0), s.stride(1), width,
+                BLOCK_T=32, HEAD_DIM=head_dim, TOKENS_PER_PROGRAM=STATS_TOKENS_PER_PROGRAM,
             )  # fmt: skip
+    amax = torch.empty(n_heads, dtype=torch.float32, device=out.device)
+    _head_amax_kernel[(n_heads,)](
+        stats, mean if smooth else amax, amax, sum(blocks), batch, plane, width, max(n_total, 1),
+        HEAD_DIM=head_dim, BLOCKS=32, SMOOTH=smooth,
+    )  # fmt: skip
     if per_tensor:
         amax.copy_(amax.amax().expand(n_heads))
     video, text = streams[0], streams[-1]

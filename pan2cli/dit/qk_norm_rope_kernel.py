@@ -209,18 +209,20 @@ def _k_sums_kernel(
     block = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
-    acc1 = tl.zeros([HALF], tl.float32)
-    acc2 = tl.zeros([HALF], tl.float32)
+    # Summed element-wise over the tiles, across the rows once at the end: a sum across the rows a tile would
+    # cross the warps (shared memory and a barrier) twice a tile.
+    acc1 = tl.zeros([BLOCK_ROWS, HALF], tl.float32)
+    acc2 = tl.zeros([BLOCK_ROWS, HALF], tl.float32)
     for start in range(0, TOKENS_PER_PROGRAM, BLOCK_ROWS):
         token64 = (block * TOKENS_PER_PROGRAM + start + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         mask = (token64 < n_tokens)[:, None]
         k_row = batch.to(tl.int64) * stride_k_batch + token64 * stride_k_token + head * (2 * HALF)
         c, s = _rope_rows(COS, SIN, token64, mask, HALF, ROTATE)
         o1, o2 = _normed_rows(K, K_WEIGHT, k_row, mask, c, s, eps, HALF, BLOCK_ROWS, ROTATE, INTERLEAVED)
-        acc1 += tl.sum(tl.where(mask, o1, 0.0), axis=0)  # rows past the stream: 0 (even with eps = 0)
-        acc2 += tl.sum(tl.where(mask, o2, 0.0), axis=0)
+        acc1 += tl.where(mask, o1, 0.0)  # rows past the stream: 0 (even with eps = 0)
+        acc2 += tl.where(mask, o2, 0.0)
     row = ((block_offset + block).to(tl.int64) * n_batch + batch) * n_heads + head
-    sums = _whole_rows(acc1[None, :], acc2[None, :], HALF, 1, INTERLEAVED)
+    sums = _whole_rows(tl.sum(acc1, axis=0)[None, :], tl.sum(acc2, axis=0)[None, :], HALF, 1, INTERLEAVED)
     tl.store(PARTIAL + row * (2 * HALF) + tl.arange(0, 2 * HALF)[None, :], sums)
 
 
