@@ -315,19 +315,20 @@ class PAN2TransformerBlock(nn.Module):
         then bring its weights to the device once for all of them); returns lists then. The lists are emptied
         as the passes go, so that a pass's input is freed once its output exists.
         """
+        modulation = self.norm1(temb)  # the passes share the timestep: computed once for all of them
         if isinstance(x, list):
             outputs = []
             while x:
-                outputs.append(self._one_pass(x.pop(0), ctx.pop(0), temb, cos, sin, sp, video_tokens))
+                outputs.append(self._one_pass(x.pop(0), ctx.pop(0), modulation, cos, sin, sp, video_tokens))
             return [out[0] for out in outputs], [out[1] for out in outputs]
-        return self._one_pass(x, ctx, temb, cos, sin, sp, video_tokens)
+        return self._one_pass(x, ctx, modulation, cos, sin, sp, video_tokens)
 
     def _one_pass(
-        self, x: torch.Tensor, ctx: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        sp: SequenceParallel | None, video_tokens: int | None,
+        self, x: torch.Tensor, ctx: torch.Tensor, modulation: tuple[torch.Tensor, ...], cos: torch.Tensor,
+        sin: torch.Tensor, sp: SequenceParallel | None, video_tokens: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         fused = use_fused(self.fused_kernels, x)
-        shift1, scale1, gate1, shift2, scale2, gate2 = self.norm1(temb)  # each [B, 1, D]
+        shift1, scale1, gate1, shift2, scale2, gate2 = modulation  # each [B, 1, D], from `norm1(temb)`
         batch, dim = x.shape[0], x.shape[-1]
         # The text table is the same for every sample and step: [1, 1, D] views broadcast over the batch.
         c_shift1, c_scale1, c_gate1, c_shift2, c_scale2, c_gate2 = (
