@@ -27,10 +27,12 @@
 // tile, so that the fixed costs of a tile (row maxima across a quad, α, O's rescale, the barriers) are paid
 // 1.75x less often. The registers this needs come from O: it is accumulated in the tensor core across tiles
 // (O·α first, then P·V onto it). That is as accurate as the float32 sum where V's tokens average to about
-// zero (random V: 0.0191 against 0.0190 at 104,118 tokens, on an H100), not in the full model: its velocity
-// went from 5.0 % off bf16 to 12.6 %. The likely cause (inferred, not measured apart): a DiT's V has a part
-// every token shares (AdaLN's shift), so the accumulator grows with the keys and each tile's P·V loses bits
-// against it. So the table does not pick these instantiations (`pan2cli.dit.cuda_fp8_attention`).
+// zero (random V: 0.0191 against 0.0190 at 104,118 tokens, on an H100), not where they share a part, as a
+// DiT's do (AdaLN's shift): the accumulator grows with the keys and each tile's P·V loses bits against it
+// (Hopper's fp8 MMA keeps fewer bits in its accumulator), and the full model's velocity went from 5.0 % off
+// bf16 to 12.6 %. So V comes smoothed for these tiles, quantised less its mean over the tokens (`v_mean`,
+// values_fp8's `mean`), which the epilogue adds back: exact, a softmax row sums to 1, and the velocity is
+// back at 5.0 % (H100, scripts/fp8_accuracy.py --full).
 // S is one m64n224k32 wgmma a k-step; Vᵀ comes as two 128-key boxes (a 128-byte swizzle span holds 128
 // keys; the second box's last 32 are read and not used). Its order is FlashAttention-3's: S(j) issued,
 // O·α(j-1), P(j-1)·V(j-1) issued, the softmax of S(j) while P(j-1)·V(j-1) runs.
@@ -348,7 +350,8 @@ __device__ __forceinline__ void store_output(const Params& p, const float (&o)[6
         out_scale[r] = v_descale / row_sum[r];  // the row sum carries P's 2^P_SHIFT
     }
     const size_t row_stride = static_cast<size_t>(p.n_heads) * kHeadDim;
-    const float* mean = p.v_mean == nullptr ? nullptr : p.v_mean + static_cast<size_t>(batch) * row_stride + head * kHeadDim;
+    const float* mean =
+            p.v_mean == nullptr ? nullptr : p.v_mean + static_cast<size_t>(batch) * row_stride + head * kHeadDim;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int token = start_m + warpgroup * kRowsPerWarpgroup + warp * 16 + group + 8 * r;
@@ -643,9 +646,9 @@ bool encode_tiles(CUtensorMap* map, const void* data, const cuuint64_t (&dims)[4
 }  // namespace
 
 cudaError_t pan2_fp8_attention_launch(const uint8_t* q, const uint8_t* k, const uint8_t* v_t, const float* qk_descale,
-                                      const float* v_descale, const float* v_mean, __nv_bfloat16* out, int batch, int n_tokens,
-                                      int n_heads, int s_pad, float sm_scale_log2, float p_shift, int stages,
-                                      bool ping_pong, bool tma, int key_tile, cudaStream_t stream) {
+                                      const float* v_descale, const float* v_mean, __nv_bfloat16* out, int batch,
+                                      int n_tokens, int n_heads, int s_pad, float sm_scale_log2, float p_shift,
+                                      int stages, bool ping_pong, bool tma, int key_tile, cudaStream_t stream) {
     using namespace pan2_fp8_attention;
     Params params{};
     params.q = q;

@@ -19,6 +19,6 @@
 // Returns the launch's error (cudaErrorInvalidValue for another stage count or key tile, or a tensor map the
 // driver refuses); sm_90a only (the binding checks).
 cudaError_t pan2_fp8_attention_launch(const uint8_t* q, const uint8_t* k, const uint8_t* v_t, const float* qk_descale,
-                                      const float* v_descale, const float* v_mean, __nv_bfloat16* out, int batch, int n_tokens,
-                                      int n_heads, int s_pad, float sm_scale_log2, float p_shift, int stages,
-                                      bool ping_pong, bool tma, int key_tile, cudaStream_t stream);
+                                      const float* v_descale, const float* v_mean, __nv_bfloat16* out, int batch,
+                                      int n_tokens, int n_heads, int s_pad, float sm_scale_log2, float p_shift,
+                                      int stages, bool ping_pong, bool tma, int key_tile, cudaStream_t stream);

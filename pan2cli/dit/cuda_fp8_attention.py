@@ -10,8 +10,8 @@ Fourteen instantiations are compiled. With key tiles of 128 keys (each tile's P�
 whole producer warpgroup (V in key order, K's rows permuted as they are copied), or TMA by one thread (V's
 keys permuted instead, by `values_fp8(..., key_order="wgmma")`: `Instantiation.v_key_order` says which V to
 make). With wide key tiles of 224 keys (FlashAttention-3's configuration for fp8; O accumulated in the tensor
-core): TMA, three stages, ping-pong on or off; faster, but not picked: they fail the full model's accuracy
-(`CHOICE_TABLE`).
+core): TMA, three stages, ping-pong on or off, V smoothed (quantised less its mean over the tokens, which the
+kernel adds back to its output: `Instantiation.smooth_v`; `values_for` makes the V an instantiation reads).
 
 Which instantiation runs is `choose_instantiation` (GPU, joint token count): a table of the fastest measured,
 with where each row was measured; `scripts/bench_kernels.py fp8-attention` times every instantiation and
@@ -96,12 +96,13 @@ INSTANTIATIONS = tuple(
 # s3 ping-pong TMA 13.73, s3 free TMA 13.89; cuDNN fp8 13.46 there); the same day at e918a66, s4 free TMA again
 # the fastest at 481 (206.8) and within 1 % of the fastest at 121 (s3 ping-pong TMA, 13.28). One instantiation
 # for every length, then. Other sm_90 GPUs (H200, H800, GH200) take the H100's rows until they are measured.
-# Not picked: the wide tiles (224 keys), faster alone (11.80 against 13.69 ms at 121 frames, 189.3 against
-# 209.4 at 481, same H100 and run, 8eeb667) and on the synthetic suite as accurate, but in the full model they
-# took the velocity from 5.0 % off bf16 to 12.6 % (`scripts/fp8_accuracy.py --full`): O summed across tiles in
-# the fp8 MMA's accumulator loses bits once V has a part that its tokens share (the kernel's header).
+# Then the wide tiles (224 keys), faster alone (11.80 against 13.69 ms at 121 frames, 189.3 against 209.4 at 481,
+# same H100 and run, 8eeb667; free 3 % faster than ping-pong at 121, 1 % at 481) and in the step (2.619 against
+# 2.739 s at 121 frames, one run). They sum O across tiles in the fp8 MMA's accumulator, which loses bits
+# once V's tokens share a part: with V as it is the full model's velocity went from 5.0 % off bf16 to 12.6 %,
+# with V smoothed it is 5.0 % again (`scripts/fp8_accuracy.py --full`, H100, 2026-12-06). They are the pick.
 CHOICE_TABLE: dict[str, tuple[tuple[int | None, Instantiation], ...]] = {
-    "H100": ((None, Instantiation(4, False, "tma")),),
+    "H100": ((None, Instantiation(3, False, "tma", 224)),),
 }
 DEFAULT_GPU = "H100"  # the rows a GPU without its own takes
 
@@ -186,6 +187,26 @@ def cuda_fp8_attention(
         instantiation.stages, instantiation.ping_pong, instantiation.tma, instantiation.key_tile, v_mean,
     )  # fmt: skip
     return out
+
+
+def values_for(
+    instantiation: Instantiation, v_streams: list[torch.Tensor], heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """V's streams (`[B, n, H·128]`, video first) in e4m3 as `instantiation` reads them → (v_t `[B, H, 128,
+    S_pad]` in its key order, the per-head descales `[H]`, and V's mean `[B, H·128]` float32 where it is
+    smoothed, else None): the arguments `cuda_fp8_attention` takes after Q and K."""
+    from pan2cli.dit.fp8 import FP8
+    from pan2cli.dit.fp8_attention_kernel import padded_keys
+    from pan2cli.dit.fp8_values_kernel import values_fp8
+
+    batch, _, width = v_streams[0].shape
+    device = v_streams[0].device
+    n_tokens = sum(s.shape[1] for s in v_streams)
+    v_t = torch.empty(batch, heads, width // heads, padded_keys(n_tokens), dtype=FP8, device=device)
+    v_descale = torch.empty(heads, dtype=torch.float32, device=device)
+    v_mean = torch.empty(batch, width, dtype=torch.float32, device=device) if instantiation.smooth_v else None
+    values_fp8(v_streams, heads, v_t, v_descale, key_order=instantiation.v_key_order, mean=v_mean)
+    return v_t, v_descale, v_mean
 
 
 def build_status(device: torch.device | None = None) -> tuple[bool, str | None, str]:

@@ -228,8 +228,17 @@ def _attend_fused(
     from pan2cli.dit.fp8_values_kernel import values_fp8
 
     batch, n_tokens, _, head_dim = q8.shape
-    v_descale = torch.empty(heads, dtype=torch.float32, device=q8.device)
     kernel = run.choice.kernel
+    if kernel == "cuda":
+        from pan2cli.dit.cuda_fp8_attention import choose_instantiation, cuda_fp8_attention, values_for
+
+        instantiation = choose_instantiation(torch.cuda.get_device_name(q8.device), n_tokens)
+        v_t, v_descale, v_mean = values_for(instantiation, v_streams, heads)
+        run.ran("cuda", instantiation)
+        return cuda_fp8_attention(
+            q8, k8, v_t, qk_descale, v_descale, instantiation=instantiation, v_mean=v_mean
+        )
+    v_descale = torch.empty(heads, dtype=torch.float32, device=q8.device)
     if kernel == "cudnn":
         from pan2cli.dit.cudnn_fp8_attention import cudnn_fp8_attention
 
@@ -241,18 +250,6 @@ def _attend_fused(
     from pan2cli.dit.fp8_attention_kernel import fp8_attention, padded_keys
 
     v_t = torch.empty(batch, heads, head_dim, padded_keys(n_tokens), dtype=FP8, device=q8.device)
-    if kernel == "cuda":
-        from pan2cli.dit.cuda_fp8_attention import choose_instantiation, cuda_fp8_attention
-
-        instantiation = choose_instantiation(torch.cuda.get_device_name(q8.device), n_tokens)
-        v_mean = None
-        if instantiation.smooth_v:
-            v_mean = torch.empty(batch, heads * head_dim, dtype=torch.float32, device=q8.device)
-        values_fp8(v_streams, heads, v_t, v_descale, key_order=instantiation.v_key_order, mean=v_mean)
-        run.ran("cuda", instantiation)
-        return cuda_fp8_attention(
-            q8, k8, v_t, qk_descale, v_descale, instantiation=instantiation, v_mean=v_mean
-        )
     values_fp8(v_streams, heads, v_t, v_descale)
     run.ran("triton")
     return fp8_attention(q8, k8, v_t, qk_descale, v_descale)

@@ -182,7 +182,7 @@ def test_doctor_names_the_fp8_attention_that_would_run_and_why(monkeypatch, tmp_
         "yes (--precision fp8: e4m3 linears, pan2's CUDA fp8 attention: the default on sm_90"
     )
     assert "built on first use" in line and "--fp8-attention picks another" in line
-    assert "s4-free-tma at 121 and 481 frames (the H100 rows of its table)" in line
+    assert "s3-free-tma-k224 at 121 and 481 frames (the H100 rows of its table)" in line
     monkeypatch.setattr(
         cuda, "why_not_runnable", lambda device, head_dim: "it runs on sm_90 GPUs, this one is sm_89"
     )

@@ -258,15 +258,18 @@ def test_values_quantise_per_head_into_the_attention_layout(transposed):
         assert torch.all(out[..., n:].float() == 0)
 
 
-def test_smoothed_values_are_quantised_less_their_mean_over_the_tokens():
+@pytest.mark.parametrize("n_video", [45, 1100], ids=["one-block", "three-blocks"])
+def test_smoothed_values_are_quantised_less_their_mean_over_the_tokens(n_video):
     """With `mean`: each batch item's channel means over both streams' tokens are written, and V − mean is what
     is quantised (its own per-head scale, the padding zero), so that mean + dequantised V gives V back within
-    one rounding, though V's tokens share a part 20x their own."""
+    one rounding, though V's tokens share a part 20x their own. 1,100 video tokens: the statistics of three
+    blocks of `STATS_TOKENS_PER_PROGRAM` tokens (the last partial) added up."""
     from pan2cli.dit.fp8_attention_kernel import padded_keys
-    from pan2cli.dit.fp8_values_kernel import values_fp8
+    from pan2cli.dit.fp8_values_kernel import STATS_TOKENS_PER_PROGRAM, values_fp8
 
+    assert 2 * STATS_TOKENS_PER_PROGRAM < 1100 < 3 * STATS_TOKENS_PER_PROGRAM
     gen = _gen(5)
-    heads, head_dim, n_video, n_text = 2, 64, 45, 6
+    heads, head_dim, n_text = 2, 64, 6
     shared = torch.randn(2, 1, heads * head_dim, generator=gen, device=DEVICE) * 20
     video = (shared + torch.randn(2, n_video, heads * head_dim, generator=gen, device=DEVICE)).bfloat16()
     text = (shared + torch.randn(2, n_text, heads * head_dim, generator=gen, device=DEVICE)).bfloat16()
@@ -285,6 +288,58 @@ def test_smoothed_values_are_quantised_less_their_mean_over_the_tokens():
     scale = descale.double()[None, None, :].expand(2, n, heads)
     assert _within_rounding(got, centred, scale, ulps=1.01)
     assert torch.all(out[..., n:].float() == 0)
+
+
+def test_values_for_an_instantiation_are_the_v_it_reads():
+    """`values_for`: the wide tiles get V in the wgmma key order less its mean (returned), the 128-key tiles with
+    cp.async V in key order with no mean: each the `values_fp8` output for those arguments."""
+    from pan2cli.dit.cuda_fp8_attention import Instantiation, values_for
+    from pan2cli.dit.fp8_values_kernel import values_fp8
+
+    gen = _gen(7)
+    heads, n_video, n_text = 2, 40, 8
+    shared = torch.randn(1, 1, heads * 128, generator=gen, device=DEVICE) * 10
+    video, text = (
+        (shared + torch.randn(1, n, heads * 128, generator=gen, device=DEVICE)).bfloat16()
+        for n in (n_video, n_text)
+    )
+    for instantiation, key_order in (
+        (Instantiation(3, False, "tma", 224), "wgmma"),
+        (Instantiation(4, True, "cp.async"), "natural"),
+    ):
+        v_t, descale, mean = values_for(instantiation, [video, text], heads)
+        want_t, want_descale = torch.empty_like(v_t), torch.empty_like(descale)
+        want_mean = torch.empty(1, heads * 128, device=DEVICE) if key_order == "wgmma" else None
+        values_fp8([video, text], heads, want_t, want_descale, key_order=key_order, mean=want_mean)
+        assert v_t.shape == (1, heads, 128, 48) and torch.equal(
+            v_t.view(torch.uint8), want_t.view(torch.uint8)
+        )
+        assert torch.equal(descale, want_descale)
+        assert (mean is None) == (want_mean is None)
+        if mean is not None:
+            assert torch.equal(mean, want_mean)
+            torch.testing.assert_close(
+                mean.double(), torch.cat([video, text], 1).double().mean(1), rtol=1e-5, atol=1e-5
+            )
+
+
+@pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smoothed"])
+def test_a_nan_in_v_gives_its_head_an_infinite_scale(smooth):
+    """A NaN anywhere in a head's V (here the text's last token) makes that head's maximum Inf, so its
+    descale is Inf and its output NaN downstream, never a silently wrong value; the other head is untouched."""
+    from pan2cli.dit.fp8_attention_kernel import padded_keys
+    from pan2cli.dit.fp8_values_kernel import values_fp8
+
+    gen = _gen(6)
+    heads, head_dim, n_video, n_text = 2, 32, 600, 5
+    video = torch.randn(1, n_video, heads * head_dim, generator=gen, device=DEVICE).bfloat16()
+    text = torch.randn(1, n_text, heads * head_dim, generator=gen, device=DEVICE).bfloat16()
+    text[0, -1, head_dim + 3] = float("nan")
+    out = torch.empty(1, heads, head_dim, padded_keys(n_video + n_text), device=DEVICE).to(FP8)
+    descale = torch.empty(heads, device=DEVICE)
+    mean = torch.empty(1, heads * head_dim, device=DEVICE) if smooth else None
+    values_fp8([video, text], heads, out, descale, mean=mean)
+    assert torch.isfinite(descale[0]) and descale[1] == float("inf")
 
 
 def wgmma_key_columns(n_keys: int) -> list[int]:
