@@ -142,7 +142,18 @@ def forward_flops(config: dict, video_tokens: int, text_tokens: int) -> float:
 
 _KERNEL_KINDS = (  # (kind, substrings of CUDA kernel names), first match wins
     ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
-    ("fused ops (Triton)", ("qk_norm_rope", "layer_norm_modulate", "gated_residual", "quantize", "amax")),
+    (
+        "fused ops (Triton)",
+        (
+            "qk_norm_rope",
+            "layer_norm_modulate",
+            "gated_residual",
+            "quantize",
+            "amax",
+            "_k_sums",
+            "_channel_stats",
+        ),
+    ),
     ("GEMMs", ("gemm", "xmma", "cutlass", "nvjet", "wgmma", "cublas")),
     ("host-to-device copies", ("memcpy htod",)),
 )

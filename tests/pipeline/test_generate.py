@@ -142,8 +142,9 @@ def test_offload_gives_the_same_frames(tiny_pan2, generator):
     assert (a.frames.int() - b.frames.int()).abs().max().item() <= 1
 
 
+# Its memory plan reads the GPU's free memory: it runs in the group, never beside a 76 GiB decode test.
 @pytest.mark.gpu
-@pytest.mark.xdist_group("full-size-gpu-memory")  # its memory plan reads the GPU's free memory: not beside them
+@pytest.mark.xdist_group("full-size-gpu-memory")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_offload_on_cuda_gives_the_same_latents(tiny_pan2):
     """`--offload` on a GPU: the blocks stream from pinned host memory to the GPU one after another, and the
