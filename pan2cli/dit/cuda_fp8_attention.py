@@ -197,18 +197,11 @@ def values_for(
     """V's streams (`[B, n, H·128]`, video first) in e4m3 as `instantiation` reads them → (v_t `[B, H, 128,
     S_pad]` in its key order, the per-head descales `[H]`, and V's mean `[B, H·128]` float32 where it is
     smoothed, else None): the arguments `cuda_fp8_attention` takes after Q and K."""
-    from pan2cli.dit.fp8 import FP8
-    from pan2cli.dit.fp8_attention_kernel import padded_keys
-    from pan2cli.dit.fp8_values_kernel import values_fp8
+    from pan2cli.dit.fp8_values_kernel import transposed_values
 
-    batch, _, width = v_streams[0].shape
-    device = v_streams[0].device
-    n_tokens = sum(s.shape[1] for s in v_streams)
-    v_t = torch.empty(batch, heads, width // heads, padded_keys(n_tokens), dtype=FP8, device=device)
-    v_descale = torch.empty(heads, dtype=torch.float32, device=device)
-    v_mean = torch.empty(batch, width, dtype=torch.float32, device=device) if instantiation.smooth_v else None
-    values_fp8(v_streams, heads, v_t, v_descale, key_order=instantiation.v_key_order, mean=v_mean)
-    return v_t, v_descale, v_mean
+    return transposed_values(
+        v_streams, heads, key_order=instantiation.v_key_order, smooth=instantiation.smooth_v
+    )
 
 
 def build_status(device: torch.device | None = None) -> tuple[bool, str | None, str]:

@@ -225,7 +225,7 @@ def _attend_fused(
     q8: torch.Tensor, k8: torch.Tensor, v_streams, qk_descale: torch.Tensor, heads: int, run: Fp8AttentionRun
 ):
     """The chosen kernel on e4m3 Q, K and V quantised for it (per head; per tensor for cuDNN); recorded in `run`."""
-    from pan2cli.dit.fp8_values_kernel import values_fp8
+    from pan2cli.dit.fp8_values_kernel import transposed_values, values_fp8
 
     batch, n_tokens, _, head_dim = q8.shape
     kernel = run.choice.kernel
@@ -238,19 +238,18 @@ def _attend_fused(
         return cuda_fp8_attention(
             q8, k8, v_t, qk_descale, v_descale, instantiation=instantiation, v_mean=v_mean
         )
-    v_descale = torch.empty(heads, dtype=torch.float32, device=q8.device)
     if kernel == "cudnn":
         from pan2cli.dit.cudnn_fp8_attention import cudnn_fp8_attention
 
         v8 = torch.empty(batch, n_tokens, heads, head_dim, dtype=FP8, device=q8.device)
+        v_descale = torch.empty(heads, dtype=torch.float32, device=q8.device)
         # cuDNN applies one V descale to every head: the heads' scales made equal (the largest).
         values_fp8(v_streams, heads, v8, v_descale, transposed=False, per_tensor=True)
         run.ran("cudnn")
         return Fp8Activation(*cudnn_fp8_attention(q8, k8, v8, qk_descale, v_descale))
-    from pan2cli.dit.fp8_attention_kernel import fp8_attention, padded_keys
+    from pan2cli.dit.fp8_attention_kernel import fp8_attention
 
-    v_t = torch.empty(batch, heads, head_dim, padded_keys(n_tokens), dtype=FP8, device=q8.device)
-    values_fp8(v_streams, heads, v_t, v_descale)
+    v_t, v_descale, _ = transposed_values(v_streams, heads)
     run.ran("triton")
     return fp8_attention(q8, k8, v_t, qk_descale, v_descale)
 

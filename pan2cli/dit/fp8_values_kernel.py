@@ -243,3 +243,22 @@ def values_fp8(
         BLOCK_T=block_t, HEAD_DIM=head_dim, WGMMA_KEY_ORDER=key_order == "wgmma", SMOOTH=smooth,
     )  # fmt: skip
     torch.where(amax > 0, amax / 448.0, torch.ones_like(amax), out=descale)
+
+
+def transposed_values(
+    streams: list[torch.Tensor], n_heads: int, *, key_order: str = "natural", smooth: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`values_fp8` into new tensors: the V streams (`[B, n, H·D]`, video first) → (`[B, H, D, S_pad]` e4m3 in
+    `key_order`, the descales `[H]`, and with `smooth` V's mean `[B, H·D]` float32, else None)."""
+    from pan2cli.dit.fp8_attention_kernel import padded_keys
+
+    batch, _, width = streams[0].shape
+    device = streams[0].device
+    n_tokens = sum(s.shape[1] for s in streams)
+    v_t = torch.empty(
+        batch, n_heads, width // n_heads, padded_keys(n_tokens), dtype=torch.float8_e4m3fn, device=device
+    )
+    descale = torch.empty(n_heads, dtype=torch.float32, device=device)
+    mean = torch.empty(batch, width, dtype=torch.float32, device=device) if smooth else None
+    values_fp8(streams, n_heads, v_t, descale, key_order=key_order, mean=mean)
+    return v_t, descale, mean

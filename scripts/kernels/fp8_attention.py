@@ -61,7 +61,7 @@ from pan2cli.dit.cuda_fp8_attention import (  # noqa: E402
 )
 from pan2cli.dit.fp8 import E4M3_MAX, FP8  # noqa: E402
 from pan2cli.dit.fp8_attention_kernel import CONFIGS, fp8_attention, padded_keys  # noqa: E402
-from pan2cli.dit.fp8_values_kernel import values_fp8  # noqa: E402
+from pan2cli.dit.fp8_values_kernel import transposed_values, values_fp8  # noqa: E402
 from pan2cli.testing.attention_inputs import CASES, exact_attention, make_inputs, relative_rms  # noqa: E402
 from scripts.kernels.conv import _time  # noqa: E402  (median ms, CUDA events, after a warm-up)
 
@@ -205,9 +205,7 @@ def run_suite_on_gpu(args: argparse.Namespace) -> dict:
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         row["cudnn_bf16"] = relative_rms(out.transpose(1, 2)[:, :rows], want)
         v_streams = [inputs.v_video, inputs.v_text]
-        v_t = torch.empty(1, HEADS, HEAD_DIM, padded_keys(inputs.tokens), dtype=FP8, device=device)
-        v_descale = torch.empty(HEADS, device=device)
-        values_fp8(v_streams, HEADS, v_t, v_descale)
+        v_t, v_descale, _ = transposed_values(v_streams, HEADS)
         for label, scales in (("before", inputs.fp8_scales(hadamard=False, smooth_k=False)),
                               ("after", inputs.fp8_scales())):  # fmt: skip
             q8, k8 = inputs.quantized_qk(scales, fused=True)
