@@ -9,8 +9,8 @@ Stage by stage, what must be on the GPU at once, against the budget (the GPU's f
 3. denoising: the transformer's 44 blocks and the rest of it (embeddings, text refiner, output), and the
    activation peak (`activation_bytes`, measured); where they do not fit, as many blocks as needed stream
    from page-locked host memory, spread over the model (`pan2cli.pipeline.offload.spread`), with room for
-   `STREAM_BUFFERS` blocks in flight and for the hidden states of the second guidance pass (both passes run
-   through a block while it is on the GPU: each streamed block crosses the bus once per step);
+   `STREAM_BUFFERS` blocks in flight; with guidance, room for the hidden states of the second pass (both
+   passes run through each block in one call: each streamed block crosses the bus once per step);
 4. decode: the VAE decoder's peak (`decoder_bytes`), with a smaller chunk where the reference decoder's does
    not fit.
 
@@ -205,7 +205,7 @@ class MemoryPlan:
 
 
 def plan_layers(sizes: LayeredSizes, fixed_bytes: int, budget: int, *, stream_all: bool = False,
-                streaming_extra: int = 0) -> LayerPlan | None:  # fmt: skip
+                second_pass: int = 0) -> LayerPlan | None:  # fmt: skip
     """The fewest streamed layers with which a stage fits `budget`, or None when even streaming all does not.
 
     Args:
@@ -213,15 +213,14 @@ def plan_layers(sizes: LayeredSizes, fixed_bytes: int, budget: int, *, stream_al
         fixed_bytes: what the stage needs besides the weights (activations, margin).
         budget: bytes the stage may use.
         stream_all: stream every layer (`--offload`).
-        streaming_extra: what streaming adds to the stage besides `STREAM_BUFFERS` layers in flight (the second
-            guidance pass's hidden states).
+        second_pass: the second guidance pass's hidden states, held while both passes run through each layer.
     """
     layers = len(sizes.layer_bytes)
-    resident_all = sizes.total + fixed_bytes
+    resident_all = sizes.total + fixed_bytes + second_pass
     if not stream_all and resident_all <= budget:
         return LayerPlan((), layers, resident_all, 0)
     in_flight = STREAM_BUFFERS * max(sizes.layer_bytes, default=0)
-    base = sizes.other_bytes + fixed_bytes + streaming_extra + in_flight
+    base = sizes.other_bytes + fixed_bytes + second_pass + in_flight
     for count in range(layers if stream_all else 1, layers + 1):
         streamed = tuple(spread(count, layers))
         resident = sum(b for i, b in enumerate(sizes.layer_bytes) if i not in streamed)
@@ -255,7 +254,7 @@ def _plan_denoising(
     shape, precision: str, sizes: LayeredSizes, budget: int, stream_all: bool
 ) -> LayerPlan | None:
     activations, second_pass = _denoising_needs(shape, precision)
-    return plan_layers(sizes, activations, budget, stream_all=stream_all, streaming_extra=second_pass)
+    return plan_layers(sizes, activations, budget, stream_all=stream_all, second_pass=second_pass)
 
 
 def plan_memory(

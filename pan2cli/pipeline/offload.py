@@ -195,12 +195,6 @@ def pack_on_device(module: nn.Module, device: torch.device) -> None:
         offset += -(-nbytes // ALIGN) * ALIGN
 
 
-def streams_blocks(model: nn.Module) -> bool:
-    """Whether some of `model`'s transformer blocks are streamed (`enable_block_offload`)."""
-    streamer = getattr(model, "block_streamer", None)
-    return streamer is not None and bool(streamer.streamed)
-
-
 def stream_layers(
     model: nn.Module, name: str, device: torch.device | str, streamer: LayerStreamer
 ) -> LayerStreamer:

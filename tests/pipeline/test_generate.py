@@ -51,19 +51,21 @@ def start_image(tmp_path_factory):
 
 
 class _Spy:
-    """Records every transformer call's (hidden_states, timestep, encoder_hidden_states)."""
+    """Records every pass of the transformer (hidden_states, timestep, encoder_hidden_states): `forward` runs
+    one through `forward_passes`, guidance two in one call."""
 
     def __init__(self, monkeypatch):
         from pan2cli.dit.model import PAN2Transformer3DModel
 
         self.calls = []
-        real = PAN2Transformer3DModel.forward
+        real = PAN2Transformer3DModel.forward_passes
 
-        def spy(model, hidden_states, timestep, encoder_hidden_states):
-            self.calls.append((hidden_states.clone(), timestep.clone(), encoder_hidden_states.clone()))
-            return real(model, hidden_states, timestep, encoder_hidden_states)
+        def spy(model, hidden_states, timestep, texts):
+            for text in texts:
+                self.calls.append((hidden_states.clone(), timestep.clone(), text.clone()))
+            return real(model, hidden_states, timestep, texts)
 
-        monkeypatch.setattr(PAN2Transformer3DModel, "forward", spy)
+        monkeypatch.setattr(PAN2Transformer3DModel, "forward_passes", spy)
 
 
 def test_cli_writes_mp4_and_sidecar(tiny_pan2, run_cli, tmp_path):

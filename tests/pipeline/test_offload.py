@@ -17,9 +17,10 @@ from pan2cli.dit import set_fused_kernels
 from pan2cli.dit.model import PAN2Transformer3DModel
 from pan2cli.dit.quantize import quantize_transformer
 from pan2cli.pipeline.memory_plan import spread
-from pan2cli.pipeline.offload import LayerStreamer, enable_block_offload, stray_tensors, streams_blocks
+from pan2cli.pipeline.offload import LayerStreamer, enable_block_offload, stray_tensors
 from pan2cli.pipeline.pinned import ALIGN, HostArena, module_bytes
 from pan2cli.pipeline.sampling import denoise
+from pan2cli.scheduler import euler_step, guided
 from tests.dit.small_models import random_small_pan2
 
 TINY = dict(
@@ -159,7 +160,7 @@ def test_a_partly_streamed_model_gives_the_resident_models_velocity(streamed):
     x, t, cond, _ = inputs()
     want = model(x, t, cond)
     streamer = enable_block_offload(model, "cpu", streamed=streamed)
-    assert streams_blocks(model) == bool(streamed) and sorted(streamer.arenas) == streamed
+    assert sorted(streamer.streamed) == sorted(streamer.arenas) == streamed
     assert torch.equal(model(x, t, cond), want)  # the same weights, the same ops
     resident = [i for i in range(4) if i not in streamed]
     assert all(
@@ -195,12 +196,24 @@ def test_the_two_passes_walk_equals_two_forwards_in_float64():
     assert torch.equal(both[0], model(x, t, cond)) and torch.equal(both[1], model(x, t, uncond))
 
 
-def test_a_streamed_denoise_walks_the_blocks_once_per_step_and_gives_the_resident_latents():
+def test_a_denoise_walks_the_blocks_once_per_step_resident_or_streamed_and_gives_two_forwards_latents():
     model = tiny_model()
     x, _, cond, uncond = inputs()
     latents, condition = x[:, :48].float(), x[:, 48:]
     sigmas = [1.0, 0.6, 0.0]
+    resident_calls = []
+    model.transformer_blocks[1].register_forward_pre_hook(lambda module, args: resident_calls.append(1))
     want = denoise(model, latents, condition, cond, uncond, sigmas, 2.5, 1000)
+    assert len(resident_calls) == 2  # resident too: one call of each block a step (one AdaLN modulation)
+    for sigma, sigma_next in zip(
+        sigmas[:-1], sigmas[1:]
+    ):  # two separate forwards a step give the same latents
+        timestep = torch.full((1,), sigma * 1000, dtype=torch.float32)
+        x_t = torch.cat([latents.to(condition.dtype), condition], dim=1)
+        v = guided(model(x_t, timestep, cond), model(x_t, timestep, uncond), 2.5)
+        latents = euler_step(latents, v, sigma, sigma_next)
+    assert torch.equal(latents, want)
+    latents = x[:, :48].float()
     streamer = enable_block_offload(model, "cpu", streamed=[1, 3])
     loads = []
     model.transformer_blocks[1].register_forward_pre_hook(lambda module, args: loads.append(1))

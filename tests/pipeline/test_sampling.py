@@ -50,13 +50,13 @@ def _model(heads: int) -> PAN2Transformer3DModel:
                     + (1.0 if param.dim() == 1 else 0.0)
                 )
     model.calls = 0
-    real = model.forward
+    real = model.forward_passes  # `forward` goes through it too
 
-    def forward(*args):
-        model.calls += 1
-        return real(*args)
+    def forward_passes(hidden_states, timestep, texts):
+        model.calls += len(texts)
+        return real(hidden_states, timestep, texts)
 
-    model.forward = forward
+    model.forward_passes = forward_passes
     return model
 
 

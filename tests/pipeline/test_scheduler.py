@@ -113,6 +113,10 @@ class _ToyModel:
         self.calls.append((timestep.clone(), encoder_hidden_states.clone()))
         return self.field(hidden_states[:, :48], timestep, encoder_hidden_states)
 
+    def forward_passes(self, hidden_states, timestep, texts):
+        """Both guidance passes in one call, as the DiT's: each pass recorded in order."""
+        return [self(hidden_states, timestep, text) for text in texts]
+
 
 def _generator(scheduler: SchedulerConfig = SchedulerConfig()) -> VideoGenerator:
     components = SimpleNamespace(transformer_arguments={}, scheduler=scheduler)
