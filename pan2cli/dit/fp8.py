@@ -31,7 +31,7 @@ The fp8 attention quantises Q and K after two exact transformations (`pan2cli.di
   (QH)(KH)ᵀ = QKᵀ. Each rotated element is ⟨x, h_j⟩/√D with ‖h_j‖₂ = √D, at most ‖x‖₂ by Cauchy–Schwarz:
   the bound R holds unchanged. What changes is the typical element: an outlier channel's energy is spread
   over all D channels, so a few channels no longer take e4m3's rounding at their own (large) magnitude.
-* K smoothing, k ↦ k − m with m the mean of K over the joint tokens of its (batch, head): every score of a
+* K smoothing, k ↦ k − m with m the mean of K over every 4th joint token of its (batch, head): every score of a
   query row moves by the same q·m, which the softmax removes. ‖m‖₂ ≤ R (a mean of vectors of length ≤ R),
   so ‖k − m‖₂ ≤ 2R and the K bound doubles (`qk_bound(..., mean_subtracted=True)`), before or after the
   rotation alike. 2R is reached only by a key opposite to all the others; the doubled scale moves K's

@@ -7,7 +7,7 @@ sequence parallelism, which keeps bf16 attention):
 2. `qk_norm_rope` writes the joint Q and K straight in e4m3 (`quantize_qk`), after two exact
    transformations that keep trained models' outliers from costing precision (`Fp8AttentionScales`,
    `Fp8Policy.qk_hadamard` / `smooth_k` turn them off for comparisons):
-   * K smoothing: K's mean over the joint tokens of its (batch, head) is subtracted (each score of a query
+   * K smoothing: K's mean over every 4th token of its (batch, head) is subtracted (each score of a query
      row moves by the same q·mean, which the softmax removes): keys that share a large common direction
      keep their per-token differences in e4m3's 3 bits instead of spending them on the common part;
    * a Hadamard rotation of Q and K, x ↦ x·H/√D (orthonormal: (QH)(KH)ᵀ = QKᵀ; FlashAttention-3's
@@ -58,7 +58,7 @@ from pan2cli.dit.fp8 import (
     quantize_with_scales,
 )
 from pan2cli.dit.fp8_attention_choice import Fp8AttentionRun, fp8_attention_run
-from pan2cli.dit.fusions import compute_dtype, qk_norm_rope, qk_norm_rope_reference
+from pan2cli.dit.fusions import compute_dtype, qk_norm_rope, qk_norm_rope_reference, smoothing_mean
 
 
 class Fp8AttentionScales(nn.Module):
@@ -67,7 +67,8 @@ class Fp8AttentionScales(nn.Module):
     `qk_descale` (`[1]` float32) as the attention kernels take it.
 
     hadamard: Q and K rotated by H/√D after RoPE (False where `hadamard_rotates(head_dim)` is False).
-    smooth_k: K's mean over the joint tokens of its (batch, head) subtracted (K's bound doubled).
+    smooth_k: K's mean over every 4th joint token of its (batch, head) subtracted (`smoothing_mean`; K's bound
+        doubled).
 
     A submodule of the `PAN2Attention` it belongs to, `qk_descale` a buffer (outside the state dict's keys), so
     that it goes wherever the block's other tensors go, with `.to()` and with the layer streamer
@@ -143,7 +144,7 @@ def quantize_qk_reference(
     q_video, k_video, q_text, k_text, weights, cos, sin, *, eps: float, scales: Fp8AttentionScales
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch emulation of the fused kernel's e4m3 Q and K (`quantize_qk`), step for step: RMSNorm and RoPE in
-    float32 (float64 for float64 inputs), K's joint mean subtracted, the product with the fixed scale's
+    float32 (float64 for float64 inputs), K's mean subtracted (`smoothing_mean`), the product with the fixed scale's
     inverse, with the rotation the operands rounded to float16 (as the kernel hands them to the tensor
     cores) and multiplied by the ±1 matrix in float32, then clamped to ±448 and rounded once to e4m3."""
     dtype = compute_dtype(q_video)
@@ -153,7 +154,7 @@ def quantize_qk_reference(
         q_text.to(dtype), k_text.to(dtype), weights[2], weights[3], eps, True,
     )  # fmt: skip
     if scales.smooth_k:
-        k = k - k.mean(dim=1, keepdim=True)
+        k = k - smoothing_mean(k, q_video.shape[1])
     head_dim = q.shape[-1]
     outs = []
     for x, descale in ((q, scales.q_descale), (k, scales.k_descale)):

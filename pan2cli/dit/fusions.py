@@ -49,6 +49,23 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float)
     return y if weight is None else y * weight.to(xf.dtype)
 
 
+# K smoothing's mean is taken over every 4th token of each stream (`pan2cli.dit.qk_norm_rope_kernel` says why).
+K_MEAN_STRIDE = 4
+
+
+def k_mean_tokens(n_tokens: int) -> int:
+    """How many of a stream's `n_tokens` tokens K smoothing's mean is taken over: 0, S, 2S, … (S = `K_MEAN_STRIDE`)."""
+    return -(-n_tokens // K_MEAN_STRIDE)
+
+
+def smoothing_mean(k: torch.Tensor, n_video: int) -> torch.Tensor:
+    """The mean K smoothing subtracts from the joint `k` `[B, N + L, H, D]` (video tokens first): over every
+    `K_MEAN_STRIDE`-th token of each stream, in k's dtype → `[B, 1, H, D]`."""
+    return torch.cat([k[:, :n_video:K_MEAN_STRIDE], k[:, n_video::K_MEAN_STRIDE]], dim=1).mean(
+        dim=1, keepdim=True
+    )
+
+
 def qk_norm_rope_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -141,8 +158,9 @@ def _(q, k, q_weight, k_weight, cos, sin, q_text, k_text, q_text_weight, k_text_
 def _joint_k_mean(
     k, k_weight, cos, sin, k_text, k_text_weight, eps: float, interleaved: bool
 ) -> torch.Tensor:
-    """The mean of RMSNorm(K) (RoPE on the video tokens) over the video and text tokens, per (batch, head):
-    `[B, H, head_dim]` float32, from the fused sum kernel's partial sums added in a fixed order."""
+    """The mean of RMSNorm(K) (RoPE on the video tokens) over every `K_MEAN_STRIDE`-th token of the video and
+    the text (`smoothing_mean`), per (batch, head): `[B, H, head_dim]` float32, from the fused sum kernel's
+    partial sums added in a fixed order."""
     from pan2cli.dit.qk_norm_rope_kernel import k_sum_blocks, k_token_sums
 
     batch, n_video, heads, head_dim = k.shape
@@ -152,7 +170,7 @@ def _joint_k_mean(
     k_token_sums(k, k_weight, cos, sin, partial, eps=eps, interleaved=interleaved)
     if n_text:
         k_token_sums(k_text, k_text_weight, None, None, partial, eps=eps, block_offset=k_sum_blocks(n_video))
-    return partial.sum(dim=0).div_(max(1, n_video + n_text))
+    return partial.sum(dim=0).div_(max(1, k_mean_tokens(n_video) + k_mean_tokens(n_text)))
 
 
 def _joint_qk(
@@ -255,8 +273,8 @@ def qk_norm_rope(
         out_dtype: None (the dtype of q) or float8_e4m3fn (fused only: the fp8 tier), then q and k are
             multiplied by `q_out_mult` / `k_out_mult`, clamped to ±448 and rounded once to e4m3.
         hadamard, smooth_k: the fp8 attention's transformations (fused, fp8 output only;
-            `pan2cli.dit.fp8_attention`): after RoPE, subtract K's mean over all tokens of its (batch,
-            head) (`smooth_k`), then multiply Q and K by H/√head_dim (`hadamard`; head_dim 16-128).
+            `pan2cli.dit.fp8_attention`): after RoPE, subtract K's mean over every `K_MEAN_STRIDE`-th
+            token of its (batch, head) (`smooth_k`, `smoothing_mean`), then multiply Q and K by H/√head_dim (`hadamard`; head_dim 16-128).
 
     Returns:
         (q, k), each `[B, N + L, H, head_dim]` contiguous in the dtype of q (or `out_dtype`): video tokens,

@@ -16,14 +16,15 @@ tensor (`q_out_mult`, `k_out_mult`: 448 over a bound of every element, see `pan2
 ±448 and rounded once to e4m3 (nearest even). Before that cast, the fp8 attention's two exact
 transformations (`pan2cli.dit.fp8_attention`), in float32 after RoPE:
 
-* K smoothing (`k_mean`): K's mean over the joint tokens of its (batch, head) is subtracted from every K
-  row. The mean comes from a first pass, `_k_sums_kernel` (`k_token_sums`): each program normalises and
-  rotates 256 tokens of one (batch, head) as the main pass does and writes their float32 sum to its own
-  row of a partial buffer (`[blocks, B, H, head_dim]`, 1.7 MB at 121 frames), which `partial.sum(0)` adds
-  up in a fixed order: no atomics, the same mean on every run. Its cost is one more read of K in bf16
-  (2 bytes an element, against the main pass's 6 with an e4m3 output): about a third of the main pass,
-  an estimated 0.1 ms a call at 121 frames (26,898 tokens, 32 heads), about 9 ms of an fp8 CFG step's 88
-  calls (not yet measured on a GPU; `scripts/bench_kernels.py fp8-attention --suite` times it).
+* K smoothing (`k_mean`): a mean of K over the joint tokens of its (batch, head) is subtracted from every K
+  row. It is taken over every `K_MEAN_STRIDE`-th token of each stream (`k_mean_tokens`): any vector
+  subtracted from every key leaves the softmax as it was, and what the smoothing is for, a part that the keys
+  share, is measured as well from a quarter of them as from all (its error, σ/√(N/4), is under 2 % of one
+  key's own part at 121 frames). The mean comes from a first pass, `_k_sums_kernel` (`k_token_sums`): each
+  program normalises and rotates `SUM_TOKENS_PER_PROGRAM` of the sampled tokens of one (batch, head) as the
+  main pass does and writes their float32 sum to its own row of a partial buffer (`[blocks, B, H,
+  head_dim]`), which `partial.sum(0)` adds up in a fixed order: no atomics, the same mean on every run. It
+  reads a quarter of K in bf16, against the main pass's whole Q and K and their e4m3 output.
 * the Hadamard rotation (`hadamard`): each row times the ±1 Sylvester matrix, built in registers once a
   program (`_hadamard_signs`: the parity of popcount(i & j)) and used for the q and k of its `TILES` tiles,
   with the 1/√head_dim folded into the output factor. The product runs on the tensor cores (`tl.dot`):
@@ -41,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pan2cli.dit.fusions import K_MEAN_STRIDE, k_mean_tokens
 from pan2cli.triton_support import triton_interpreting
 
 # The rotating kernel's launch (rows a tile, tiles a program, warps), swept on an H100 80GB at 121 frames (26,898
@@ -201,11 +203,12 @@ def _qk_norm_rope_kernel(
 def _k_sums_kernel(
     K, K_WEIGHT, COS, SIN, PARTIAL,
     n_tokens, n_heads, n_batch, block_offset, stride_k_batch, stride_k_token, eps,
-    HALF: tl.constexpr, BLOCK_ROWS: tl.constexpr, TOKENS_PER_PROGRAM: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_ROWS: tl.constexpr, TOKENS_PER_PROGRAM: tl.constexpr, TOKEN_STRIDE: tl.constexpr,
     ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
-    """One program: the sum of the normalised (and rotated) K rows of `TOKENS_PER_PROGRAM` tokens of one
-    (batch, head), written to `PARTIAL[block_offset + program, batch, head, :]` (float32, channel order)."""
+    """One program: the sum of the normalised (and rotated) K rows of `TOKENS_PER_PROGRAM` sampled tokens (every
+    `TOKEN_STRIDE`-th) of one (batch, head), written to `PARTIAL[block_offset + program, batch, head, :]`
+    (float32, channel order)."""
     block = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -214,7 +217,8 @@ def _k_sums_kernel(
     acc1 = tl.zeros([BLOCK_ROWS, HALF], tl.float32)
     acc2 = tl.zeros([BLOCK_ROWS, HALF], tl.float32)
     for start in range(0, TOKENS_PER_PROGRAM, BLOCK_ROWS):
-        token64 = (block * TOKENS_PER_PROGRAM + start + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+        sample = block * TOKENS_PER_PROGRAM + start + tl.arange(0, BLOCK_ROWS)
+        token64 = sample.to(tl.int64) * TOKEN_STRIDE
         mask = (token64 < n_tokens)[:, None]
         k_row = batch.to(tl.int64) * stride_k_batch + token64 * stride_k_token + head * (2 * HALF)
         c, s = _rope_rows(COS, SIN, token64, mask, HALF, ROTATE)
@@ -339,13 +343,14 @@ def qk_norm_rope(
     )  # fmt: skip
 
 
-# Tokens each program of `k_token_sums` adds up: 256 gives 106 programs a head at 121 frames (26,598 tokens).
-SUM_TOKENS_PER_PROGRAM = 256
+# Sampled tokens each program of `k_token_sums` adds up: 64 gives 104 programs a head at 121 frames (6,650 of
+# 26,598 tokens sampled).
+SUM_TOKENS_PER_PROGRAM = 64
 
 
 def k_sum_blocks(n_tokens: int) -> int:
     """Rows of the partial-sum buffer that `k_token_sums` fills for a stream of `n_tokens` tokens."""
-    return triton.cdiv(n_tokens, SUM_TOKENS_PER_PROGRAM)
+    return triton.cdiv(k_mean_tokens(n_tokens), SUM_TOKENS_PER_PROGRAM)
 
 
 def k_token_sums(
@@ -359,9 +364,10 @@ def k_token_sums(
     block_offset: int = 0,
     interleaved: bool = True,
 ) -> None:
-    """Partial sums over the tokens of RMSNorm(k) (and RoPE), per (batch, head), for K's mean.
+    """Partial sums over every `K_MEAN_STRIDE`-th token of RMSNorm(k) (and RoPE), per (batch, head), for K's mean
+    (`k_mean_tokens` of them).
 
-    Each program adds up `SUM_TOKENS_PER_PROGRAM` tokens of one (batch, head) in float32 and writes its sum
+    Each program adds up `SUM_TOKENS_PER_PROGRAM` sampled tokens of one (batch, head) in float32 and writes its sum
     to its own row of `partial`, so the caller's `partial.sum(0)` finishes the sum in a fixed order (no
     atomics: the same inputs give the same mean, bit for bit, on every run).
 
@@ -393,5 +399,6 @@ def k_token_sums(
         k, k_weight, cos if rotate else k_weight, sin if rotate else k_weight, partial,
         n_tokens, n_heads, batch, block_offset, k.stride(0), k.stride(1), eps,
         HALF=head_dim // 2, BLOCK_ROWS=max(1, min(32, 4096 // head_dim)),
-        TOKENS_PER_PROGRAM=SUM_TOKENS_PER_PROGRAM, ROTATE=rotate, INTERLEAVED=interleaved, num_warps=4,
+        TOKENS_PER_PROGRAM=SUM_TOKENS_PER_PROGRAM, TOKEN_STRIDE=K_MEAN_STRIDE, ROTATE=rotate,
+        INTERLEAVED=interleaved, num_warps=4,
     )  # fmt: skip

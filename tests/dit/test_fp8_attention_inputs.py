@@ -53,7 +53,8 @@ def test_rotation_and_k_smoothing_leave_the_attention_unchanged():
 def _worst_case_streams(n_keys: int):
     """Text tokens (no RoPE), uniform norm weights 2: every query and key is ±(a Hadamard row)·2 after the
     norm, so its rotation puts all its length, R = √D·2, on one channel; one key of `n_keys` points against
-    the others, so K − mean reaches (2 − 2/n)·R there."""
+    the others, so K − mean reaches (2 − 2/m)·R there, m the number of keys the mean is taken over (every
+    4th: the opposite one, the first, among them)."""
     head_dim = 128
     row = hadamard_matrix(head_dim)[5]
     q = row.expand(1, n_keys, 1, head_dim).clone()
@@ -71,7 +72,7 @@ def _worst_case_streams(n_keys: int):
 def test_the_fixed_scales_bound_the_rotated_and_smoothed_values_and_are_reached(fused):
     from pan2cli.dit.fp8_attention import quantize_qk
 
-    n = 8
+    n, m = 32, 8  # the mean over every 4th key
     (q_video, k_video, q_text, k_text, cos, sin), weights, bound = _worst_case_streams(n)
     scales = Fp8AttentionScales.for_norm_weights(128, weights[::2], weights[1::2], device=DEVICE)
     assert scales.q_descale == pytest.approx(bound / E4M3_MAX) and scales.k_descale == pytest.approx(
@@ -82,21 +83,22 @@ def test_the_fixed_scales_bound_the_rotated_and_smoothed_values_and_are_reached(
     )
     # Q: the whole length on one channel, exactly the bound: 448, nothing past it.
     assert q8.float().abs().amax().item() == E4M3_MAX
-    # K − mean: the opposite key at (2 − 2/n)·R, the others at (2/n)·R, on that channel alone.
+    # K − mean: the opposite key at (2 − 2/m)·R, the others at (2/m)·R, on that channel alone.
     want = torch.zeros(1, n, 1, 128, device=DEVICE)
-    want[:, 0, 0, 5], want[:, 1:, 0, 5] = -(2 - 2 / n) * bound, (2 / n) * bound
+    want[:, 0, 0, 5], want[:, 1:, 0, 5] = -(2 - 2 / m) * bound, (2 / m) * bound
     got = k8.float() * scales.k_descale
     torch.testing.assert_close(got, want, rtol=HALF_ULP, atol=SUBNORMAL_STEP * scales.k_descale)
-    assert k8.float().abs().amax().item() <= E4M3_MAX * (1 - 1 / n) * (1 + HALF_ULP)  # not saturated
+    assert k8.float().abs().amax().item() <= E4M3_MAX * (1 - 1 / m) * (1 + HALF_ULP)  # not saturated
 
 
 # -- the fused kernel against float64 -------------------------------------------------------------------
 def _exact_transformed(inputs, interleaved, hadamard, smooth_k, q_mult, k_mult):
-    """float64 Q and K after RMSNorm, RoPE, K's joint mean and the rotation, in e4m3 units (× mult)."""
+    """float64 Q and K after RMSNorm, RoPE, K's mean and the rotation, in e4m3 units (× mult)."""
     streams = {n: t.double() if t.is_floating_point() else t for n, t in inputs.items()}
     q, k = fusions.qk_norm_rope_reference(**streams, eps=1e-6, interleaved=interleaved)
-    if smooth_k:
-        k = k - k.mean(dim=1, keepdim=True)
+    if smooth_k:  # every 4th token of each stream, counted here apart from the code's helper
+        sample = torch.cat([k[:, : inputs["k"].shape[1] : 4], k[:, inputs["k"].shape[1] :: 4]], dim=1)
+        k = k - sample.mean(dim=1, keepdim=True)
     head_dim = q.shape[-1]
     if hadamard:
         rotation = hadamard_matrix(head_dim, torch.float64, q.device) / math.sqrt(head_dim)
@@ -185,7 +187,7 @@ kernel = triton.compile(ASTSource(fn=m._qk_norm_rope_kernel, signature=main | di
 sums = {{"K": "*bf16"}} | {{n: "*fp32" for n in ("K_WEIGHT", "COS", "SIN", "PARTIAL")}}
 sums |= {{n: "i32" for n in ("n_tokens", "n_heads", "n_batch", "block_offset", "stride_k_batch",
          "stride_k_token")}} | {{"eps": "fp32"}}
-constants = dict(HALF=64, BLOCK_ROWS=32, TOKENS_PER_PROGRAM=m.SUM_TOKENS_PER_PROGRAM, ROTATE=True,
+constants = dict(HALF=64, BLOCK_ROWS=32, TOKENS_PER_PROGRAM=m.SUM_TOKENS_PER_PROGRAM, TOKEN_STRIDE=m.K_MEAN_STRIDE, ROTATE=True,
                  INTERLEAVED=True)
 total = triton.compile(ASTSource(fn=m._k_sums_kernel, signature=sums | dict.fromkeys(constants, "constexpr"),
     constexprs=constants), target=GPUTarget("cuda", ARCH, 32), options={{"num_warps": 4}})
