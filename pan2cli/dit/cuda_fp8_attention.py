@@ -195,8 +195,9 @@ def values_for(
     instantiation: Instantiation, v_streams: list[torch.Tensor], heads: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """V's streams (`[B, n, H·128]`, video first) in e4m3 as `instantiation` reads them → (v_t `[B, H, 128,
-    S_pad]` in its key order, the per-head descales `[H]`, and V's mean `[B, H·128]` float32 where it is
-    smoothed, else None): the arguments `cuda_fp8_attention` takes after Q and K."""
+    S_pad]` in its key order, the per-head descales `[H]`, and the shift `[B, H·128]` float32 where it is
+    smoothed, else None: V's mean less its e4m3 rounding's, `values_fp8`'s `mean`): the arguments
+    `cuda_fp8_attention` takes after Q and K."""
     from pan2cli.dit.fp8_values_kernel import transposed_values
 
     return transposed_values(

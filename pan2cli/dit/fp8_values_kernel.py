@@ -1,7 +1,7 @@
 """Triton kernels: V of the joint attention in e4m3 with one scale per head, laid out for the fp8 attention.
 
 V comes from two projections (video `to_v`, text `add_v_proj`), each `[B, n, H·D]` bf16, whose tokens the
-attention reads end to end (video first). Three kernels, two passes over V:
+attention reads end to end (video first). Three kernels, two passes over V (a fourth kernel with `mean`):
 
 1. `_channel_stats_kernel`: each program reads 512 tokens of one head of one stream and writes their sum,
    maximum and minimum per channel (float32) to its own row of a buffer, no atomics.
@@ -18,7 +18,15 @@ attention reads end to end (video first). Three kernels, two passes over V:
    key column gathers its token's row of V (from whichever stream holds it; zeros past the last token), less
    the mean with `mean`, multiplied by 448/amax, clamped to ±448, rounded once to e4m3 and stored transposed,
    `[B, H, D, S_pad]`, as the fp8 attention's P·V wants it (keys along the contiguous axis), or as
-   `[B, S, H, D]` (`transposed=False`).
+   `[B, S, H, D]` (`transposed=False`). With `mean`, each program also writes its tile's e4m3 values summed
+   over the keys, per channel.
+4. `_shift_kernel` (with `mean` only), one program a head: `mean` less the mean over the tokens of the e4m3
+   values (those sums, added in a fixed order, times the descale). Rounding V − mean to e4m3 is biased: the
+   values are no longer symmetric about zero and e4m3's spacing grows with the magnitude, so the rounded
+   values' mean is off by about 5·10⁻⁴ σ (N(0, 1) V, 27,198 tokens) against 1.6·10⁻⁴ σ for V itself. Where a
+   softmax is broad its output is close to that mean, and the bias showed (docs/BENCHMARKS.md, "fp8 attention
+   on outlier inputs"). Adding back the corrected mean is adding one vector to every value: exact under the
+   softmax, and the values the attention effectively uses then average to V's own mean.
 
 The key order. With `key_order="wgmma"` (transposed only) the keys of each 32-key block are stored in the
 order the CUDA fp8 attention's TMA producer reads them (`kernels/fp8_attention/fp8_attention_layout.h`,
@@ -114,6 +122,27 @@ def _head_amax_kernel(
 
 
 @triton.jit
+def _shift_kernel(
+    SUMS, MEAN, AMAX, n_blocks, n_batch, width, n_total, HEAD_DIM: tl.constexpr, BLOCKS: tl.constexpr,
+):  # fmt: skip
+    """MEAN[batch, head·D + d] −= the mean over the tokens of the e4m3 values of V − MEAN as the attention reads
+    them (`_quantize_values_kernel`'s SUMS, added in a fixed order, times the head's descale): afterwards the
+    e4m3 values plus MEAN average to V's own mean, channel by channel. Grid: (head,)."""
+    head = tl.program_id(0)
+    cols = head * HEAD_DIM + tl.arange(0, HEAD_DIM)
+    amax = tl.load(AMAX + head)
+    descale = tl.where(amax > 0.0, amax / 448.0, 1.0)
+    for batch in range(n_batch):
+        total = tl.zeros([HEAD_DIM], tl.float32)
+        for first in range(0, n_blocks, BLOCKS):
+            blocks = first + tl.arange(0, BLOCKS)
+            rows = ((blocks.to(tl.int64) * n_batch + batch) * width)[:, None] + cols[None, :]
+            total += tl.sum(tl.load(SUMS + rows, mask=(blocks < n_blocks)[:, None], other=0.0), axis=0)
+        mean = tl.load(MEAN + batch * width + cols)
+        tl.store(MEAN + batch * width + cols, mean - descale * (total / n_total))
+
+
+@triton.jit
 def _wgmma_key_of_column(column):
     """The key stored at `column` in the wgmma key order: κ⁻¹, within each 32-key block. κ takes key
     c = 8i + 2q + e to 16(i // 2) + 4q + 2(i % 2) + e (`key_of_row`); so column j = 16a + 4q + 2b + e holds
@@ -124,12 +153,13 @@ def _wgmma_key_of_column(column):
 
 @triton.jit
 def _quantize_values_kernel(
-    V0, V1, MEAN, AMAX, OUT, n0, n1, n_columns, stride0_batch, stride0_token, stride1_batch, stride1_token,
+    V0, V1, MEAN, AMAX, OUT, SUMS, n0, n1, n_columns, stride0_batch, stride0_token, stride1_batch, stride1_token,
     stride_out_batch, stride_out_head, stride_out_dim, stride_out_key, width,
     BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, WGMMA_KEY_ORDER: tl.constexpr, SMOOTH: tl.constexpr,
 ):  # fmt: skip
     """OUT's `[BLOCK_T columns, HEAD_DIM]` tile of one head = e4m3((V − MEAN) · 448 / AMAX[head]) of the keys those
     columns hold: keys < n0 from V0 (video), the next n1 from V1 (text), zeros after (MEAN with SMOOTH only).
+    With SMOOTH, SUMS[column block, batch, head·D + d] = the tile's e4m3 values summed over its keys (float32).
     Grid: (column block, head, batch)."""
     head = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
@@ -153,6 +183,9 @@ def _quantize_values_kernel(
     amax = tl.load(AMAX + head)
     inverse = tl.where(amax > 0.0, 448.0 / tl.maximum(amax, 1e-30), 1.0)
     v8 = tl.minimum(tl.maximum(v * inverse, -448.0), 448.0).to(OUT.dtype.element_ty)
+    if SMOOTH:
+        block_row = (tl.program_id(0).to(tl.int64) * tl.num_programs(2) + batch) * width
+        tl.store(SUMS + block_row + head * HEAD_DIM + dims, tl.sum(v8.to(tl.float32), axis=0))
     out = (
         OUT + batch * stride_out_batch + head.to(tl.int64) * stride_out_head
         + columns.to(tl.int64)[:, None] * stride_out_key + dims[None, :] * stride_out_dim
@@ -182,8 +215,9 @@ def values_fp8(
         transposed: the layout of `out`.
         per_tensor: one scale for all heads (the largest head's), for attention kernels with one V descale.
         key_order: "natural", or "wgmma" (transposed only; the module docstring).
-        mean: `[B, H·D]` float32, or None: written with each channel's mean over the tokens, and V − mean is
-            what is quantised (V smoothed; the attention adds it back).
+        mean: `[B, H·D]` float32, or None: V − (each channel's mean over the tokens) is what is quantised (V
+            smoothed), and `mean` is written with what the attention must add back to its output: that mean
+            less the mean of the rounding (module docstring, 4).
     """
     batch, _, width = streams[0].shape
     head_dim = width // n_heads
@@ -237,11 +271,16 @@ def values_fp8(
     video, text = streams[0], streams[-1]
     n_text = text.shape[1] if len(streams) == 2 else 0
     grid = (triton.cdiv(n_columns, block_t), n_heads, batch)
+    sums = torch.empty(grid[0] if smooth else 0, batch, width, dtype=torch.float32, device=out.device)
     _quantize_values_kernel[grid](
-        video, text, mean if smooth else amax, amax, out, video.shape[1], n_text, n_columns,
-        video.stride(0), video.stride(1), text.stride(0), text.stride(1), *out_strides, width,
+        video, text, mean if smooth else amax, amax, out, sums if smooth else amax, video.shape[1], n_text,
+        n_columns, video.stride(0), video.stride(1), text.stride(0), text.stride(1), *out_strides, width,
         BLOCK_T=block_t, HEAD_DIM=head_dim, WGMMA_KEY_ORDER=key_order == "wgmma", SMOOTH=smooth,
     )  # fmt: skip
+    if smooth:
+        _shift_kernel[(n_heads,)](
+            sums, mean, amax, grid[0], batch, width, max(n_total, 1), HEAD_DIM=head_dim, BLOCKS=32
+        )
     torch.where(amax > 0, amax / 448.0, torch.ones_like(amax), out=descale)
 
 
@@ -249,7 +288,8 @@ def transposed_values(
     streams: list[torch.Tensor], n_heads: int, *, key_order: str = "natural", smooth: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`values_fp8` into new tensors: the V streams (`[B, n, H·D]`, video first) → (`[B, H, D, S_pad]` e4m3 in
-    `key_order`, the descales `[H]`, and with `smooth` V's mean `[B, H·D]` float32, else None)."""
+    `key_order`, the descales `[H]`, and with `smooth` the shift `[B, H·D]` float32 that `values_fp8` writes
+    into its `mean`, else None)."""
     from pan2cli.dit.fp8_attention_kernel import padded_keys
 
     batch, _, width = streams[0].shape

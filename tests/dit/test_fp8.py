@@ -260,10 +260,10 @@ def test_values_quantise_per_head_into_the_attention_layout(transposed):
 
 @pytest.mark.parametrize("n_video", [45, 1100], ids=["one-block", "three-blocks"])
 def test_smoothed_values_are_quantised_less_their_mean_over_the_tokens(n_video):
-    """With `mean`: each batch item's channel means over both streams' tokens are written, and V − mean is what
-    is quantised (its own per-head scale, the padding zero), so that mean + dequantised V gives V back within
-    one rounding, though V's tokens share a part 20x their own. 1,100 video tokens: the statistics of three
-    blocks of `STATS_TOKENS_PER_PROGRAM` tokens (the last partial) added up."""
+    """With `mean`: V − (each batch item's channel means over both streams' tokens) is what is quantised (its
+    own per-head scale, the padding zero), within one rounding though V's tokens share a part 20x their own, and
+    `mean` holds the shift that makes the dequantised values average to V's own mean. 1,100 video tokens: the
+    statistics of three blocks of `STATS_TOKENS_PER_PROGRAM` tokens (the last partial) added up."""
     from pan2cli.dit.fp8_attention_kernel import padded_keys
     from pan2cli.dit.fp8_values_kernel import STATS_TOKENS_PER_PROGRAM, values_fp8
 
@@ -278,8 +278,8 @@ def test_smoothed_values_are_quantised_less_their_mean_over_the_tokens(n_video):
     descale, mean = torch.empty(heads, device=DEVICE), torch.full((2, heads * head_dim), 7.0, device=DEVICE)
     values_fp8([video, text], heads, out, descale, mean=mean)
     joint = torch.cat([video, text], dim=1).double()
-    torch.testing.assert_close(mean.double(), joint.mean(dim=1), rtol=1e-5, atol=1e-5)
-    centred = (joint - mean.double()[:, None]).view(2, n, heads, head_dim)
+    true_mean = joint.mean(dim=1)
+    centred = (joint - true_mean[:, None]).view(2, n, heads, head_dim)
     torch.testing.assert_close(
         descale.double(), centred.abs().amax(dim=(0, 1, 3)) / E4M3_MAX, rtol=1e-5, atol=0
     )
@@ -288,6 +288,47 @@ def test_smoothed_values_are_quantised_less_their_mean_over_the_tokens(n_video):
     scale = descale.double()[None, None, :].expand(2, n, heads)
     assert _within_rounding(got, centred, scale, ulps=1.01)
     assert torch.all(out[..., n:].float() == 0)
+    # the shift: V's mean less the dequantised values' mean, so that the two together average to V's mean
+    dequantised_mean = got.reshape(2, n, heads * head_dim).mean(dim=1)
+    torch.testing.assert_close(mean.double(), true_mean - dequantised_mean, rtol=1e-5, atol=1e-5)
+    assert (mean.double() - true_mean).abs().max() < float(
+        descale.max()
+    ) * 448 * HALF_ULP  # within a rounding
+
+
+def test_the_shift_of_smoothed_values_takes_out_the_rounding_bias_where_the_softmax_is_broad():
+    """The tier's emulation of the attention (e4m3 Q, K, V and P) on unit-RMS random inputs (a broad softmax:
+    the output is close to V's mean): V smoothed with the shift `values_fp8` writes is closer to float64 than V
+    quantised as it is and than V smoothed with its plain mean added back (measured 0.0499 against 0.0523 and
+    0.0524 at 544 tokens; 0.0517 against 0.0544 and 0.0560 at the 121-frame length)."""
+    from pan2cli.dit.fp8_attention import attention_reference
+    from pan2cli.dit.fp8_attention_kernel import padded_keys
+    from pan2cli.dit.fp8_values_kernel import values_fp8
+    from pan2cli.testing.attention_inputs import exact_attention, make_inputs, relative_rms
+
+    heads, rows = 2, 128
+    inputs = make_inputs(
+        "random", grid=(5, 8, 12), text_tokens=64, heads=heads, device=torch.device(DEVICE), seed=3
+    )
+    want = exact_attention(inputs, rows=rows)
+    scales = inputs.fp8_scales()
+    q8, k8 = inputs.quantized_qk(scales, fused=False)
+    streams, tokens = [inputs.v_video, inputs.v_text], inputs.tokens
+
+    def attend(mean):
+        v_t = torch.empty(1, heads, 128, padded_keys(tokens), device=DEVICE).to(FP8)
+        descale = torch.empty(heads, device=DEVICE)
+        values_fp8(streams, heads, v_t, descale, mean=mean)
+        v8 = v_t[..., :tokens].permute(0, 3, 1, 2)
+        return attention_reference(q8[:, :rows], k8, v8, float(scales.q_descale * scales.k_descale), descale)
+
+    plain = relative_rms(attend(None), want)
+    shift = torch.empty(1, heads * 128, device=DEVICE)
+    smoothed = attend(shift)
+    true_mean = inputs.joint_values().double().mean(dim=1).float().view(1, 1, heads, 128)
+    with_mean = relative_rms(smoothed + true_mean, want)
+    with_shift = relative_rms(smoothed + shift.view(1, 1, heads, 128), want)
+    assert with_shift < 0.97 * plain and with_shift < 0.97 * with_mean, (with_shift, plain, with_mean)
 
 
 def test_values_for_an_instantiation_are_the_v_it_reads():
@@ -316,10 +357,16 @@ def test_values_for_an_instantiation_are_the_v_it_reads():
         )
         assert torch.equal(descale, want_descale)
         assert (mean is None) == (want_mean is None)
-        if mean is not None:
+        if mean is not None:  # the shift: with it, the dequantised values average to V's mean
             assert torch.equal(mean, want_mean)
+            dequantised_mean = (v_t.double() * descale.double()[None, :, None, None]).sum(-1) / (
+                n_video + n_text
+            )
             torch.testing.assert_close(
-                mean.double(), torch.cat([video, text], 1).double().mean(1), rtol=1e-5, atol=1e-5
+                mean.double() + dequantised_mean.view(1, -1),
+                torch.cat([video, text], 1).double().mean(1),
+                rtol=1e-5,
+                atol=1e-5,
             )
 
 
