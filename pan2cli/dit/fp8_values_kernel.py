@@ -1,7 +1,7 @@
 """Triton kernels: V of the joint attention in e4m3 with one scale per head, laid out for the fp8 attention.
 
 V comes from two projections (video `to_v`, text `add_v_proj`), each `[B, n, H·D]` bf16, whose tokens the
-attention reads end to end (video first). Three kernels, two passes over V (a fourth kernel with `mean`):
+attention reads end to end (video first). Three kernels, two passes over V (two more kernels with `mean`):
 
 1. `_channel_stats_kernel`: each program reads 512 tokens of one head of one stream and writes their sum,
    maximum and minimum per channel (float32) to its own row of a buffer, no atomics.
@@ -18,10 +18,12 @@ attention reads end to end (video first). Three kernels, two passes over V (a fo
    key column gathers its token's row of V (from whichever stream holds it; zeros past the last token), less
    the mean with `mean`, multiplied by 448/amax, clamped to ±448, rounded once to e4m3 and stored transposed,
    `[B, H, D, S_pad]`, as the fp8 attention's P·V wants it (keys along the contiguous axis), or as
-   `[B, S, H, D]` (`transposed=False`). With `mean`, each program also writes its tile's e4m3 values summed
-   over the keys, per channel.
-4. `_shift_kernel` (with `mean` only), one program a head: `mean` less the mean over the tokens of the e4m3
-   values (those sums, added in a fixed order, times the descale). Rounding V − mean to e4m3 is biased: the
+   `[B, S, H, D]` (`transposed=False`).
+4. With `mean` only: `_value_sums_kernel` reads the e4m3 output back (a third of the bytes of V in bf16) and
+   writes the sums over 256 keys of each channel, each program to its own row; a sum inside the quantising
+   kernel, whose tile Triton lays out for the transposed store, cost 3.3x that kernel's time (62.9 against
+   18.9 ms a step on an H100 at 121 frames). Then `_shift_kernel`, one program a head: `mean` less the mean
+   over the tokens of the e4m3 values (those sums, added in a fixed order, times the descale). Rounding V − mean to e4m3 is biased: the
    values are no longer symmetric about zero and e4m3's spacing grows with the magnitude, so the rounded
    values' mean is off by about 5·10⁻⁴ σ (N(0, 1) V, 27,198 tokens) against 1.6·10⁻⁴ σ for V itself. Where a
    softmax is broad its output is close to that mean, and the bias showed (docs/BENCHMARKS.md, "fp8 attention
@@ -121,6 +123,32 @@ def _head_amax_kernel(
     tl.store(AMAX + head, tl.max(amax, axis=0))
 
 
+# Keys each program of `_value_sums_kernel` adds up: a [D, 256] tile of the transposed output, 107 programs a
+# head at 121 frames.
+VALUE_SUM_KEYS = 256
+
+
+@triton.jit
+def _value_sums_kernel(
+    OUT, SUMS, n_columns, stride_batch, stride_head, stride_dim, stride_key, width,
+    BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """SUMS[key block, batch, head·D + d] = OUT's e4m3 values of channel d over the block's `BLOCK_K` key columns,
+    summed in float32 (padding columns hold zeros). Grid: (key block, head, batch)."""
+    block = tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    keys = block * BLOCK_K + tl.arange(0, BLOCK_K)
+    dims = tl.arange(0, HEAD_DIM)
+    tile = (
+        OUT + batch.to(tl.int64) * stride_batch + head.to(tl.int64) * stride_head
+        + dims.to(tl.int64)[:, None] * stride_dim + keys.to(tl.int64)[None, :] * stride_key
+    )  # fmt: skip
+    values = tl.load(tile, mask=(keys < n_columns)[None, :], other=0.0).to(tl.float32)
+    row = (block.to(tl.int64) * tl.num_programs(2) + batch) * width
+    tl.store(SUMS + row + head * HEAD_DIM + dims, tl.sum(values, axis=1))
+
+
 @triton.jit
 def _shift_kernel(
     SUMS, MEAN, AMAX, n_blocks, n_batch, width, n_total, HEAD_DIM: tl.constexpr, BLOCKS: tl.constexpr,
@@ -153,13 +181,12 @@ def _wgmma_key_of_column(column):
 
 @triton.jit
 def _quantize_values_kernel(
-    V0, V1, MEAN, AMAX, OUT, SUMS, n0, n1, n_columns, stride0_batch, stride0_token, stride1_batch, stride1_token,
+    V0, V1, MEAN, AMAX, OUT, n0, n1, n_columns, stride0_batch, stride0_token, stride1_batch, stride1_token,
     stride_out_batch, stride_out_head, stride_out_dim, stride_out_key, width,
     BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, WGMMA_KEY_ORDER: tl.constexpr, SMOOTH: tl.constexpr,
 ):  # fmt: skip
     """OUT's `[BLOCK_T columns, HEAD_DIM]` tile of one head = e4m3((V − MEAN) · 448 / AMAX[head]) of the keys those
     columns hold: keys < n0 from V0 (video), the next n1 from V1 (text), zeros after (MEAN with SMOOTH only).
-    With SMOOTH, SUMS[column block, batch, head·D + d] = the tile's e4m3 values summed over its keys (float32).
     Grid: (column block, head, batch)."""
     head = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
@@ -183,9 +210,6 @@ def _quantize_values_kernel(
     amax = tl.load(AMAX + head)
     inverse = tl.where(amax > 0.0, 448.0 / tl.maximum(amax, 1e-30), 1.0)
     v8 = tl.minimum(tl.maximum(v * inverse, -448.0), 448.0).to(OUT.dtype.element_ty)
-    if SMOOTH:
-        block_row = (tl.program_id(0).to(tl.int64) * tl.num_programs(2) + batch) * width
-        tl.store(SUMS + block_row + head * HEAD_DIM + dims, tl.sum(v8.to(tl.float32), axis=0))
     out = (
         OUT + batch * stride_out_batch + head.to(tl.int64) * stride_out_head
         + columns.to(tl.int64)[:, None] * stride_out_key + dims[None, :] * stride_out_dim
@@ -271,15 +295,19 @@ def values_fp8(
     video, text = streams[0], streams[-1]
     n_text = text.shape[1] if len(streams) == 2 else 0
     grid = (triton.cdiv(n_columns, block_t), n_heads, batch)
-    sums = torch.empty(grid[0] if smooth else 0, batch, width, dtype=torch.float32, device=out.device)
     _quantize_values_kernel[grid](
-        video, text, mean if smooth else amax, amax, out, sums if smooth else amax, video.shape[1], n_text,
-        n_columns, video.stride(0), video.stride(1), text.stride(0), text.stride(1), *out_strides, width,
+        video, text, mean if smooth else amax, amax, out, video.shape[1], n_text, n_columns,
+        video.stride(0), video.stride(1), text.stride(0), text.stride(1), *out_strides, width,
         BLOCK_T=block_t, HEAD_DIM=head_dim, WGMMA_KEY_ORDER=key_order == "wgmma", SMOOTH=smooth,
     )  # fmt: skip
     if smooth:
+        sum_blocks = triton.cdiv(n_columns, VALUE_SUM_KEYS)
+        sums = torch.empty(sum_blocks, batch, width, dtype=torch.float32, device=out.device)
+        _value_sums_kernel[(sum_blocks, n_heads, batch)](
+            out, sums, n_columns, *out_strides, width, BLOCK_K=VALUE_SUM_KEYS, HEAD_DIM=head_dim
+        )
         _shift_kernel[(n_heads,)](
-            sums, mean, amax, grid[0], batch, width, max(n_total, 1), HEAD_DIM=head_dim, BLOCKS=32
+            sums, mean, amax, sum_blocks, batch, width, max(n_total, 1), HEAD_DIM=head_dim, BLOCKS=32
         )
     torch.where(amax > 0, amax / 448.0, torch.ones_like(amax), out=descale)
 
