@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from pan2cli.dit.fp8 import Fp8Product
 from pan2cli.dit.rope import apply_rope
 from pan2cli.errors import KernelBuildError
 from pan2cli.triton_support import triton_available
@@ -238,6 +239,27 @@ def _(x, update, gate):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+@torch.library.custom_op("pan2_fusions::gated_residual_product", mutates_args=())
+def _gated_residual_product_op(
+    x: torch.Tensor, raw: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
+    bias: Optional[torch.Tensor], gate: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    from pan2cli.dit.gated_residual_kernel import gated_residual as launch
+
+    batch, _, dim = x.shape
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    launch(
+        x, raw, gate.reshape(-1, dim).expand(batch, dim), out,
+        row_scale=row_scale, col_scale=col_scale, bias=bias,
+    )  # fmt: skip
+    return out
+
+
+@_gated_residual_product_op.register_fake
+def _(x, raw, row_scale, col_scale, bias, gate):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 # -- dispatch -------------------------------------------------------------------------------------
 def qk_norm_rope(
     q: torch.Tensor,
@@ -326,13 +348,23 @@ def layer_norm_modulate(
     return op(x, scale, shift, eps)
 
 
-def gated_residual(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, *, fused: bool) -> torch.Tensor:
+def gated_residual(
+    x: torch.Tensor, update: torch.Tensor | Fp8Product, gate: torch.Tensor, *, fused: bool
+) -> torch.Tensor:
     """`x + gate·update` computed in float32 (float64 for float64 x) and rounded once to the dtype of x.
 
     Args:
-        x, update: `[B, S, D]`, rows contiguous. gate: `[B, 1, D]`, `[1, 1, D]` or `[D]` (any float dtype).
+        x, update: `[B, S, D]`, rows contiguous; update may be an fp8 linear's unscaled product
+            (`pan2cli.dit.fp8.Fp8Product`), scaled on the way in. gate: `[B, 1, D]`, `[1, 1, D]` or `[D]` (any
+            float dtype).
         fused: run the Triton kernel (one pass) instead of the reference.
     """
+    if isinstance(update, Fp8Product):
+        if fused:
+            return _gated_residual_product_op(
+                x, update.raw, update.row_scale.contiguous(), update.col_scale, update.bias, gate
+            )
+        update = update.dequantize(compute_dtype(x))
     op = _gated_residual_op if fused else gated_residual_reference
     return op(x, update, gate)
 

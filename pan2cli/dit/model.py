@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pan2cli.dit.config import PAN2TransformerConfig
-from pan2cli.dit.fp8 import Fp8Activation, quantize_rows
+from pan2cli.dit.fp8 import Fp8Activation, Fp8Linear, Fp8Product, quantize_rows
 from pan2cli.dit.fusions import (
     compute_dtype,
     gated_residual,
@@ -137,10 +137,14 @@ class PAN2FeedForward(nn.Module):
             ]
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for module in self.net:
-            x = module(x)
-        return x
+    def forward(self, x: torch.Tensor) -> torch.Tensor | Fp8Product:
+        """The MLP's output; in the fp8 tier (fc1's GELU handing fc2 e4m3 rows) fc2's unscaled product, which
+        the block's gated residual scales (`pan2cli.dit.fp8.Fp8Linear.product`)."""
+        x = self.net[1](self.net[0](x))
+        fc2 = self.net[2]
+        if isinstance(x, Fp8Activation) and isinstance(fc2, Fp8Linear):
+            return fc2.product(x)
+        return fc2(x)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -230,6 +230,33 @@ def test_gated_residual_strided_gate(block_rows):
     assert rel_error(x, want) <= 1e-6
 
 
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_gated_residual_scales_an_fp8_product_on_the_way_in(with_bias):
+    """An fp8 GEMM's unscaled product as the update: x + gate·(raw·row_scale·col_scale + bias), each sample with
+    its own gate and each row with its own scale, against float64."""
+    from pan2cli.dit.fp8 import Fp8Product
+
+    gen = _gen(10)
+    batch, n_tokens, dim = 2, 9, 48
+    x = (torch.randn(batch, n_tokens, dim, generator=gen, device=DEVICE) * 3).bfloat16()
+    raw = (torch.randn(batch, n_tokens, dim, generator=gen, device=DEVICE) * 1e4).bfloat16()
+    row_scale = torch.rand(batch, n_tokens, generator=gen, device=DEVICE) * 1e-2 + 1e-3
+    col_scale = torch.rand(dim, generator=gen, device=DEVICE) * 1e-2 + 1e-3
+    bias = torch.randn(dim, generator=gen, device=DEVICE).bfloat16() if with_bias else None
+    gate = torch.randn(batch, 1, dim, generator=gen, device=DEVICE)
+    product = Fp8Product(raw, row_scale, col_scale, bias)
+    got = fusions.gated_residual(x, product, gate, fused=True)
+    update = raw.double() * row_scale.double()[..., None] * col_scale.double()
+    if with_bias:
+        update = update + bias.double()
+    want = x.double() + gate.double() * update
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    # one bf16 rounding of the result, float32 math before it: within one bf16 ulp (2⁻⁷ relative; the GPU
+    # rounds to nearest, half that, but Triton's CPU interpreter truncates)
+    assert ((got.double() - want).abs() <= want.abs() * 2**-7 + 1e-6).all()
+    assert rel_error(fusions.gated_residual(x, product, gate, fused=False), want.bfloat16()) <= 1e-2
+
+
 def test_launchers_refuse_bad_layouts():
     from pan2cli.dit.layer_norm_modulate_kernel import layer_norm_modulate as ln_launch
     from pan2cli.dit.qk_norm_rope_kernel import qk_norm_rope as qk_launch

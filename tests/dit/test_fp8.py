@@ -148,6 +148,44 @@ def test_fp8_linear_is_within_the_e4m3_bound_of_a_float64_product():
     assert 1e-4 < error < 0.05, error  # lossy, but by e4m3's rounding only
 
 
+def test_the_unscaled_product_scaled_afterwards_is_the_fp8_linear():
+    """`Fp8Linear.product` (fc2's GEMM with unit scales): raw · row scale · column scale + bias gives `forward`'s
+    output, on the CPU's emulation; its row and column scales are the activation's and the weight's."""
+    gen = torch.Generator().manual_seed(1)
+    linear = torch.nn.Linear(256, 64)
+    with torch.no_grad():
+        linear.weight.normal_(0, 256**-0.5, generator=gen)
+        linear.bias.normal_(0, 1, generator=gen)
+    fp8 = Fp8Linear.from_linear(linear)
+    x = quantize_rows_reference(torch.randn(3, 5, 256, generator=gen) * torch.logspace(-2, 2, 5)[:, None])
+    product = fp8.product(x)
+    assert product.raw.shape == (3, 5, 64) and product.row_scale is x.scale
+    assert product.col_scale is fp8.weight_scale and product.bias is fp8.bias
+    torch.testing.assert_close(product.dequantize(), fp8(x), rtol=1e-4, atol=1e-4)  # float32 sums
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_the_unscaled_product_through_the_gated_residual_is_the_scaled_gemm():
+    """On the GPU: fc2's unit-scale GEMM scaled by the fused gated residual against `_scaled_mm` with its row and
+    column scales and bias, then the same residual, at a shape of the release's fc2 (K = 32768)."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    linear = torch.nn.Linear(32768, 4096, device="cuda").bfloat16()
+    with torch.no_grad():
+        linear.weight.normal_(0, 32768**-0.5, generator=gen)
+        linear.bias.normal_(0, 1, generator=gen)
+    fp8 = Fp8Linear.from_linear(linear)
+    x = quantize_rows(torch.randn(1, 2048, 32768, generator=gen, device="cuda").bfloat16(), fused=True)
+    residual = torch.randn(1, 2048, 4096, generator=gen, device="cuda").bfloat16()
+    gate = torch.randn(1, 1, 4096, generator=gen, device="cuda")
+    got = fusions.gated_residual(residual, fp8.product(x), gate, fused=True)
+    want = fusions.gated_residual(residual, fp8(x), gate, fused=True)
+    exact = residual.double() + gate.double() * fp8.product(x).dequantize(torch.float64)
+    for out in (got, want):  # each within a few bf16 roundings of the float64 of the same GEMM
+        assert ((out.double() - exact).norm() / exact.norm()).item() < 4e-3
+    assert ((got.double() - want.double()).norm() / want.double().norm()).item() < 4e-3
+
+
 def test_qk_bound_bounds_every_normalised_and_rotated_element():
     head_dim = 64
     weight = torch.rand(head_dim) * 2 + 0.1
