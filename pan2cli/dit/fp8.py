@@ -185,6 +185,23 @@ def qk_bound(head_dim: int, *weights: torch.Tensor, mean_subtracted: bool = Fals
     return 2 * bound if mean_subtracted else bound
 
 
+# K smoothing's mean is taken over every 4th token of each stream (`pan2cli.dit.qk_norm_rope_kernel` says why).
+K_MEAN_STRIDE = 4
+
+
+def k_mean_tokens(n_tokens: int) -> int:
+    """How many of a stream's `n_tokens` tokens K smoothing's mean is taken over: 0, S, 2S, … (S = `K_MEAN_STRIDE`)."""
+    return -(-n_tokens // K_MEAN_STRIDE)
+
+
+def smoothing_mean(k: torch.Tensor, n_video: int) -> torch.Tensor:
+    """The mean K smoothing subtracts from the joint `k` `[B, N + L, H, D]` (video tokens first): over every
+    `K_MEAN_STRIDE`-th token of each stream, in k's dtype → `[B, 1, H, D]`."""
+    return torch.cat([k[:, :n_video:K_MEAN_STRIDE], k[:, n_video::K_MEAN_STRIDE]], dim=1).mean(
+        dim=1, keepdim=True
+    )
+
+
 def hadamard_rotates(head_dim: int) -> bool:
     """Whether the fp8 attention rotates Q and K of this head size: a power of two from 16 (the Triton kernel
     multiplies by the matrix on the tensor cores, whose tiles are at least 16 wide) to 128 (at 256 the ±1

@@ -56,9 +56,10 @@ from pan2cli.dit.fp8 import (
     hadamard_rotates,
     qk_bound,
     quantize_with_scales,
+    smoothing_mean,
 )
 from pan2cli.dit.fp8_attention_choice import Fp8AttentionRun, fp8_attention_run
-from pan2cli.dit.fusions import compute_dtype, qk_norm_rope, qk_norm_rope_reference, smoothing_mean
+from pan2cli.dit.fusions import compute_dtype, qk_norm_rope, qk_norm_rope_reference
 
 
 class Fp8AttentionScales(nn.Module):

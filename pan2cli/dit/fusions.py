@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from pan2cli.dit.fp8 import Fp8Product
+from pan2cli.dit.fp8 import Fp8Product, k_mean_tokens
 from pan2cli.dit.rope import apply_rope
 from pan2cli.errors import KernelBuildError
 from pan2cli.triton_support import triton_available
@@ -48,23 +48,6 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float)
     xf = x.to(compute_dtype(x))
     y = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps)
     return y if weight is None else y * weight.to(xf.dtype)
-
-
-# K smoothing's mean is taken over every 4th token of each stream (`pan2cli.dit.qk_norm_rope_kernel` says why).
-K_MEAN_STRIDE = 4
-
-
-def k_mean_tokens(n_tokens: int) -> int:
-    """How many of a stream's `n_tokens` tokens K smoothing's mean is taken over: 0, S, 2S, … (S = `K_MEAN_STRIDE`)."""
-    return -(-n_tokens // K_MEAN_STRIDE)
-
-
-def smoothing_mean(k: torch.Tensor, n_video: int) -> torch.Tensor:
-    """The mean K smoothing subtracts from the joint `k` `[B, N + L, H, D]` (video tokens first): over every
-    `K_MEAN_STRIDE`-th token of each stream, in k's dtype → `[B, 1, H, D]`."""
-    return torch.cat([k[:, :n_video:K_MEAN_STRIDE], k[:, n_video::K_MEAN_STRIDE]], dim=1).mean(
-        dim=1, keepdim=True
-    )
 
 
 def qk_norm_rope_reference(
@@ -160,7 +143,7 @@ def _joint_k_mean(
     k, k_weight, cos, sin, k_text, k_text_weight, eps: float, interleaved: bool
 ) -> torch.Tensor:
     """The mean of RMSNorm(K) (RoPE on the video tokens) over every `K_MEAN_STRIDE`-th token of the video and
-    the text (`smoothing_mean`), per (batch, head): `[B, H, head_dim]` float32, from the fused sum kernel's
+    the text (`pan2cli.dit.fp8.smoothing_mean`), per (batch, head): `[B, H, head_dim]` float32, from the fused sum kernel's
     partial sums added in a fixed order."""
     from pan2cli.dit.qk_norm_rope_kernel import k_sum_blocks, k_token_sums
 
@@ -295,8 +278,8 @@ def qk_norm_rope(
         out_dtype: None (the dtype of q) or float8_e4m3fn (fused only: the fp8 tier), then q and k are
             multiplied by `q_out_mult` / `k_out_mult`, clamped to ±448 and rounded once to e4m3.
         hadamard, smooth_k: the fp8 attention's transformations (fused, fp8 output only;
-            `pan2cli.dit.fp8_attention`): after RoPE, subtract K's mean over every `K_MEAN_STRIDE`-th
-            token of its (batch, head) (`smooth_k`, `smoothing_mean`), then multiply Q and K by H/√head_dim (`hadamard`; head_dim 16-128).
+            `pan2cli.dit.fp8_attention`): after RoPE, subtract K's mean over every 4th token of its
+            (batch, head) (`smooth_k`, `pan2cli.dit.fp8.smoothing_mean`), then multiply Q and K by H/√head_dim (`hadamard`; head_dim 16-128).
 
     Returns:
         (q, k), each `[B, N + L, H, head_dim]` contiguous in the dtype of q (or `out_dtype`): video tokens,

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pan2cli.dit.fusions import K_MEAN_STRIDE, k_mean_tokens
+from pan2cli.dit.fp8 import K_MEAN_STRIDE, k_mean_tokens
 from pan2cli.triton_support import triton_interpreting
 
 # The rotating kernel's launch (rows a tile, tiles a program, warps), swept on an H100 80GB at 121 frames (26,898
