@@ -24,7 +24,8 @@ transformations (`pan2cli.dit.fp8_attention`), in float32 after RoPE:
   program normalises and rotates `SUM_TOKENS_PER_PROGRAM` of the sampled tokens of one (batch, head) as the
   main pass does and writes their float32 sum to its own row of a partial buffer (`[blocks, B, H,
   head_dim]`), which `partial.sum(0)` adds up in a fixed order: no atomics, the same mean on every run. It
-  reads a quarter of K in bf16, against the main pass's whole Q and K and their e4m3 output.
+  reads a quarter of K in bf16, against the main pass's whole Q and K and their e4m3 output: 4.2 ms of an fp8
+  CFG step at 121 frames on an H100, against 12.9 ms over every token.
 * the Hadamard rotation (`hadamard`): each row times the ±1 Sylvester matrix, built in registers once a
   program (`_hadamard_signs`: the parity of popcount(i & j)) and used for the q and k of its `TILES` tiles,
   with the 1/√head_dim folded into the output factor. The product runs on the tensor cores (`tl.dot`):
