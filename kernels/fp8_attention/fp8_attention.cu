@@ -368,6 +368,65 @@ __device__ __forceinline__ void store_output(const Params& p, const float (&o)[6
     }
 }
 
+// What both consumers start from: their shared-memory addresses and the scale of the scores.
+struct ConsumerSetup {
+    uint32_t base, q_tile, full, empty;  // shared memory, this warpgroup's Q rows, the stages' barriers
+    int warpgroup, quad;
+    float qk_scale;  // log2(e)/√D times Q·K's descale
+};
+
+template <int kStages, int kBlockN>
+__device__ __forceinline__ ConsumerSetup consumer_setup(const Params& p, uint8_t* smem) {
+    using Smem = SharedStorage<kStages, kBlockN>;
+    ConsumerSetup c;
+    c.base = smem_address(smem);
+    c.warpgroup = threadIdx.x / 128;
+    c.quad = threadIdx.x & 3;
+    c.qk_scale = p.sm_scale_log2 * __ldg(p.qk_descale);
+    c.q_tile = c.base + Smem::kQ + c.warpgroup * kRowsPerWarpgroup * 128;
+    c.full = c.base + Smem::kBarriers;
+    c.empty = c.full + kStages * 8;
+    return c;
+}
+
+// O zeroed and the softmax state of its two rows before any key: maximum −∞, sum 0.
+__device__ __forceinline__ void start_rows(float (&o)[64], float (&row_max)[2], float (&row_sum)[2],
+                                           float (&alpha)[2]) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.f;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        row_max[r] = -INFINITY;
+        row_sum[r] = 0.f;
+        alpha[r] = 0.f;
+    }
+}
+
+// Phase 0 of both consumers: S(0) = Q·K(0)ᵀ alone, waited for. Warpgroup 0 takes the first turn.
+template <bool kPingPong, class IssueScores>
+__device__ __forceinline__ void first_scores(const ConsumerSetup& c, IssueScores&& issue_scores) {
+    if (kPingPong && c.warpgroup == 1) pass_turn(c.warpgroup);
+    barrier_wait(c.full, 0);
+    if (kPingPong) wait_turn(c.warpgroup);
+    issue_scores(0);
+    if (kPingPong) pass_turn(c.warpgroup);
+    wgmma_wait<0>();
+}
+
+// P of a tile (the softmax's output in s) as the A fragments of its k32 steps: registers {row g, row g+8} x
+// {k 4q.., k 16+4q..}, 4 consecutive k each, lowest byte first (see key_of_row).
+template <int kKeyBlocks, int kScores>
+__device__ __forceinline__ void pack_p(uint32_t (&a)[kKeyBlocks][4], const float (&s)[kScores]) {
+#pragma unroll
+    for (int b = 0; b < kKeyBlocks; ++b) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            a[b][r] = pack_e4m3(s[p_source(b, r, 0)], s[p_source(b, r, 1)], s[p_source(b, r, 2)],
+                                s[p_source(b, r, 3)]);
+        }
+    }
+}
+
 // A consumer warpgroup's 64 query rows. Its MMAs come in phases: phase j issues P(j-1)·V(j-1) and then
 // S(j) = Q·K(j)ᵀ, folds P(j-1)·V(j-1) into O as soon as that is done, and runs the softmax of S(j) once S(j)
 // is. With kPingPong the two warpgroups take turns at the phases (named barriers), so one's softmax overlaps
@@ -377,16 +436,9 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, int batc
                                         int n_tiles) {
     using Smem = SharedStorage<kStages, kNarrow>;
     constexpr int kBlockN = kNarrow;
-    const uint32_t base = smem_address(smem);
-    const int warpgroup = threadIdx.x / 128, quad = threadIdx.x & 3;
-    const float qk_scale = p.sm_scale_log2 * __ldg(p.qk_descale);
-    const uint32_t q_tile = base + Smem::kQ + warpgroup * kRowsPerWarpgroup * 128;
-    const uint32_t full = base + Smem::kBarriers, empty = full + kStages * 8;
-
-    float o[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) o[i] = 0.f;
-    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f}, alpha[2] = {0.f, 0.f};
+    const ConsumerSetup c = consumer_setup<kStages, kNarrow>(p, smem);
+    float o[64], row_max[2], row_sum[2], alpha[2];
+    start_rows(o, row_max, row_sum, alpha);
     uint32_t a[4][4];  // P of the previous tile as the A fragment of four k32 steps (see key_of_row)
     float s[64];
 
@@ -396,55 +448,41 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, int batc
         fence_registers(t);
         wgmma_fence();
 #pragma unroll
-        for (int b = 0; b < 4; ++b) wgmma_rs(t, a[b], descriptor(base + Smem::kV + stage * kTileBytes, b * 32), b);
+        for (int b = 0; b < 4; ++b) wgmma_rs(t, a[b], descriptor(c.base + Smem::kV + stage * kTileBytes, b * 32), b);
         wgmma_commit();
     };
     auto issue_scores = [&](int stage) {
         fence_registers(s);
         wgmma_fence();
-        const uint32_t k_tile = base + Smem::kK + stage * kTileBytes;
+        const uint32_t k_tile = c.base + Smem::kK + stage * kTileBytes;
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wgmma_ss(s, descriptor(q_tile, kk * 32), descriptor(k_tile, kk * 32), kk);
+        for (int kk = 0; kk < 4; ++kk) wgmma_ss(s, descriptor(c.q_tile, kk * 32), descriptor(k_tile, kk * 32), kk);
         wgmma_commit();
     };
     auto fold_values = [&](float (&t)[64], int stage) {
         fence_registers(t);
-        barrier_arrive(empty + stage * 8);  // this warpgroup is done with the stage
+        barrier_arrive(c.empty + stage * 8);  // this warpgroup is done with the stage
 #pragma unroll
         for (int i = 0; i < 64; ++i) o[i] = fmaf(o[i], alpha[(i >> 1) & 1], t[i]);
     };
     auto softmax_and_pack = [&](int tile) {
         fence_registers(s);
-        softmax_tile<!kTma, kNarrow>(s, row_max, row_sum, alpha, qk_scale, p.p_shift, quad,
+        softmax_tile<!kTma, kNarrow>(s, row_max, row_sum, alpha, c.qk_scale, p.p_shift, c.quad,
                                      p.n_tokens - tile * kBlockN);
-        // Registers {row g, row g+8} x {k 4q.., k 16+4q..}, 4 consecutive k each, lowest byte first.
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                a[b][r] = pack_e4m3(s[p_source(b, r, 0)], s[p_source(b, r, 1)], s[p_source(b, r, 2)],
-                                    s[p_source(b, r, 3)]);
-            }
-        }
+        pack_p(a, s);
     };
 
-    // Phase 0: S(0) alone. Warpgroup 0 takes the first turn.
-    if (kPingPong && warpgroup == 1) pass_turn(warpgroup);
-    barrier_wait(full, 0);
-    if (kPingPong) wait_turn(warpgroup);
-    issue_scores(0);
-    if (kPingPong) pass_turn(warpgroup);
-    wgmma_wait<0>();
+    first_scores<kPingPong>(c, issue_scores);
     softmax_and_pack(0);
     // Phases 1 .. n-1: P(j-1)·V(j-1) and S(j) issued back to back, so the tensor cores run them together.
     for (int tile = 1; tile < n_tiles; ++tile) {
         const int stage = tile % kStages, previous = (tile - 1) % kStages;
-        barrier_wait(full + stage * 8, (tile / kStages) & 1);
-        if (kPingPong) wait_turn(warpgroup);
+        barrier_wait(c.full + stage * 8, (tile / kStages) & 1);
+        if (kPingPong) wait_turn(c.warpgroup);
         float t[64];
         issue_values(t, previous);
         issue_scores(stage);
-        if (kPingPong) pass_turn(warpgroup);
+        if (kPingPong) pass_turn(c.warpgroup);
         wgmma_wait<1>();  // groups complete in order: T is done, S may still run
         fold_values(t, previous);
         wgmma_wait<0>();
@@ -453,9 +491,9 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, int batc
     // Phase n: the last P·V. Warpgroup 1 passes no turn after it: warpgroup 0 has no more.
     {
         float t[64];
-        if (kPingPong) wait_turn(warpgroup);
+        if (kPingPong) wait_turn(c.warpgroup);
         issue_values(t, (n_tiles - 1) % kStages);
-        if (kPingPong && warpgroup == 0) pass_turn(warpgroup);
+        if (kPingPong && c.warpgroup == 0) pass_turn(c.warpgroup);
         wgmma_wait<0>();
         fold_values(t, (n_tiles - 1) % kStages);
     }
@@ -472,16 +510,9 @@ __device__ __forceinline__ void consume_wide(const Params& p, uint8_t* smem, int
     constexpr int kStages = 3;
     using Smem = SharedStorage<kStages, kWide>;
     using Tile = KeyTile<kWide>;
-    const uint32_t base = smem_address(smem);
-    const int warpgroup = threadIdx.x / 128, quad = threadIdx.x & 3;
-    const float qk_scale = p.sm_scale_log2 * __ldg(p.qk_descale);
-    const uint32_t q_tile = base + Smem::kQ + warpgroup * kRowsPerWarpgroup * 128;
-    const uint32_t full = base + Smem::kBarriers, empty = full + kStages * 8;
-
-    float o[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) o[i] = 0.f;
-    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f}, alpha[2] = {0.f, 0.f};
+    const ConsumerSetup c = consumer_setup<kStages, kWide>(p, smem);
+    float o[64], row_max[2], row_sum[2], alpha[2];
+    start_rows(o, row_max, row_sum, alpha);
     uint32_t a[Tile::kKeyBlocks][4];  // P of the previous tile as the A fragments of its k32 steps
     float s[Tile::kScores];
 
@@ -489,15 +520,15 @@ __device__ __forceinline__ void consume_wide(const Params& p, uint8_t* smem, int
     auto issue_scores = [&](int stage) {
         fence_registers(s);
         wgmma_fence();
-        const uint32_t k_tile = base + Smem::kK + stage * Tile::kKeyBytes;
+        const uint32_t k_tile = c.base + Smem::kK + stage * Tile::kKeyBytes;
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wgmma_ss_n224(s, descriptor(q_tile, kk * 32), descriptor(k_tile, kk * 32), kk);
+        for (int kk = 0; kk < 4; ++kk) wgmma_ss_n224(s, descriptor(c.q_tile, kk * 32), descriptor(k_tile, kk * 32), kk);
         wgmma_commit();
     };
     auto issue_values = [&](int stage) {  // O += P·V, k32 step b reading keys 32b.. of the tile's Vᵀ boxes
         fence_registers(o);
         wgmma_fence();
-        const uint32_t v_tile = base + Smem::kV + stage * Tile::kValueBytes;
+        const uint32_t v_tile = c.base + Smem::kV + stage * Tile::kValueBytes;
 #pragma unroll
         for (int b = 0; b < Tile::kKeyBlocks; ++b) {
             wgmma_rs(o, a[b], descriptor(v_tile + (b / 4) * kTileBytes, (b % 4) * 32), 1);
@@ -511,17 +542,7 @@ __device__ __forceinline__ void consume_wide(const Params& p, uint8_t* smem, int
     };
     auto softmax = [&](int tile) {
         fence_registers(s);
-        softmax_tile<false, kWide>(s, row_max, row_sum, alpha, qk_scale, p.p_shift, quad, p.n_tokens - tile * kWide);
-    };
-    auto pack = [&] {
-#pragma unroll
-        for (int b = 0; b < Tile::kKeyBlocks; ++b) {
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                a[b][r] = pack_e4m3(s[p_source(b, r, 0)], s[p_source(b, r, 1)], s[p_source(b, r, 2)],
-                                    s[p_source(b, r, 3)]);
-            }
-        }
+        softmax_tile<false, kWide>(s, row_max, row_sum, alpha, c.qk_scale, p.p_shift, c.quad, p.n_tokens - tile * kWide);
     };
     // Keeps P's registers live and in place until the P·V that reads them has completed (the compiler would
     // otherwise reuse them once the asynchronous wgmma is issued).
@@ -533,23 +554,17 @@ __device__ __forceinline__ void consume_wide(const Params& p, uint8_t* smem, int
         }
     };
 
-    // Phase 0: S(0) alone. Warpgroup 0 takes the first turn.
-    if (kPingPong && warpgroup == 1) pass_turn(warpgroup);
-    barrier_wait(full, 0);
-    if (kPingPong) wait_turn(warpgroup);
-    issue_scores(0);
-    if (kPingPong) pass_turn(warpgroup);
-    wgmma_wait<0>();
+    first_scores<kPingPong>(c, issue_scores);
     softmax(0);
-    pack();
+    pack_p(a, s);
     for (int tile = 1; tile < n_tiles; ++tile) {
         const int stage = tile % kStages, previous = (tile - 1) % kStages;
-        barrier_wait(full + stage * 8, (tile / kStages) & 1);
-        if (kPingPong) wait_turn(warpgroup);
+        barrier_wait(c.full + stage * 8, (tile / kStages) & 1);
+        if (kPingPong) wait_turn(c.warpgroup);
         issue_scores(stage);
         rescale();  // O is not in flight: P(j-2)·V(j-2) has completed
         issue_values(previous);
-        if (kPingPong) pass_turn(warpgroup);
+        if (kPingPong) pass_turn(c.warpgroup);
         wgmma_wait<1>();  // groups complete in order: S(j) is done, P(j-1)·V(j-1) may still run
         softmax(tile);
         fence_registers(s);
@@ -557,14 +572,14 @@ __device__ __forceinline__ void consume_wide(const Params& p, uint8_t* smem, int
         wgmma_wait<0>();
         hold_p();
         fence_registers(o);
-        barrier_arrive(empty + previous * 8);  // this warpgroup is done with the stage
-        pack();
+        barrier_arrive(c.empty + previous * 8);  // this warpgroup is done with the stage
+        pack_p(a, s);
     }
     // The last P·V. Warpgroup 1 passes no turn after it: warpgroup 0 has no more.
-    if (kPingPong) wait_turn(warpgroup);
+    if (kPingPong) wait_turn(c.warpgroup);
     rescale();
     issue_values((n_tiles - 1) % kStages);
-    if (kPingPong && warpgroup == 0) pass_turn(warpgroup);
+    if (kPingPong && c.warpgroup == 0) pass_turn(c.warpgroup);
     wgmma_wait<0>();
     hold_p();
     fence_registers(o);
