@@ -20,8 +20,9 @@ nearest even. A quantised tensor is (data, scale) with real value = data · scal
   and the bias applied by the gated residual that consumes it (`Fp8Product`). cuBLASLt runs row-wise scales
   ("outer vector") only with 128x128 tiles; with unit (per-tensor) scales it picks 256-wide cooperative
   tiles: 5.067 against 5.505 ms at 121 frames on an H100 (`fc2`, 26,598 x 32768 x 4096; 4.73 ms a call in
-  the model's step), and the residual reads the two scale vectors from L2. One more rounding than the scaled GEMM's: the product to bf16 before
-  its scales, 2⁻⁹ relative, as the scaled product's own rounding to bf16.
+  the model's step), and the residual reads the two scale vectors from L2. One more rounding than the
+  scaled GEMM's: the product to bf16 before its scales, 2⁻⁹ relative, as the scaled product's own rounding
+  to bf16.
 
 Error of one product: each operand's rounding is at most 2⁻⁴ relative (3 mantissa bits: half an ulp of
 2⁻³), so an element of x·wᵀ is off by at most (2·2⁻⁴ + 2⁻⁸)·Σ|x_k·w_k| before accumulation rounding.
@@ -37,8 +38,8 @@ The fp8 attention quantises Q and K after two exact transformations (`pan2cli.di
   (QH)(KH)ᵀ = QKᵀ. Each rotated element is ⟨x, h_j⟩/√D with ‖h_j‖₂ = √D, at most ‖x‖₂ by Cauchy–Schwarz:
   the bound R holds unchanged. What changes is the typical element: an outlier channel's energy is spread
   over all D channels, so a few channels no longer take e4m3's rounding at their own (large) magnitude.
-* K smoothing, k ↦ k − m with m the mean of K over every 4th joint token of its (batch, head): every score of a
-  query row moves by the same q·m, which the softmax removes. ‖m‖₂ ≤ R (a mean of vectors of length ≤ R),
+* K smoothing, k ↦ k − m with m the mean of K over every 4th joint token of its (batch, head): every score
+  of a query row moves by the same q·m, which the softmax removes. ‖m‖₂ ≤ R (a mean of vectors of length ≤ R),
   so ‖k − m‖₂ ≤ 2R and the K bound doubles (`qk_bound(..., mean_subtracted=True)`), before or after the
   rotation alike. 2R is reached only by a key opposite to all the others; the doubled scale moves K's
   values one binade down in e4m3, where the relative rounding is the same (2⁻⁴) until they reach the
@@ -190,7 +191,8 @@ K_MEAN_STRIDE = 4
 
 
 def k_mean_tokens(n_tokens: int) -> int:
-    """How many of a stream's `n_tokens` tokens K smoothing's mean is taken over: 0, S, 2S, … (S = `K_MEAN_STRIDE`)."""
+    """How many of a stream's `n_tokens` tokens K smoothing's mean is taken over: tokens 0, S, 2S, … (S =
+    `K_MEAN_STRIDE`)."""
     return -(-n_tokens // K_MEAN_STRIDE)
 
 

@@ -22,13 +22,14 @@ attention reads end to end (video first). Three kernels, two passes over V (two 
 4. With `mean` only: `_value_sums_kernel` reads the e4m3 output back (a third of the bytes of V in bf16) and
    writes the sums over 256 keys of each channel, each program to its own row; a sum inside the quantising
    kernel, whose tile Triton lays out for the transposed store, cost 3.3x that kernel's time (62.9 against
-   18.9 ms a step on an H100 at 121 frames); apart, the two take 18.3 + 3.9 ms. Then `_shift_kernel`, one program a head: `mean` less the mean
-   over the tokens of the e4m3 values (those sums, added in a fixed order, times the descale). Rounding V − mean to e4m3 is biased: the
-   values are no longer symmetric about zero and e4m3's spacing grows with the magnitude, so the rounded
-   values' mean is off by about 5·10⁻⁴ σ (N(0, 1) V, 27,198 tokens) against 1.6·10⁻⁴ σ for V itself. Where a
-   softmax is broad its output is close to that mean, and the bias showed (docs/BENCHMARKS.md, "fp8 attention
-   on outlier inputs"). Adding back the corrected mean is adding one vector to every value: exact under the
-   softmax, and the values the attention effectively uses then average to V's own mean.
+   18.9 ms a step on an H100 at 121 frames); apart, the two take 18.3 + 3.9 ms. Then `_shift_kernel`, one
+   program a head: `mean` less the mean over the tokens of the e4m3 values (those sums, added in a fixed
+   order, times the descale). Rounding V − mean to e4m3 is biased: the values are no longer symmetric about
+   zero and e4m3's spacing grows with the magnitude, so the rounded values' mean is off by about 5·10⁻⁴ σ
+   (N(0, 1) V, 27,198 tokens) against 1.6·10⁻⁴ σ for V itself. Where a softmax is broad its output is close
+   to that mean, and the bias showed (docs/BENCHMARKS.md, "fp8 attention on outlier inputs"). Adding back the
+   corrected mean is adding one vector to every value: exact under the softmax, and the values the attention
+   effectively uses then average to V's own mean.
 
 The key order. With `key_order="wgmma"` (transposed only) the keys of each 32-key block are stored in the
 order the CUDA fp8 attention's TMA producer reads them (`kernels/fp8_attention/fp8_attention_layout.h`,

@@ -142,9 +142,9 @@ def _(q, k, q_weight, k_weight, cos, sin, q_text, k_text, q_text_weight, k_text_
 def _joint_k_mean(
     k, k_weight, cos, sin, k_text, k_text_weight, eps: float, interleaved: bool
 ) -> torch.Tensor:
-    """The mean of RMSNorm(K) (RoPE on the video tokens) over every `K_MEAN_STRIDE`-th token of the video and
-    the text (`pan2cli.dit.fp8.smoothing_mean`), per (batch, head): `[B, H, head_dim]` float32, from the fused sum kernel's
-    partial sums added in a fixed order."""
+    """The mean of RMSNorm(K) (RoPE on the video tokens) over every 4th token of the video and the text
+    (`pan2cli.dit.fp8.smoothing_mean`), per (batch, head): `[B, H, head_dim]` float32, from the fused sum
+    kernel's partial sums added in a fixed order."""
     from pan2cli.dit.qk_norm_rope_kernel import k_sum_blocks, k_token_sums
 
     batch, n_video, heads, head_dim = k.shape
@@ -279,7 +279,8 @@ def qk_norm_rope(
             multiplied by `q_out_mult` / `k_out_mult`, clamped to ±448 and rounded once to e4m3.
         hadamard, smooth_k: the fp8 attention's transformations (fused, fp8 output only;
             `pan2cli.dit.fp8_attention`): after RoPE, subtract K's mean over every 4th token of its
-            (batch, head) (`smooth_k`, `pan2cli.dit.fp8.smoothing_mean`), then multiply Q and K by H/√head_dim (`hadamard`; head_dim 16-128).
+            (batch, head) (`smooth_k`, `pan2cli.dit.fp8.smoothing_mean`), then multiply Q and K by
+            H/√head_dim (`hadamard`; head_dim 16-128).
 
     Returns:
         (q, k), each `[B, N + L, H, head_dim]` contiguous in the dtype of q (or `out_dtype`): video tokens,
