@@ -279,15 +279,9 @@ class Fp8Linear(nn.Module):
         data = x.data.reshape(-1, self.in_features)
         scale = x.scale.reshape(-1, 1)
         if data.is_cuda:
-            out = torch._scaled_mm(
-                data, self.weight.t(), scale_a=scale, scale_b=self.weight_scale.view(1, -1),
-                bias=self.bias, out_dtype=torch.bfloat16,
-                use_fast_accum=FAST_ACCUMULATION and data.shape[0] >= FAST_ACCUMULATION_MIN_ROWS,
-            )  # fmt: skip
+            out = self._gemm(data, scale, self.weight_scale.view(1, -1), self.bias)
         else:  # emulation: the same products of dequantised operands, in float32 (float64 for a float64 bias)
-            dtype = (
-                torch.float64 if self.bias is not None and self.bias.dtype == torch.float64 else torch.float32
-            )
+            dtype = self._emulation_dtype()
             weight = self.weight.to(dtype) * self.weight_scale.to(dtype)[:, None]
             out = (data.to(dtype) * scale.to(dtype)) @ weight.t()
             if self.bias is not None:
@@ -301,16 +295,23 @@ class Fp8Linear(nn.Module):
         data = x.data.reshape(-1, self.in_features)
         if data.is_cuda:
             unit = _unit_scale(data.device)
-            raw = torch._scaled_mm(
-                data, self.weight.t(), scale_a=unit, scale_b=unit, out_dtype=torch.bfloat16,
-                use_fast_accum=FAST_ACCUMULATION and data.shape[0] >= FAST_ACCUMULATION_MIN_ROWS,
-            )  # fmt: skip
-        else:  # float64 for a float64 model, as `forward`'s emulation
-            dtype = (
-                torch.float64 if self.bias is not None and self.bias.dtype == torch.float64 else torch.float32
-            )
+            raw = self._gemm(data, unit, unit, None)
+        else:  # emulated in `forward`'s dtype
+            dtype = self._emulation_dtype()
             raw = data.to(dtype) @ self.weight.to(dtype).t()
         return Fp8Product(raw.view(*lead, self.out_features), x.scale, self.weight_scale, self.bias)
+
+    def _gemm(self, data: torch.Tensor, scale_a, scale_b, bias) -> torch.Tensor:
+        """cuBLASLt's fp8 GEMM of `data` `[M, K]` e4m3 and the weight with these scales (and bias), bf16 out,
+        fast accumulation where it runs (module docstring)."""
+        return torch._scaled_mm(
+            data, self.weight.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=torch.bfloat16,
+            use_fast_accum=FAST_ACCUMULATION and data.shape[0] >= FAST_ACCUMULATION_MIN_ROWS,
+        )  # fmt: skip
+
+    def _emulation_dtype(self) -> torch.dtype:
+        """The CPU emulation's dtype: float64 for a float64 model (its bias), else float32."""
+        return torch.float64 if self.bias is not None and self.bias.dtype == torch.float64 else torch.float32
 
 
 _UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
