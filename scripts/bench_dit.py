@@ -152,6 +152,8 @@ _KERNEL_KINDS = (  # (kind, substrings of CUDA kernel names), first match wins
             "amax",
             "_k_sums",
             "_channel_stats",
+            "_value_sums",
+            "_shift_kernel",
         ),
     ),
     ("GEMMs", ("gemm", "xmma", "cutlass", "nvjet", "wgmma", "cublas")),
