@@ -342,6 +342,7 @@ def time_steps(
             guidance_passes(model, hidden, timestep, cond, uncond)
             sync()
             times.append(time.perf_counter() - begin)
+            print(f"  step {len(times)}/{steps}: {times[-1]:.3f} s", file=sys.stderr, flush=True)  # progress
     return times
 
 
