@@ -152,15 +152,14 @@ def _value_sums_kernel(
 
 @triton.jit
 def _shift_kernel(
-    SUMS, MEAN, AMAX, n_blocks, n_batch, width, n_total, HEAD_DIM: tl.constexpr, BLOCKS: tl.constexpr,
+    SUMS, MEAN, DESCALE, n_blocks, n_batch, width, n_total, HEAD_DIM: tl.constexpr, BLOCKS: tl.constexpr,
 ):  # fmt: skip
     """MEAN[batch, head·D + d] −= the mean over the tokens of the e4m3 values of V − MEAN as the attention reads
-    them (`_quantize_values_kernel`'s SUMS, added in a fixed order, times the head's descale): afterwards the
+    them (`_value_sums_kernel`'s SUMS, added in a fixed order, times the head's descale): afterwards the
     e4m3 values plus MEAN average to V's own mean, channel by channel. Grid: (head,)."""
     head = tl.program_id(0)
     cols = head * HEAD_DIM + tl.arange(0, HEAD_DIM)
-    amax = tl.load(AMAX + head)
-    descale = tl.where(amax > 0.0, amax / 448.0, 1.0)
+    descale = tl.load(DESCALE + head)
     for batch in range(n_batch):
         total = tl.zeros([HEAD_DIM], tl.float32)
         for first in range(0, n_blocks, BLOCKS):
@@ -301,6 +300,7 @@ def values_fp8(
         video.stride(0), video.stride(1), text.stride(0), text.stride(1), *out_strides, width,
         BLOCK_T=block_t, HEAD_DIM=head_dim, WGMMA_KEY_ORDER=key_order == "wgmma", SMOOTH=smooth,
     )  # fmt: skip
+    torch.where(amax > 0, amax / 448.0, torch.ones_like(amax), out=descale)
     if smooth:
         sum_blocks = triton.cdiv(n_columns, VALUE_SUM_KEYS)
         sums = torch.empty(sum_blocks, batch, width, dtype=torch.float32, device=out.device)
@@ -308,9 +308,8 @@ def values_fp8(
             out, sums, n_columns, *out_strides, width, BLOCK_K=VALUE_SUM_KEYS, HEAD_DIM=head_dim
         )
         _shift_kernel[(n_heads,)](
-            sums, mean, amax, sum_blocks, batch, width, max(n_total, 1), HEAD_DIM=head_dim, BLOCKS=32
+            sums, mean, descale, sum_blocks, batch, width, max(n_total, 1), HEAD_DIM=head_dim, BLOCKS=32
         )
-    torch.where(amax > 0, amax / 448.0, torch.ones_like(amax), out=descale)
 
 
 def transposed_values(

@@ -208,38 +208,24 @@ def _fp8_like(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.library.custom_op("pan2_fusions::gated_residual", mutates_args=())
-def _gated_residual_op(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    from pan2cli.dit.gated_residual_kernel import gated_residual as launch
-
-    batch, _, dim = x.shape
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    launch(x, update, gate.reshape(-1, dim).expand(batch, dim), out)
-    return out
-
-
-@_gated_residual_op.register_fake
-def _(x, update, gate):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("pan2_fusions::gated_residual_product", mutates_args=())
-def _gated_residual_product_op(
-    x: torch.Tensor, raw: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
-    bias: Optional[torch.Tensor], gate: torch.Tensor,
+def _gated_residual_op(
+    x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, row_scale: Optional[torch.Tensor] = None,
+    col_scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:  # fmt: skip
+    """The fused residual; with row_scale and col_scale, update is an fp8 product's raw GEMM output."""
     from pan2cli.dit.gated_residual_kernel import gated_residual as launch
 
     batch, _, dim = x.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     launch(
-        x, raw, gate.reshape(-1, dim).expand(batch, dim), out,
+        x, update, gate.reshape(-1, dim).expand(batch, dim), out,
         row_scale=row_scale, col_scale=col_scale, bias=bias,
     )  # fmt: skip
     return out
 
 
-@_gated_residual_product_op.register_fake
-def _(x, raw, row_scale, col_scale, bias, gate):
+@_gated_residual_op.register_fake
+def _(x, update, gate, row_scale=None, col_scale=None, bias=None):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -345,8 +331,8 @@ def gated_residual(
     """
     if isinstance(update, Fp8Product):
         if fused:
-            return _gated_residual_product_op(
-                x, update.raw, update.row_scale.contiguous(), update.col_scale, update.bias, gate
+            return _gated_residual_op(
+                x, update.raw, gate, update.row_scale.contiguous(), update.col_scale, update.bias
             )
         update = update.dequantize(compute_dtype(x))
     op = _gated_residual_op if fused else gated_residual_reference
